@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OPS_LIB := kvexport/_lib/libkvexport_ops.so
+CONFIG ?= configs/hstu-tiny.yaml
+NATIVE_BUILD := build/csrc
+
+.PHONY: demo test setup native clean
+
+demo: setup
+	$(VENV)/bin/kvexport score $(CONFIG)
+
+test: setup
+	$(PY) -m pytest -q
+
+setup: $(STAMP) native
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+native: $(STAMP)
+	@true
+
+clean:
+	rm -rf build kvexport/_lib

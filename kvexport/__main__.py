@@ -1,0 +1,3 @@
+from kvexport.cli import main
+
+main()

@@ -1,0 +1,240 @@
+"""Typed model configuration: one YAML file per model, loaded into frozen dataclasses.
+
+Layout of a config file::
+
+    name: hstu-tiny
+    model:    {num_layers, hidden_size, num_heads, head_dim, ...}
+    kv_cache: {page_size, device_pages, host_pages}
+    serving:  {max_batch_size, device}
+    trace:    {seed, num_users, ...}
+
+Every rule is checked once, here, with a one-line message naming the field and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from kvexport.errors import UserError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(UserError):
+    """The user's config is unusable; the message names the field and value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_contextual_features: int
+    max_history_length: int
+    max_num_candidates: int
+    scaling_seqlen: int
+    num_tasks: int
+    dtype: str
+    context_vocab_size: int
+    item_vocab_size: int
+    action_vocab_size: int
+    mlp_hidden_size: int
+
+    @property
+    def max_prefix_length(self) -> int:
+        """Most cacheable tokens of one user: context plus an item and an action per event."""
+        return self.num_contextual_features + 2 * self.max_history_length
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheConfig:
+    page_size: int
+    device_pages: int
+    host_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    max_batch_size: int
+    device: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+    """How `kvexport build` generates the recorded request sequence."""
+
+    seed: int = 0
+    num_users: int = 8
+    min_history_length: int = 4
+    max_trace_history_length: int = 64
+    max_new_events: int = 8
+    num_candidates: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    model: ModelConfig
+    kv_cache: KVCacheConfig
+    serving: ServingConfig
+    trace: TraceConfig = TraceConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def runtime_json(self) -> str:
+        """The cache runtime's config, as the C++ op library reads it."""
+        m, c = self.model, self.kv_cache
+        return json.dumps(
+            {
+                "num_layers": m.num_layers,
+                "num_heads": m.num_heads,
+                "head_dim": m.head_dim,
+                "dtype": m.dtype,
+                "page_size": c.page_size,
+                "device_pages": c.device_pages,
+                "host_pages": c.host_pages,
+            },
+            sort_keys=True,
+        )
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "kv_cache": KVCacheConfig,
+    "serving": ServingConfig,
+    "trace": TraceConfig,
+}
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {where}.{unknown[0]}")
+    values = {}
+    for name, field in fields.items():
+        key = f"{where}.{name}"
+        if name not in raw:
+            has_default = field.default is not dataclasses.MISSING
+            if not has_default:
+                raise ConfigError(f"missing key {key}")
+            continue
+        value = raw[name]
+        expected = {"int": int, "str": str}[field.type]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(f"{key} must be {field.type}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def _positive(where: str, **fields: int) -> None:
+    for name, value in fields.items():
+        if value <= 0:
+            raise ConfigError(f"{where}.{name} must be > 0, got {value}")
+
+
+def _check(config: Config) -> None:
+    m, c, s, t = config.model, config.kv_cache, config.serving, config.trace
+    if not config.name or not all(ch.isalnum() or ch in "-_." for ch in config.name):
+        raise ConfigError(f"name must be non-empty and use only letters, digits, '-', '_' or '.', got {config.name!r}")
+    _positive(
+        "model",
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_heads=m.num_heads,
+        head_dim=m.head_dim,
+        max_history_length=m.max_history_length,
+        max_num_candidates=m.max_num_candidates,
+        scaling_seqlen=m.scaling_seqlen,
+        num_tasks=m.num_tasks,
+        context_vocab_size=m.context_vocab_size,
+        item_vocab_size=m.item_vocab_size,
+        action_vocab_size=m.action_vocab_size,
+        mlp_hidden_size=m.mlp_hidden_size,
+    )
+    if m.num_contextual_features < 0:
+        raise ConfigError(f"model.num_contextual_features must be >= 0, got {m.num_contextual_features}")
+    if m.hidden_size != m.num_heads * m.head_dim:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) must equal model.num_heads ({m.num_heads}) "
+            f"* model.head_dim ({m.head_dim})"
+        )
+    if m.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
+    _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages)
+    if c.page_size & (c.page_size - 1):
+        raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")
+    if c.host_pages < 0:
+        raise ConfigError(f"kv_cache.host_pages must be >= 0, got {c.host_pages}")
+    pages_per_user = math.ceil(m.max_prefix_length / c.page_size)
+    if c.device_pages < pages_per_user:
+        raise ConfigError(
+            f"kv_cache.device_pages ({c.device_pages}) cannot hold one user at model.max_history_length "
+            f"({m.max_history_length}), which needs {pages_per_user} pages"
+        )
+    if s.max_batch_size < 1:
+        raise ConfigError(f"serving.max_batch_size must be >= 1, got {s.max_batch_size}")
+    if s.device not in DEVICES:
+        raise ConfigError(f"serving.device must be one of {', '.join(DEVICES)}, got {s.device!r}")
+    _positive("trace", num_users=t.num_users, min_history_length=t.min_history_length,
+              max_new_events=t.max_new_events, num_candidates=t.num_candidates)
+    if not t.min_history_length <= t.max_trace_history_length <= m.max_history_length:
+        raise ConfigError(
+            f"trace.max_trace_history_length ({t.max_trace_history_length}) must lie between "
+            f"trace.min_history_length ({t.min_history_length}) and model.max_history_length "
+            f"({m.max_history_length})"
+        )
+    if t.num_candidates > m.max_num_candidates:
+        raise ConfigError(
+            f"trace.num_candidates ({t.num_candidates}) exceeds model.max_num_candidates ({m.max_num_candidates})"
+        )
+
+
+def config_from_dict(raw: Any) -> Config:
+    """Builds and checks a Config from parsed YAML; raises ConfigError naming the bad field."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"name", *_SECTIONS})
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]}")
+    if "name" not in raw:
+        raise ConfigError("missing key name")
+    if not isinstance(raw["name"], str):
+        raise ConfigError(f"name must be str, got {raw['name']!r}")
+    sections = {}
+    for section, cls in _SECTIONS.items():
+        if section not in raw:
+            if section == "trace":
+                continue
+            raise ConfigError(f"missing section {section}")
+        sections[section] = _build(cls, raw[section], section)
+    config = Config(name=raw["name"], **sections)
+    _check(config)
+    return config
+
+
+def load_config(path: str | Path) -> Config:
+    """Reads a YAML config file with `yaml.safe_load`; raises ConfigError on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config {path} is not valid YAML{where}") from exc
+    return config_from_dict(raw)

@@ -1,0 +1,16 @@
+"""The user's errors: bad config, bad input, missing file. The CLI prints one line and exits 2.
+
+Anything else that escapes is a bug and keeps its traceback.
+"""
+
+
+class UserError(ValueError):
+    """A problem with what the user gave us; the message is one line naming it."""
+
+    exit_code = 2
+
+
+class VerificationError(UserError):
+    """An artifact does not compute (or no longer holds) what it should; exit 1."""
+
+    exit_code = 1

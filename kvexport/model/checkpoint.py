@@ -1,0 +1,71 @@
+"""Checkpoint format: a plain `torch.save`d state_dict of `HSTURanker` (see docs/checkpoint.md).
+
+Loaded with `weights_only=True` only: a file that needs pickle code execution is refused.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+
+from kvexport.errors import UserError
+from kvexport.model.hstu import HSTURanker
+
+
+class CheckpointError(UserError):
+    """The checkpoint file is unreadable or does not fit the config."""
+
+
+def load_tensor_file(path: str | Path, what: str):
+    """`torch.load(weights_only=True)` with one-line errors naming the file."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise UserError(f"{what} {path} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise UserError(f"{what} {path} is a directory") from exc
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"{what} {path} is refused: it is not a plain tensor file (weights_only load failed)") from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{what} {path} is unreadable: {first_line}") from exc
+
+
+def check_state_dict(state_dict: object, model: HSTURanker, path: Path) -> dict[str, torch.Tensor]:
+    """Checks keys and shapes against the model built from the config."""
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise CheckpointError(f"checkpoint {path} must hold a dict of tensors")
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is missing tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(set(state_dict) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {path} has unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected)")
+    for key, tensor in expected.items():
+        if state_dict[key].shape != tensor.shape:
+            raise CheckpointError(
+                f"checkpoint {path} tensor {key} has shape {list(state_dict[key].shape)}, "
+                f"the config needs {list(tensor.shape)}"
+            )
+    return state_dict
+
+
+def load_checkpoint(path: str | Path, model: HSTURanker) -> dict[str, torch.Tensor]:
+    """Reads and checks a checkpoint for `model` (weights_only)."""
+    return check_state_dict(load_tensor_file(path, "checkpoint"), model, Path(path))
+
+
+def save_checkpoint(model: HSTURanker, path: str | Path) -> None:
+    """Writes the model's state_dict atomically (temporary file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write checkpoint {path}: {exc.strerror}") from exc

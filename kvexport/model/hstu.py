@@ -1,0 +1,176 @@
+"""HSTU ranking model (inference): the math of DESIGN.md §1, with a full-recompute path and a
+KV-cached path that computes only each user's uncached suffix plus its candidates.
+
+Token order of one user: [ctx_1..ctx_C][i_1, a_1, ..., i_h, a_h][cand_1..cand_T]. The first
+C + 2h tokens are the user's *prefix* (cacheable); candidates all share position C + 2h.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvexport.config import Config
+from kvexport.model.batch import Batch
+from kvexport.ops import jagged
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
+                  context_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lays out each user's prefix as one jagged token sequence.
+
+    Returns token_ids [sum(P)], positions [sum(P)] (absolute, from 0 per user) and
+    token_lengths [B] (P = C + 2h per user). Token ids are the raw ids; a token's kind
+    (context, item, action) follows from its position.
+    """
+    num_users, num_context = context_ids.shape
+    num_history_tokens = 2 * item_ids.shape[0]
+    token_lengths = num_context + 2 * history_lengths  # [B]
+    offsets = jagged.lengths_to_offsets(token_lengths)  # [B + 1]
+    history = torch.stack([item_ids, action_ids], dim=1).reshape(-1)  # [2 sum(h)] i_1 a_1 i_2 a_2 ...
+    history_user = torch.repeat_interleave(
+        torch.arange(num_users, device=item_ids.device), 2 * history_lengths, output_size=num_history_tokens
+    )
+    history_offsets = jagged.lengths_to_offsets(2 * history_lengths)
+    history_local = torch.arange(num_history_tokens, device=item_ids.device) - history_offsets[history_user]
+    history_dest = offsets[history_user] + num_context + history_local
+    context_local = torch.arange(num_context, device=item_ids.device).expand(num_users, num_context)
+    context_dest = (offsets[:-1].unsqueeze(1) + context_local).reshape(-1)
+
+    total = num_users * num_context + num_history_tokens
+    token_ids = item_ids.new_empty(total)
+    token_ids[context_dest] = context_ids.reshape(-1)
+    token_ids[history_dest] = history
+    positions = item_ids.new_empty(total)
+    positions[context_dest] = context_local.reshape(-1)
+    positions[history_dest] = num_context + history_local
+    return token_ids, positions, token_lengths
+
+
+class HSTULayer(nn.Module):
+    """One HSTU layer, split around its attention so the cached path can put its ops there."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.input_norm = nn.LayerNorm(hidden_size)
+        self.uvqk = nn.Linear(hidden_size, 4 * num_heads * head_dim)
+        self.attention_norm = nn.LayerNorm(num_heads * head_dim)
+        self.output = nn.Linear(num_heads * head_dim, hidden_size)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, d] -> u, v, q, k, each [N, H, dh]."""
+        uvqk = nn.functional.silu(self.uvqk(self.input_norm(x)))
+        return tuple(t.unflatten(1, (self.num_heads, self.head_dim)) for t in uvqk.chunk(4, dim=1))
+
+    def finish(self, x: torch.Tensor, u: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual update x + (u * LN(o)) W_o; u, o [N, H, dh]."""
+        return x + self.output(u.flatten(1) * self.attention_norm(o.flatten(1)))
+
+
+def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """[B, L, L] bool: query i may read key j (DESIGN.md §1 mask).
+
+    Causal over the prefix; a candidate reads the whole prefix and itself; padding reads nothing.
+    """
+    steps = torch.arange(max_length, device=prefix_lengths.device)
+    i, j = steps.view(1, -1, 1), steps.view(1, 1, -1)
+    prefix = prefix_lengths.view(-1, 1, 1)
+    valid = (i < sequence_lengths.view(-1, 1, 1)) & (j < sequence_lengths.view(-1, 1, 1))
+    return valid & (((j < prefix) & (j <= i)) | (i == j))
+
+
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                     prefix_lengths: torch.Tensor, alpha: float, scaling_seqlen: int) -> torch.Tensor:
+    """HSTU attention over user-major jagged rows [N, H, dh] (each user: prefix, then candidates)."""
+    lengths = offsets[1:] - offsets[:-1]
+    max_length = int(lengths.max())
+    padded = [jagged.jagged_to_padded(t.flatten(1), offsets, max_length).unflatten(2, t.shape[1:])
+              for t in (q, k, v)]  # each [B, L, H, dh]
+    qp, kp, vp = (t.transpose(1, 2) for t in padded)  # [B, H, L, dh]
+    scores = nn.functional.silu(alpha * qp @ kp.transpose(-1, -2)) / scaling_seqlen  # [B, H, L, L]
+    scores = scores * attention_mask(prefix_lengths, lengths, max_length).unsqueeze(1)
+    out = (scores @ vp).transpose(1, 2)  # [B, L, H, dh]
+    return jagged.padded_to_jagged(out.flatten(2), offsets, q.shape[0]).unflatten(1, q.shape[1:])
+
+
+class HSTURanker(nn.Module):
+    """HSTU ranking model: jagged batch in, [sum(T), num_tasks] float32 logits out."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        m = config.model
+        self.config = config
+        self.num_contextual_features = m.num_contextual_features
+        self.embedding_scale = math.sqrt(m.hidden_size)
+        self.alpha = 1.0 / math.sqrt(m.head_dim)
+        self.scaling_seqlen = m.scaling_seqlen
+        self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
+        self.item_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
+        self.action_embedding = nn.Embedding(m.action_vocab_size, m.hidden_size)
+        self.position_embedding = nn.Embedding(m.max_prefix_length + 1, m.hidden_size)
+        self.layers = nn.ModuleList(
+            HSTULayer(m.hidden_size, m.num_heads, m.head_dim) for _ in range(m.num_layers)
+        )
+        self.head = nn.Sequential(
+            nn.Linear(m.hidden_size, m.mlp_hidden_size), nn.SiLU(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
+        )
+
+    def embed_prefix(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Prefix tokens [N] at absolute positions [N] -> [N, d]."""
+        is_context = positions < self.num_contextual_features
+        is_item = ~is_context & ((positions - self.num_contextual_features) % 2 == 0)
+        is_action = ~is_context & ~is_item
+        context = self.context_embedding(torch.where(is_context, token_ids, 0))
+        item = self.item_embedding(torch.where(is_item, token_ids, 0))
+        action = self.action_embedding(torch.where(is_action, token_ids, 0))
+        tokens = torch.where(is_context.unsqueeze(1), context, torch.where(is_item.unsqueeze(1), item, action))
+        return tokens * self.embedding_scale + self.position_embedding(positions)
+
+    def embed_candidates(self, candidate_ids: torch.Tensor, token_lengths: torch.Tensor,
+                         num_candidates: torch.Tensor) -> torch.Tensor:
+        """Candidates [T] -> [T, d]; a user's candidates share position P (its prefix length)."""
+        positions = torch.repeat_interleave(token_lengths, num_candidates, output_size=candidate_ids.shape[0])
+        return self.item_embedding(candidate_ids) * self.embedding_scale + self.position_embedding(positions)
+
+    def score(self, candidate_states: torch.Tensor) -> torch.Tensor:
+        """Final candidate states [T, d] -> float32 logits [T, num_tasks]."""
+        return self.head(nn.functional.normalize(candidate_states, dim=-1)).float()
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Full recompute: every token of every user, no cache."""
+        token_ids, positions, token_lengths = prefix_tokens(
+            batch.history_lengths, batch.item_ids, batch.action_ids, batch.context_ids
+        )
+        num_candidates = batch.num_candidates
+        prefix = self.embed_prefix(token_ids, positions)
+        candidates = self.embed_candidates(batch.candidate_ids, token_lengths, num_candidates)
+        rows, offsets = _user_major_rows(token_lengths, num_candidates)
+        x = torch.cat([prefix, candidates])[rows]  # [N, d] user-major: prefix_b, candidates_b
+        for layer in self.layers:
+            u, v, q, k = layer.project(x)
+            o = jagged_attention(q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen)
+            x = layer.finish(x, u, o)
+        candidate_rows = torch.empty_like(rows)
+        candidate_rows[rows] = torch.arange(rows.shape[0], device=rows.device)
+        return self.score(x[candidate_rows[prefix.shape[0]:]])
+
+
+def _user_major_rows(token_lengths: torch.Tensor, num_candidates: torch.Tensor):
+    """Order of rows of cat([prefix, candidates]) that groups each user's prefix with its candidates.
+
+    Returns the gather index [N] and the user-major offsets [B + 1].
+    """
+    num_prefix = int(token_lengths.sum())
+    sequence_offsets = jagged.lengths_to_offsets(token_lengths + num_candidates)
+    prefix_offsets = jagged.lengths_to_offsets(token_lengths)
+    candidate_offsets = jagged.lengths_to_offsets(num_candidates)
+    rows = []
+    for b in range(token_lengths.shape[0]):
+        rows.append(torch.arange(prefix_offsets[b], prefix_offsets[b + 1]))
+        rows.append(num_prefix + torch.arange(candidate_offsets[b], candidate_offsets[b + 1]))
+    return torch.cat(rows).to(token_lengths.device), sequence_offsets
