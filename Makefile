@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 native: $(STAMP)
-	@true
+	$(PY) -m kvexport.native
 
 clean:
 	rm -rf build kvexport/_lib

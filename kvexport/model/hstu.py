@@ -15,6 +15,7 @@ from torch import nn
 from kvexport.config import Config
 from kvexport.model.batch import Batch
 from kvexport.ops import jagged
+from kvexport.ops import wrappers as kv
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,6 +110,7 @@ class HSTURanker(nn.Module):
         self.embedding_scale = math.sqrt(m.hidden_size)
         self.alpha = 1.0 / math.sqrt(m.head_dim)
         self.scaling_seqlen = m.scaling_seqlen
+        self.runtime_config = config.runtime_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
         self.item_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
         self.action_embedding = nn.Embedding(m.action_vocab_size, m.hidden_size)
@@ -158,6 +160,34 @@ class HSTURanker(nn.Module):
         candidate_rows = torch.empty_like(rows)
         candidate_rows[rows] = torch.arange(rows.shape[0], device=rows.device)
         return self.score(x[candidate_rows[prefix.shape[0]:]])
+
+
+    def forward_cached(self, batch: Batch, runtime: str | None = None) -> torch.Tensor:
+        """KV-cached path through the runtime named `runtime` (default: the config's name)."""
+        return self.cached_logits(runtime or self.config.name, *batch.tensors())
+
+    def cached_logits(self, runtime: str, user_ids: torch.Tensor, history_lengths: torch.Tensor,
+                      item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,
+                      num_candidates: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """Computes only each user's uncached prefix suffix plus its candidates.
+
+        New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
+        cached tokens are neither re-embedded nor re-projected.
+        """
+        token_ids, positions, token_lengths = prefix_tokens(history_lengths, item_ids, action_ids, context_ids)
+        _, new_index = kv.begin_batch(
+            runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates
+        )
+        new_tokens = self.embed_prefix(token_ids[new_index], positions[new_index])
+        candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
+        x = torch.cat([candidates, new_tokens])  # [T + N_new, d]
+        for i, layer in enumerate(self.layers):
+            u, v, q, k = layer.project(x)
+            kv.append_kv(runtime, i, k, v)
+            o = kv.paged_attention(runtime, i, q, k, v, self.alpha, 1.0 / self.scaling_seqlen)
+            x = layer.finish(x, u, o)
+        kv.end_batch(runtime, user_ids)
+        return self.score(x[: candidate_ids.shape[0]])
 
 
 def _user_major_rows(token_lengths: torch.Tensor, num_candidates: torch.Tensor):

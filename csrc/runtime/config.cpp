@@ -1,0 +1,45 @@
+#include "runtime/config.h"
+
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace kvexport::runtime {
+
+namespace {
+
+int64_t positive_field(const nlohmann::json& j, const char* key, bool allow_zero = false) {
+  if (!j.contains(key) || !j.at(key).is_number_integer()) {
+    throw std::invalid_argument(std::string("runtime config: missing integer field ") + key);
+  }
+  const auto value = j.at(key).get<int64_t>();
+  if (value < 0 || (value == 0 && !allow_zero)) {
+    throw std::invalid_argument(std::string("runtime config: ") + key + " must be positive, got " +
+                                std::to_string(value));
+  }
+  return value;
+}
+
+}  // namespace
+
+RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::invalid_argument(std::string("runtime config is not JSON: ") + e.what());
+  }
+  RuntimeConfig c;
+  c.num_layers = positive_field(j, "num_layers");
+  c.num_heads = positive_field(j, "num_heads");
+  c.head_dim = positive_field(j, "head_dim");
+  c.page_size = positive_field(j, "page_size");
+  c.device_pages = positive_field(j, "device_pages");
+  c.host_pages = positive_field(j, "host_pages", /*allow_zero=*/true);
+  if (!j.contains("dtype") || !j.at("dtype").is_string()) {
+    throw std::invalid_argument("runtime config: missing string field dtype");
+  }
+  c.dtype = j.at("dtype").get<std::string>();
+  return c;
+}
+
+}  // namespace kvexport::runtime

@@ -1,0 +1,25 @@
+// Runtime configuration: parsed from the JSON string that the exporter bakes into the graph.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kvexport::runtime {
+
+struct RuntimeConfig {
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t head_dim = 0;
+  int64_t page_size = 0;
+  int64_t device_pages = 0;
+  int64_t host_pages = 0;
+  std::string dtype;
+
+  // Throws std::invalid_argument naming the bad or missing field.
+  static RuntimeConfig from_json(const std::string& json);
+
+  int64_t pages_for(int64_t num_tokens) const { return (num_tokens + page_size - 1) / page_size; }
+  bool operator==(const RuntimeConfig&) const = default;
+};
+
+}  // namespace kvexport::runtime

@@ -1,0 +1,385 @@
+#include "runtime/kv_runtime.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+namespace kvexport::runtime {
+
+namespace {
+
+at::ScalarType parse_dtype(const std::string& dtype) {
+  if (dtype == "float32") return at::kFloat;
+  if (dtype == "bfloat16") return at::kBFloat16;
+  if (dtype == "float16") return at::kHalf;
+  throw std::invalid_argument("runtime config: unsupported dtype " + dtype);
+}
+
+int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t b_len) {
+  const int64_t n = std::min(a_len, b_len);
+  int64_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+at::Tensor to_device(const std::vector<int64_t>& values, at::Device device) {
+  return at::tensor(values, at::kLong).to(device);
+}
+
+}  // namespace
+
+std::vector<int64_t> stats_vector(const Counters& c, int64_t device_pages_used, int64_t device_users,
+                                  int64_t host_pages_used, int64_t host_users) {
+  return {c.lookups,     c.hit_tokens,      c.recomputed_tokens, c.device_evictions, c.offloads,
+          c.onboards,    c.host_evictions,  c.prefix_truncations, device_pages_used, device_users,
+          host_pages_used, host_users};
+}
+
+KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
+    : name_(std::move(name)), config_(std::move(config)) {
+  const auto& c = config_;
+  cache_ = at::zeros({c.num_layers, c.device_pages, 2, c.page_size, c.num_heads, c.head_dim},
+                     at::TensorOptions().dtype(parse_dtype(c.dtype)).device(device));
+  offload_tier_ = std::make_unique<HostTier>(c.host_pages, device.is_cuda());
+  reset();
+}
+
+void KVRuntime::acquire_batch(std::unique_lock<std::mutex>& lock) {
+  const auto me = std::this_thread::get_id();
+  released_.wait(lock, [&] { return !owner_ || *owner_ == me; });
+}
+
+void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+                            const std::vector<int64_t>& token_lengths,
+                            const std::vector<int64_t>& num_candidates) const {
+  const auto num_users = user_ids.size();
+  if (token_lengths.size() != num_users || num_candidates.size() != num_users) {
+    throw std::invalid_argument("begin_batch: user_ids, token_lengths and num_candidates differ in length");
+  }
+  std::vector<int64_t> sorted = user_ids;
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    throw std::invalid_argument("user id " + std::to_string(*dup) + " appears twice in one batch");
+  }
+  int64_t total = 0;
+  int64_t pages = 0;
+  for (size_t b = 0; b < num_users; ++b) {
+    if (token_lengths[b] < 0 || num_candidates[b] < 0) {
+      throw std::invalid_argument("begin_batch: negative length for user " + std::to_string(user_ids[b]));
+    }
+    total += token_lengths[b];
+    pages += config_.pages_for(token_lengths[b]);
+  }
+  if (total != static_cast<int64_t>(token_ids.size())) {
+    throw std::invalid_argument("begin_batch: token_lengths sum to " + std::to_string(total) + " but there are " +
+                                std::to_string(token_ids.size()) + " tokens");
+  }
+  if (pages > config_.device_pages) {
+    std::ostringstream msg;
+    msg << "KV cache capacity exceeded: the batch of " << num_users << " users needs " << pages
+        << " device pages but kv_cache.device_pages is " << config_.device_pages;
+    throw std::invalid_argument(msg.str());
+  }
+}
+
+const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+                                        const std::vector<int64_t>& token_lengths,
+                                        const std::vector<int64_t>& num_candidates) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  owner_.reset();  // a batch of this thread that never ended is abandoned; its state is consistent
+  check_batch(user_ids, token_ids, token_lengths, num_candidates);
+
+  std::unordered_map<int64_t, bool> in_batch;
+  for (auto u : user_ids) in_batch[u] = true;
+  // Take the batch's offloaded users out of the offload tier first, so that evictions made
+  // for this batch cannot push them out before they are onboarded.
+  std::vector<std::optional<OffloadedUser>> offloaded(user_ids.size());
+  for (size_t b = 0; b < user_ids.size(); ++b) {
+    if (!users_.count(user_ids[b])) offloaded[b] = offload_tier_->take(user_ids[b]);
+  }
+  plan_ = BatchPlan{};
+  plan_.user_ids = user_ids;
+  int64_t offset = 0;
+  for (size_t b = 0; b < user_ids.size(); ++b) {
+    const int64_t* tokens = token_ids.data() + offset;
+    const int64_t cached = reuse_prefix(user_ids[b], tokens, token_lengths[b], offloaded[b]);
+    plan_.cached_lengths.push_back(cached);
+    plan_.prefix_lengths.push_back(token_lengths[b]);
+    plan_.prefix_tokens.emplace_back(tokens, tokens + token_lengths[b]);
+    offset += token_lengths[b];
+  }
+  for (size_t b = 0; b < user_ids.size(); ++b) {
+    auto& entry = users_[user_ids[b]];
+    if (offloaded[b] && plan_.cached_lengths[b] > 0) {
+      entry.pages = allocate_pages(config_.pages_for(plan_.cached_lengths[b]), in_batch);
+      onboard(entry, *offloaded[b], plan_.cached_lengths[b]);
+    }
+    const int64_t missing = config_.pages_for(token_lengths[b]) - static_cast<int64_t>(entry.pages.size());
+    if (missing > 0) {
+      auto pages = allocate_pages(missing, in_batch);
+      entry.pages.insert(entry.pages.end(), pages.begin(), pages.end());
+    }
+    entry.last_used = ++clock_;
+  }
+  build_plan(token_lengths, num_candidates);
+  owner_ = std::this_thread::get_id();
+  return plan_;
+}
+
+int64_t KVRuntime::reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
+                                std::optional<OffloadedUser>& offloaded) {
+  ++counters_.lookups;
+  const std::vector<int64_t>* stored = nullptr;
+  auto it = users_.find(user_id);
+  if (it != users_.end()) {
+    stored = &it->second.token_ids;
+  } else if (offloaded) {
+    stored = &offloaded->token_ids;
+  }
+  int64_t reused = 0;
+  if (stored) {
+    reused = common_prefix(stored->data(), static_cast<int64_t>(stored->size()), tokens, length);
+    if (reused < static_cast<int64_t>(stored->size())) ++counters_.prefix_truncations;
+  }
+  if (it != users_.end()) truncate(it->second, reused);
+  if (offloaded && reused == 0) offloaded.reset();
+  counters_.hit_tokens += reused;
+  counters_.recomputed_tokens += length - reused;
+  return reused;
+}
+
+void KVRuntime::truncate(UserEntry& entry, int64_t num_tokens) {
+  entry.token_ids.resize(std::min<size_t>(entry.token_ids.size(), num_tokens));
+  const auto keep = static_cast<size_t>(config_.pages_for(num_tokens));
+  while (entry.pages.size() > keep) {
+    free_pages_.push_back(entry.pages.back());
+    entry.pages.pop_back();
+  }
+}
+
+std::vector<int64_t> KVRuntime::allocate_pages(int64_t count, const std::unordered_map<int64_t, bool>& in_batch) {
+  while (static_cast<int64_t>(free_pages_.size()) < count) {
+    evict_lru_user(in_batch);
+  }
+  std::vector<int64_t> pages(free_pages_.end() - count, free_pages_.end());
+  free_pages_.resize(free_pages_.size() - count);
+  return pages;
+}
+
+void KVRuntime::evict_lru_user(const std::unordered_map<int64_t, bool>& in_batch) {
+  auto victim = users_.end();
+  for (auto it = users_.begin(); it != users_.end(); ++it) {
+    if (in_batch.count(it->first)) continue;
+    if (victim == users_.end() || it->second.last_used < victim->second.last_used) victim = it;
+  }
+  if (victim == users_.end()) {
+    // check_batch() guarantees the batch fits once every other user is gone.
+    throw std::logic_error("kvexport bug: no user left to evict although the batch fits");
+  }
+  const int64_t user_id = victim->first;
+  UserEntry entry = std::move(victim->second);
+  users_.erase(victim);
+  ++counters_.device_evictions;
+  offload(user_id, std::move(entry));
+}
+
+void KVRuntime::offload(int64_t user_id, UserEntry entry) {
+  const auto num_tokens = static_cast<int64_t>(entry.token_ids.size());
+  const int64_t num_pages = config_.pages_for(num_tokens);
+  if (num_tokens > 0) {
+    auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
+                     .to(cache_.device());
+    OffloadedUser user{entry.token_ids, cache_.index_select(1, index).to(at::kCPU)};
+    ++counters_.offloads;
+    counters_.host_evictions += offload_tier_->put(user_id, std::move(user));
+  }
+  free_pages_.insert(free_pages_.end(), entry.pages.begin(), entry.pages.end());
+}
+
+void KVRuntime::onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens) {
+  const int64_t num_pages = config_.pages_for(num_tokens);
+  auto index = at::tensor(entry.pages, at::kLong).to(cache_.device());
+  cache_.index_copy_(1, index, offloaded.pages.narrow(1, 0, num_pages).to(cache_.device(), /*non_blocking=*/true));
+  entry.token_ids.assign(offloaded.token_ids.begin(), offloaded.token_ids.begin() + num_tokens);
+  ++counters_.onboards;
+}
+
+void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) {
+  const auto num_users = static_cast<int64_t>(plan_.user_ids.size());
+  int64_t max_pages = 1;
+  for (auto length : token_lengths) max_pages = std::max(max_pages, config_.pages_for(length));
+  std::vector<int64_t> page_table(num_users * max_pages, 0);
+  std::vector<int64_t> row_user, row_keys, write_slots, new_token_index;
+  std::vector<uint8_t> row_candidate;
+  int64_t token_offset = 0;
+  for (int64_t b = 0; b < num_users; ++b) {
+    const auto& pages = users_.at(plan_.user_ids[b]).pages;
+    std::copy(pages.begin(), pages.end(), page_table.begin() + b * max_pages);
+    for (int64_t t = 0; t < num_candidates[b]; ++t) {
+      row_user.push_back(b);
+      row_keys.push_back(token_lengths[b]);
+      row_candidate.push_back(1);
+    }
+  }
+  plan_.num_candidate_rows = static_cast<int64_t>(row_user.size());
+  for (int64_t b = 0; b < num_users; ++b) {
+    const auto& pages = users_.at(plan_.user_ids[b]).pages;
+    for (int64_t p = plan_.cached_lengths[b]; p < token_lengths[b]; ++p) {
+      row_user.push_back(b);
+      row_keys.push_back(p + 1);
+      row_candidate.push_back(0);
+      write_slots.push_back(pages[p / config_.page_size] * 2 * config_.page_size + p % config_.page_size);
+      new_token_index.push_back(token_offset + p);
+    }
+    token_offset += token_lengths[b];
+  }
+  plan_.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
+  const auto device = cache_.device();
+  plan_.page_table = at::tensor(page_table, at::kLong).view({num_users, max_pages}).to(device);
+  plan_.row_user = to_device(row_user, device);
+  plan_.row_keys = to_device(row_keys, device);
+  plan_.row_candidate = at::tensor(std::vector<int64_t>(row_candidate.begin(), row_candidate.end()), at::kLong)
+                            .to(at::kBool)
+                            .to(device);
+  plan_.write_slots = to_device(write_slots, device);
+  plan_.new_token_index = to_device(new_token_index, device);
+  plan_.cached_lengths_tensor = to_device(plan_.cached_lengths, device);
+}
+
+const BatchPlan& KVRuntime::batch() const {
+  if (!owner_ || *owner_ != std::this_thread::get_id()) {
+    throw std::logic_error("kvexport bug: " + name_ + ": no batch in flight on this thread (begin_batch first)");
+  }
+  return plan_;
+}
+
+void KVRuntime::write_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+  const auto& plan = batch();
+  if (layer < 0 || layer >= config_.num_layers) {
+    throw std::invalid_argument("write_kv: layer " + std::to_string(layer) + " outside 0.." +
+                                std::to_string(config_.num_layers - 1));
+  }
+  const int64_t rows = plan.num_candidate_rows + plan.num_new_prefix_rows;
+  if (k.size(0) != rows || v.size(0) != rows) {
+    throw std::invalid_argument("write_kv: expected " + std::to_string(rows) + " rows, got k " +
+                                std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
+  }
+  auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
+  const auto new_k = k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
+  const auto new_v = v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
+  slots.index_copy_(0, plan.write_slots, new_k);
+  slots.index_copy_(0, plan.write_slots + config_.page_size, new_v);
+}
+
+void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto& plan = batch();
+  if (user_ids != plan.user_ids) {
+    throw std::logic_error("kvexport bug: end_batch for other users than begin_batch");
+  }
+  for (size_t b = 0; b < plan.user_ids.size(); ++b) {
+    users_.at(plan.user_ids[b]).token_ids = plan.prefix_tokens[b];
+  }
+  owner_.reset();
+  lock.unlock();
+  released_.notify_all();
+}
+
+std::vector<int64_t> KVRuntime::stats() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  const int64_t used = config_.device_pages - static_cast<int64_t>(free_pages_.size());
+  return stats_vector(counters_, used, static_cast<int64_t>(users_.size()), offload_tier_->used_pages(),
+                      offload_tier_->num_users());
+}
+
+void KVRuntime::reset() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  users_.clear();
+  offload_tier_->clear();
+  free_pages_.resize(config_.device_pages);
+  // Pages are handed out from the back: page 0 first.
+  std::iota(free_pages_.rbegin(), free_pages_.rend(), 0);
+  counters_ = Counters{};
+  clock_ = 0;
+  plan_ = BatchPlan{};
+  owner_.reset();
+  cache_.zero_();
+}
+
+bool KVRuntime::evict_user(int64_t user_id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  auto it = users_.find(user_id);
+  if (it == users_.end()) return false;
+  UserEntry entry = std::move(it->second);
+  users_.erase(it);
+  ++counters_.device_evictions;
+  offload(user_id, std::move(entry));
+  return true;
+}
+
+int64_t KVRuntime::cached_length(int64_t user_id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  auto it = users_.find(user_id);
+  if (it != users_.end()) return static_cast<int64_t>(it->second.token_ids.size());
+  return offload_tier_->num_tokens(user_id).value_or(0);
+}
+
+std::vector<int64_t> KVRuntime::device_users_lru() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  std::vector<std::pair<int64_t, int64_t>> by_age;
+  for (const auto& [user, entry] : users_) by_age.emplace_back(entry.last_used, user);
+  std::sort(by_age.begin(), by_age.end());
+  std::vector<int64_t> users;
+  for (const auto& [age, user] : by_age) users.push_back(user);
+  return users;
+}
+
+namespace {
+
+std::mutex registry_mutex;
+std::unordered_map<std::string, std::shared_ptr<KVRuntime>>& registry() {
+  static std::unordered_map<std::string, std::shared_ptr<KVRuntime>> runtimes;
+  return runtimes;
+}
+
+}  // namespace
+
+std::shared_ptr<KVRuntime> get_or_create_runtime(const std::string& name, const std::string& config_json,
+                                                 at::Device device) {
+  auto config = RuntimeConfig::from_json(config_json);
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto& slot = registry()[name];
+  if (!slot) {
+    slot = std::make_shared<KVRuntime>(name, config, device);
+  } else if (!(slot->config() == config) || slot->device() != device) {
+    throw std::invalid_argument("KV runtime '" + name +
+                                "' already exists in this process with a different config or device");
+  }
+  return slot;
+}
+
+std::shared_ptr<KVRuntime> find_runtime(const std::string& name) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    throw std::invalid_argument("no KV runtime named '" + name + "' in this process");
+  }
+  return it->second;
+}
+
+bool drop_runtime(const std::string& name) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return registry().erase(name) > 0;
+}
+
+}  // namespace kvexport::runtime

@@ -1,0 +1,129 @@
+// The KV-cache runtime of one model: a paged device tier, an offload tier, per-user page
+// tables and the token ids each user's cache was computed from. Knows nothing of HSTU.
+//
+// A request is one batch: begin_batch() plans it (prefix reuse, eviction, allocation),
+// write_kv() stores each layer's new k/v, end_batch() commits the new token ids.
+// Between begin and end the calling thread owns the runtime; other threads wait.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/config.h"
+#include "runtime/host_tier.h"
+
+namespace kvexport::runtime {
+
+struct Counters {
+  int64_t lookups = 0;             // users looked up
+  int64_t hit_tokens = 0;          // prefix tokens served from the cache
+  int64_t recomputed_tokens = 0;   // prefix tokens computed by a request
+  int64_t device_evictions = 0;    // users evicted from the device tier
+  int64_t offloads = 0;            // of those, users stored in the offload tier
+  int64_t onboards = 0;            // users brought back from the offload tier
+  int64_t host_evictions = 0;      // users dropped by the offload tier
+  int64_t prefix_truncations = 0;  // users whose stored tokens diverged from the request
+};
+
+// Gauges and counters in the order of the stats op's output.
+std::vector<int64_t> stats_vector(const Counters& c, int64_t device_pages_used, int64_t device_users,
+                                  int64_t host_pages_used, int64_t host_users);
+
+// The plan of the batch in flight. New rows of the model are laid out as
+// [candidates of all users][uncached prefix tokens of all users], users in batch order.
+struct BatchPlan {
+  std::vector<int64_t> user_ids;
+  std::vector<int64_t> cached_lengths;  // reused prefix per user
+  std::vector<int64_t> prefix_lengths;  // whole prefix per user
+  std::vector<std::vector<int64_t>> prefix_tokens;
+  int64_t num_candidate_rows = 0;
+  int64_t num_new_prefix_rows = 0;
+  // On the cache's device:
+  at::Tensor page_table;     // [B, max_pages] int64, page of each user's j-th page slot
+  at::Tensor row_user;       // [N] int64, batch index of each new row
+  at::Tensor row_keys;       // [N] int64, cached keys a row reads: position + 1, or the prefix length
+  at::Tensor row_candidate;  // [N] bool, true for candidate rows (they also read themselves)
+  at::Tensor write_slots;    // [num_new_prefix_rows] int64, slot of each new prefix row in a layer's
+                             // cache viewed as [pages * 2 * page_size, heads, head_dim] (k; v is +page_size)
+  at::Tensor new_token_index;  // [num_new_prefix_rows] int64, index into the request's token_ids
+  at::Tensor cached_lengths_tensor;  // [B] int64
+};
+
+class KVRuntime {
+ public:
+  KVRuntime(std::string name, RuntimeConfig config, at::Device device);
+
+  const std::string& name() const { return name_; }
+  const RuntimeConfig& config() const { return config_; }
+  at::Device device() const { return cache_.device(); }
+
+  // Plans a batch. token_ids is the jagged concatenation of each user's prefix tokens,
+  // token_lengths [B] their lengths. Throws std::invalid_argument (state unchanged) when the
+  // batch is malformed or cannot fit even after evicting every other user.
+  const BatchPlan& begin_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+                               const std::vector<int64_t>& token_lengths,
+                               const std::vector<int64_t>& num_candidates);
+  // Stores the new prefix rows of k, v [N, heads, head_dim] for one layer.
+  void write_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v);
+  // The batch in flight and the cache it reads ([layers, pages, 2, page_size, heads, head_dim]).
+  const BatchPlan& batch() const;
+  const at::Tensor& cache() const { return cache_; }
+  // Commits the batch's token ids and releases the runtime to other threads.
+  void end_batch(const std::vector<int64_t>& user_ids);
+
+  std::vector<int64_t> stats();
+  void reset();
+  bool evict_user(int64_t user_id);  // device tier -> offload tier; false if not on the device
+  int64_t cached_length(int64_t user_id);  // tokens cached on either tier
+  std::vector<int64_t> device_users_lru();  // least recently used first
+
+ private:
+  struct UserEntry {
+    std::vector<int64_t> pages;
+    std::vector<int64_t> token_ids;
+    int64_t last_used = 0;
+  };
+
+  void acquire_batch(std::unique_lock<std::mutex>& lock);
+  void check_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+                   const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) const;
+  void truncate(UserEntry& entry, int64_t num_tokens);
+  int64_t reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
+                       std::optional<OffloadedUser>& offloaded);
+  std::vector<int64_t> allocate_pages(int64_t count, const std::unordered_map<int64_t, bool>& in_batch);
+  void evict_lru_user(const std::unordered_map<int64_t, bool>& in_batch);
+  void offload(int64_t user_id, UserEntry entry);
+  void onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens);
+  void build_plan(const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates);
+
+  std::string name_;
+  RuntimeConfig config_;
+  at::Tensor cache_;
+  std::unique_ptr<OffloadTier> offload_tier_;
+  std::vector<int64_t> free_pages_;
+  std::unordered_map<int64_t, UserEntry> users_;
+  Counters counters_;
+  int64_t clock_ = 0;
+  BatchPlan plan_;
+
+  std::mutex mutex_;
+  std::condition_variable released_;
+  std::optional<std::thread::id> owner_;
+};
+
+// Per-process registry keyed by the model's name: two packages never share a cache.
+std::shared_ptr<KVRuntime> get_or_create_runtime(const std::string& name, const std::string& config_json,
+                                                 at::Device device);
+std::shared_ptr<KVRuntime> find_runtime(const std::string& name);  // throws if absent
+bool drop_runtime(const std::string& name);
+
+}  // namespace kvexport::runtime

@@ -1,0 +1,81 @@
+"""Fake (meta) implementations of every kvexport:: op, for torch.export and AOTInductor.
+
+Imported by kvexport/ops/library.py right after the .so is loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("kvexport::begin_batch")
+def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candidates):
+    torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
+    torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
+    torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")
+    # How many prefix tokens are not cached is known only at run time.
+    num_new_tokens = torch.library.get_ctx().new_dynamic_size()
+    torch._check(num_new_tokens <= token_ids.shape[0])
+    cached_lengths = user_ids.new_empty(user_ids.shape)
+    new_token_index = token_ids.new_empty((num_new_tokens,))
+    return cached_lengths, new_token_index
+
+
+@torch.library.register_fake("kvexport::append_kv")
+def _append_kv(runtime, layer, k, v):
+    torch._check(k.shape == v.shape, lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+
+
+@torch.library.register_fake("kvexport::paged_attention")
+def _paged_attention(runtime, layer, q, k, v, alpha, inv_scaling_seqlen):
+    torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
+    torch._check(q.shape == k.shape and q.shape == v.shape, lambda: "q, k and v must have one shape")
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("kvexport::end_batch")
+def _end_batch(runtime, user_ids):
+    torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
+
+
+@torch.library.register_fake("kvexport::hstu_paged_attention")
+def _hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen):
+    torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
+    torch._check(cache.dim() == 5, lambda: f"cache must be [pages, 2, page_size, H, dh], got {cache.dim()}-D")
+    torch._check(row_user.shape[0] == q.shape[0], lambda: "row_user must have one entry per row of q")
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("kvexport::runtime_stats")
+def _runtime_stats(runtime):
+    return torch.empty(12, dtype=torch.int64)
+
+
+@torch.library.register_fake("kvexport::device_users_lru")
+def _device_users_lru(runtime):
+    return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+
+
+@torch.library.register_fake("kvexport::create_runtime")
+def _create_runtime(runtime, config, device):
+    return None
+
+
+@torch.library.register_fake("kvexport::reset_runtime")
+def _reset_runtime(runtime):
+    return None
+
+
+@torch.library.register_fake("kvexport::evict_user")
+def _evict_user(runtime, user_id):
+    return False
+
+
+@torch.library.register_fake("kvexport::cached_length")
+def _cached_length(runtime, user_id):
+    return 0
+
+
+@torch.library.register_fake("kvexport::drop_runtime")
+def _drop_runtime(runtime):
+    return False

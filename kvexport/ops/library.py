@@ -1,0 +1,47 @@
+"""Loads the kvexport op library and declares what torch.export must know about its ops.
+
+Loading does three things, always together and before any export or compile:
+the .so (schemas + kernels), the fakes (kvexport/ops/fakes.py), and an ORDERED effect on
+every op that touches runtime state — without it, export/AOTI drop ops whose outputs are
+unused and may reorder the rest (DESIGN.md §3). The effect flag is not saved with an
+ExportedProgram, so this module is also what a loader of a package must import.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from torch._library.effects import EffectType
+
+from kvexport.errors import UserError
+from kvexport.native import OPS_LIBRARY
+
+NAMESPACE = "kvexport"
+# Ops that read or write runtime state and may appear in an exported graph.
+STATEFUL_OPS = ("begin_batch", "append_kv", "paged_attention", "end_batch")
+_lock = threading.Lock()
+_loaded: Path | None = None
+
+
+def load(path: Path = OPS_LIBRARY) -> Path:
+    """Loads the op library once per process (idempotent); returns its path."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if not path.exists():
+            raise UserError(f"kvexport op library not built: {path} is missing (run `make setup`)")
+        torch.ops.load_library(str(path))
+        from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
+
+        for name in STATEFUL_OPS:
+            torch.library._register_effectful_op(f"{NAMESPACE}::{name}", EffectType.ORDERED)
+        _loaded = path
+        return path
+
+
+def stateful_op_names() -> list[str]:
+    """Qualified names of the ops a cached-model graph must contain."""
+    return [f"{NAMESPACE}::{name}" for name in STATEFUL_OPS]
