@@ -33,7 +33,7 @@ auto user_errors_as_value_error(F&& f) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> begin_batch(const std::string& name, const std::string& config,
+at::Tensor begin_batch(const std::string& name, const std::string& config,
                                                const at::Tensor& user_ids, const at::Tensor& token_ids,
                                                const at::Tensor& token_lengths, const at::Tensor& num_candidates) {
   return user_errors_as_value_error([&] {
@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> begin_batch(const std::string& name, const st
     const auto& plan = rt->begin_batch(to_vector(user_ids, "user_ids"), to_vector(token_ids, "token_ids"),
                                        to_vector(token_lengths, "token_lengths"),
                                        to_vector(num_candidates, "num_candidates"));
-    return std::make_tuple(plan.cached_lengths_tensor.clone(), plan.new_token_index.clone());
+    return plan.cached_lengths_tensor.clone();
   });
 }
 
@@ -102,7 +102,7 @@ bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name);
 TORCH_LIBRARY(kvexport, m) {
   // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py).
   m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
-        "Tensor num_candidates) -> (Tensor, Tensor)");
+        "Tensor num_candidates) -> Tensor");
   m.def("append_kv(str runtime, int layer, Tensor k, Tensor v) -> ()");
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "
         "float inv_scaling_seqlen) -> Tensor");

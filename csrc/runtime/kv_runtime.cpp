@@ -214,9 +214,8 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
   int64_t max_pages = 1;
   for (auto length : token_lengths) max_pages = std::max(max_pages, config_.pages_for(length));
   std::vector<int64_t> page_table(num_users * max_pages, 0);
-  std::vector<int64_t> row_user, row_keys, write_slots, new_token_index;
+  std::vector<int64_t> row_user, row_keys, write_slots;
   std::vector<uint8_t> row_candidate;
-  int64_t token_offset = 0;
   for (int64_t b = 0; b < num_users; ++b) {
     const auto& pages = users_.at(plan_.user_ids[b]).pages;
     std::copy(pages.begin(), pages.end(), page_table.begin() + b * max_pages);
@@ -234,9 +233,7 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
       row_keys.push_back(p + 1);
       row_candidate.push_back(0);
       write_slots.push_back(pages[p / config_.page_size] * 2 * config_.page_size + p % config_.page_size);
-      new_token_index.push_back(token_offset + p);
     }
-    token_offset += token_lengths[b];
   }
   plan_.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
   const auto device = cache_.device();
@@ -247,7 +244,6 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
                             .to(at::kBool)
                             .to(device);
   plan_.write_slots = to_device(write_slots, device);
-  plan_.new_token_index = to_device(new_token_index, device);
   plan_.cached_lengths_tensor = to_device(plan_.cached_lengths, device);
 }
 

@@ -54,7 +54,6 @@ struct BatchPlan {
   at::Tensor row_candidate;  // [N] bool, true for candidate rows (they also read themselves)
   at::Tensor write_slots;    // [num_new_prefix_rows] int64, slot of each new prefix row in a layer's
                              // cache viewed as [pages * 2 * page_size, heads, head_dim] (k; v is +page_size)
-  at::Tensor new_token_index;  // [num_new_prefix_rows] int64, index into the request's token_ids
   at::Tensor cached_lengths_tensor;  // [B] int64
 };
 

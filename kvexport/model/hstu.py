@@ -29,6 +29,8 @@ def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_
     (context, item, action) follows from its position.
     """
     num_users, num_context = context_ids.shape
+    # One batch size for all per-user inputs (lets export unify their symbols up front).
+    torch._check(history_lengths.shape[0] == num_users, lambda: "history_lengths and context_ids disagree on B")
     num_history_tokens = 2 * item_ids.shape[0]
     token_lengths = num_context + 2 * history_lengths  # [B]
     offsets = jagged.lengths_to_offsets(token_lengths)  # [B + 1]
@@ -39,16 +41,17 @@ def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_
     history_offsets = jagged.lengths_to_offsets(2 * history_lengths)
     history_local = torch.arange(num_history_tokens, device=item_ids.device) - history_offsets[history_user]
     history_dest = offsets[history_user] + num_context + history_local
-    context_local = torch.arange(num_context, device=item_ids.device).expand(num_users, num_context)
-    context_dest = (offsets[:-1].unsqueeze(1) + context_local).reshape(-1)
+    context_local = torch.arange(num_context, device=item_ids.device).unsqueeze(0)  # [1, C]
+    context_dest = (offsets[:-1].unsqueeze(1) + context_local).reshape(-1)  # [B * C]
 
     total = num_users * num_context + num_history_tokens
     token_ids = item_ids.new_empty(total)
     token_ids[context_dest] = context_ids.reshape(-1)
     token_ids[history_dest] = history
-    positions = item_ids.new_empty(total)
-    positions[context_dest] = context_local.reshape(-1)
-    positions[history_dest] = num_context + history_local
+    token_user = torch.repeat_interleave(
+        torch.arange(num_users, device=item_ids.device), token_lengths, output_size=total
+    )
+    positions = torch.arange(total, device=item_ids.device) - offsets[token_user]
     return token_ids, positions, token_lengths
 
 
@@ -175,9 +178,12 @@ class HSTURanker(nn.Module):
         cached tokens are neither re-embedded nor re-projected.
         """
         token_ids, positions, token_lengths = prefix_tokens(history_lengths, item_ids, action_ids, context_ids)
-        _, new_index = kv.begin_batch(
-            runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates
+        cached_lengths = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates)
+        # Uncached tokens, users in order, positions ascending: the runtime's row order too.
+        token_user = torch.repeat_interleave(
+            torch.arange(user_ids.shape[0], device=user_ids.device), token_lengths, output_size=token_ids.shape[0]
         )
+        new_index = torch.nonzero(positions >= cached_lengths[token_user]).squeeze(1)  # [N_new]
         new_tokens = self.embed_prefix(token_ids[new_index], positions[new_index])
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         x = torch.cat([candidates, new_tokens])  # [T + N_new, d]

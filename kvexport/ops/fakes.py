@@ -13,12 +13,7 @@ def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candid
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
     torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")
-    # How many prefix tokens are not cached is known only at run time.
-    num_new_tokens = torch.library.get_ctx().new_dynamic_size()
-    torch._check(num_new_tokens <= token_ids.shape[0])
-    cached_lengths = user_ids.new_empty(user_ids.shape)
-    new_token_index = token_ids.new_empty((num_new_tokens,))
-    return cached_lengths, new_token_index
+    return user_ids.new_empty(user_ids.shape)
 
 
 @torch.library.register_fake("kvexport::append_kv")

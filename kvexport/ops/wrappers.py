@@ -24,14 +24,14 @@ def _ops():
 
 
 def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids: torch.Tensor,
-                token_lengths: torch.Tensor, num_candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                token_lengths: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
     """Plans a request: reuses each user's longest cached common prefix, evicts and allocates.
 
     user_ids [B], token_ids [sum(P)] (each user's prefix tokens, jagged), token_lengths [B] (P),
     num_candidates [B]. Creates the runtime from `config_json` on first use. Returns
-    cached_lengths [B] and new_token_index [N_new]: indices into token_ids of the prefix tokens
-    the model must compute, users in order. The model's new rows are then laid out as
-    [all candidates][new prefix tokens], which append_kv and paged_attention rely on.
+    cached_lengths [B]: how many leading prefix tokens of each user are served from the cache.
+    The model then computes new rows laid out as [all candidates][uncached prefix tokens,
+    users in order, positions ascending], which append_kv and paged_attention rely on.
     """
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates)
 
