@@ -95,6 +95,10 @@ at::Tensor device_users_lru(const std::string& name) {
                     at::kLong);
 }
 
+at::Tensor read_user_kv(const std::string& name, int64_t user_id) {
+  return user_errors_as_value_error([&] { return runtime::find_runtime(name)->read_user_kv(user_id); });
+}
+
 bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name); }
 
 }  // namespace
@@ -114,6 +118,7 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("evict_user(str runtime, int user_id) -> bool");
   m.def("cached_length(str runtime, int user_id) -> int");
   m.def("device_users_lru(str runtime) -> Tensor");
+  m.def("read_user_kv(str runtime, int user_id) -> Tensor");
   m.def("drop_runtime(str runtime) -> bool");
   // Pure kernel behind paged_attention, with every input explicit.
   m.def("hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
@@ -137,6 +142,7 @@ TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("evict_user", &evict_user);
   m.impl("cached_length", &cached_length);
   m.impl("device_users_lru", &device_users_lru);
+  m.impl("read_user_kv", &read_user_kv);
   m.impl("drop_runtime", &drop_runtime);
 }
 

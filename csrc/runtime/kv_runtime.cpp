@@ -340,6 +340,25 @@ std::vector<int64_t> KVRuntime::device_users_lru() {
   return users;
 }
 
+at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  auto it = users_.find(user_id);
+  if (it == users_.end()) {
+    throw std::invalid_argument("user " + std::to_string(user_id) + " is not on the device tier of " + name_);
+  }
+  const auto& entry = it->second;
+  const auto num_tokens = static_cast<int64_t>(entry.token_ids.size());
+  const int64_t num_pages = config_.pages_for(num_tokens);
+  auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
+                   .to(cache_.device());
+  return cache_.index_select(1, index)  // [layers, pages, 2, page_size, H, dh]
+      .permute({0, 2, 1, 3, 4, 5})
+      .reshape({config_.num_layers, 2, num_pages * config_.page_size, config_.num_heads, config_.head_dim})
+      .narrow(2, 0, num_tokens)
+      .clone();
+}
+
 namespace {
 
 std::mutex registry_mutex;

@@ -84,6 +84,8 @@ class KVRuntime {
   bool evict_user(int64_t user_id);  // device tier -> offload tier; false if not on the device
   int64_t cached_length(int64_t user_id);  // tokens cached on either tier
   std::vector<int64_t> device_users_lru();  // least recently used first
+  // A device-tier user's cached k/v, [layers, 2, cached_length, heads, head_dim] (a copy).
+  at::Tensor read_user_kv(int64_t user_id);
 
  private:
   struct UserEntry {

@@ -71,6 +71,13 @@ def _cached_length(runtime, user_id):
     return 0
 
 
+@torch.library.register_fake("kvexport::read_user_kv")
+def _read_user_kv(runtime, user_id):
+    ctx = torch.library.get_ctx()
+    layers, length, heads, head_dim = (ctx.new_dynamic_size() for _ in range(4))
+    return torch.empty(layers, 2, length, heads, head_dim)
+
+
 @torch.library.register_fake("kvexport::drop_runtime")
 def _drop_runtime(runtime):
     return False

@@ -32,6 +32,9 @@ class KVCacheManager:
     def device_users_lru(self) -> list[int]:
         return wrappers.device_users_lru(self.name)
 
+    def read_user_kv(self, user_id: int) -> torch.Tensor:
+        return wrappers.read_user_kv(self.name, user_id)
+
     def close(self) -> None:
         """Drops the runtime; a later request creates a fresh one."""
         wrappers.drop_runtime(self.name)

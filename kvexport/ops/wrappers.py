@@ -96,6 +96,11 @@ def device_users_lru(runtime: str) -> list[int]:
     return _ops().device_users_lru(runtime).tolist()
 
 
+def read_user_kv(runtime: str, user_id: int) -> torch.Tensor:
+    """A device-tier user's cached k/v, [layers, 2, cached_length, H, dh] (a copy)."""
+    return _ops().read_user_kv(runtime, user_id)
+
+
 def drop_runtime(runtime: str) -> bool:
     """Removes the named runtime from this process; False if there was none."""
     return _ops().drop_runtime(runtime)

@@ -1,0 +1,104 @@
+"""Seeded request workloads: users arriving and returning, histories growing, some rewritten.
+
+Shared by the recorded trace of `kvexport build`, the soak, the parity tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import torch
+
+from kvexport.config import ModelConfig
+from kvexport.model.batch import Batch, UserRequest
+
+REWRITES = ("edit", "delete", "context")
+
+
+@dataclasses.dataclass
+class UserHistory:
+    user_id: int
+    context_ids: list[int]
+    item_ids: list[int]
+    action_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    num_users: int
+    min_history_length: int
+    max_history_length: int
+    max_new_events: int
+    num_candidates: int
+    rewrite_fraction: float = 0.1
+
+
+class Workload:
+    """Generates batches; every user carries its full (possibly rewritten) history."""
+
+    def __init__(self, model: ModelConfig, spec: WorkloadSpec, seed: int):
+        self.model, self.spec = model, spec
+        self.rng = random.Random(seed)
+        self.users: dict[int, UserHistory] = {}
+        self.events: Counter[str] = Counter()
+
+    def _ids(self, vocab: int, n: int) -> list[int]:
+        return [self.rng.randrange(vocab) for _ in range(n)]
+
+    def new_user(self, user_id: int) -> UserHistory:
+        n = self.rng.randint(self.spec.min_history_length, self.spec.max_history_length)
+        m = self.model
+        user = UserHistory(user_id, self._ids(m.context_vocab_size, m.num_contextual_features),
+                           self._ids(m.item_vocab_size, n), self._ids(m.action_vocab_size, n))
+        self.users[user_id] = user
+        self.events["new"] += 1
+        return user
+
+    def grow(self, user: UserHistory, num_events: int) -> None:
+        """Appends events; past the maximum, the oldest events slide out of the window."""
+        user.item_ids += self._ids(self.model.item_vocab_size, num_events)
+        user.action_ids += self._ids(self.model.action_vocab_size, num_events)
+        overflow = len(user.item_ids) - self.spec.max_history_length
+        if overflow > 0:
+            del user.item_ids[:overflow], user.action_ids[:overflow]
+            self.events["slide"] += 1
+        self.events["grow" if num_events else "same"] += 1
+
+    def rewrite(self, user: UserHistory, kind: str) -> None:
+        """Changes the past: an edited event, deleted events, or a changed context feature."""
+        n = len(user.item_ids)
+        if kind == "edit" and n:
+            i = self.rng.randrange(n)
+            user.item_ids[i] = (user.item_ids[i] + 1) % self.model.item_vocab_size
+        elif kind == "delete" and n > 1:
+            i = self.rng.randrange(n - 1)
+            del user.item_ids[i:i + 2], user.action_ids[i:i + 2]
+        elif kind == "context" and user.context_ids:
+            j = self.rng.randrange(len(user.context_ids))
+            user.context_ids[j] = (user.context_ids[j] + 1) % self.model.context_vocab_size
+        else:
+            return
+        self.events[kind] += 1
+
+    def step_user(self, user_id: int) -> UserHistory:
+        """Advances one user as a returning (or new) visitor."""
+        user = self.users.get(user_id)
+        if user is None:
+            return self.new_user(user_id)
+        if self.rng.random() < self.spec.rewrite_fraction:
+            self.rewrite(user, self.rng.choice(REWRITES))
+        self.grow(user, self.rng.randint(0, self.spec.max_new_events))
+        return user
+
+    def request(self, user: UserHistory, num_candidates: int | None = None) -> UserRequest:
+        t = num_candidates or self.rng.randint(1, self.spec.num_candidates)
+        as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int64)  # noqa: E731
+        return UserRequest(user.user_id, as_tensor(user.item_ids), as_tensor(user.action_ids),
+                           as_tensor(user.context_ids), as_tensor(self._ids(self.model.item_vocab_size, t)))
+
+    def next_batch(self, batch_size: int) -> Batch:
+        """A batch of distinct users drawn from the population, each advanced one step."""
+        user_ids = self.rng.sample(range(self.spec.num_users), batch_size)
+        return Batch.concat([self.request(self.step_user(u)) for u in user_ids])

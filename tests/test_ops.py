@@ -1,0 +1,170 @@
+"""Every kvexport:: op: plain-PyTorch reference, torch.library.opcheck, and survival through export."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from kvexport.model import random_batch
+from kvexport.ops import library
+from kvexport.ops import wrappers as kv
+
+ALPHA, INV_S = 0.5, 1.0 / 64
+_names = itertools.count()
+
+
+def reference_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate):
+    """Gathers each row's keys position by position and applies SiLU attention."""
+    page_size = cache.shape[2]
+    out = torch.zeros_like(q)
+    for r in range(q.shape[0]):
+        positions = range(int(row_keys[r]))
+        keys = [cache[page_table[row_user[r], j // page_size], 0, j % page_size] for j in positions]
+        values = [cache[page_table[row_user[r], j // page_size], 1, j % page_size] for j in positions]
+        if row_candidate[r]:
+            keys.append(k[r])
+            values.append(v[r])
+        if not keys:
+            continue
+        keys, values = torch.stack(keys), torch.stack(values)  # [n, H, dh]
+        weights = nn.functional.silu(ALPHA * torch.einsum("hd,nhd->nh", q[r], keys)) * INV_S
+        out[r] = torch.einsum("nh,nhd->hd", weights, values)
+    return out
+
+
+def random_paged_inputs(seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    num_pages, page_size, heads, head_dim = 8, 4, 2, 8
+    cache = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g).to(dtype)
+    page_table = torch.tensor([[5, 2, 7], [0, 3, 1]])
+    row_user = torch.tensor([0, 0, 1, 1, 1, 0])
+    row_keys = torch.tensor([12, 12, 9, 1, 0, 7])
+    row_candidate = torch.tensor([True, True, True, False, True, False])
+    q, k, v = (torch.randn(6, heads, head_dim, generator=g).to(dtype) for _ in range(3))
+    return q, k, v, cache, page_table, row_user, row_keys, row_candidate
+
+
+def test_paged_attention_kernel_matches_reference():
+    inputs = random_paged_inputs(0)
+    got = kv.hstu_paged_attention(*inputs, ALPHA, INV_S)
+    torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_paged_attention_kernel_bfloat16():
+    inputs = random_paged_inputs(1, torch.bfloat16)
+    got = kv.hstu_paged_attention(*inputs, ALPHA, INV_S)
+    want = reference_paged_attention(*(t.float() if t.is_floating_point() else t for t in inputs))
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_paged_attention_kernel_rejects_reads_past_the_page_table():
+    q, k, v, cache, page_table, row_user, row_keys, row_candidate = random_paged_inputs(2)
+    row_keys[0] = 13
+    with pytest.raises(RuntimeError, match="row 0 reads 13 keys, the page table holds 12"):
+        kv.hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate, ALPHA, INV_S)
+
+
+def test_opcheck_hstu_paged_attention():
+    library.load()
+    torch.library.opcheck(torch.ops.kvexport.hstu_paged_attention.default, (*random_paged_inputs(3), ALPHA, INV_S))
+
+
+CONFIG = json.dumps({"num_layers": 1, "num_heads": 2, "head_dim": 8, "page_size": 4,
+                     "device_pages": 16, "host_pages": 16, "dtype": "float32"})
+
+
+@pytest.fixture
+def runtime():
+    name = f"test-ops-{next(_names)}"
+    kv.create_runtime(name, CONFIG)
+    yield name
+    kv.drop_runtime(name)
+
+
+def batch_inputs():
+    user_ids = torch.tensor([3, 4])
+    token_ids = torch.arange(7)
+    token_lengths = torch.tensor([4, 3])
+    num_candidates = torch.tensor([2, 1])
+    return user_ids, token_ids, token_lengths, num_candidates
+
+
+def test_stateful_ops_match_reference_attention(runtime):
+    """paged_attention over the runtime's cache == dense HSTU attention over prefix + candidate."""
+    user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
+    g = torch.Generator().manual_seed(0)
+    rows = 3 + 7  # candidates first, then every prefix token (cold cache)
+    q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
+    cached = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
+    assert cached.tolist() == [0, 0]
+    kv.append_kv(runtime, 0, k, v)
+    got = kv.paged_attention(runtime, 0, q, k, v, ALPHA, INV_S)
+    kv.end_batch(runtime, user_ids)
+    # Dense reference: user 0 = prefix rows 3..6 + candidates 0, 1; user 1 = prefix rows 7..9 + candidate 2.
+    for prefix_rows, candidate_rows in (([3, 4, 5, 6], [0, 1]), ([7, 8, 9], [2])):
+        for i, r in enumerate(prefix_rows):
+            keys = prefix_rows[: i + 1]
+            w = nn.functional.silu(ALPHA * torch.einsum("hd,nhd->nh", q[r], k[keys])) * INV_S
+            torch.testing.assert_close(got[r], torch.einsum("nh,nhd->hd", w, v[keys]), rtol=1e-5, atol=1e-6)
+        for r in candidate_rows:
+            keys = prefix_rows + [r]
+            w = nn.functional.silu(ALPHA * torch.einsum("hd,nhd->nh", q[r], k[keys])) * INV_S
+            torch.testing.assert_close(got[r], torch.einsum("nh,nhd->hd", w, v[keys]), rtol=1e-5, atol=1e-6)
+
+
+def _in_batch(runtime, rows):
+    user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
+    kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
+    return torch.randn(rows, 2, 8)
+
+
+def test_opcheck_begin_batch(runtime):
+    torch.library.opcheck(torch.ops.kvexport.begin_batch.default, (runtime, CONFIG, *batch_inputs()))
+
+
+def test_opcheck_append_kv(runtime):
+    x = _in_batch(runtime, 10)
+    torch.library.opcheck(torch.ops.kvexport.append_kv.default, (runtime, 0, x, x))
+
+
+def test_opcheck_paged_attention(runtime):
+    x = _in_batch(runtime, 10)
+    kv.append_kv(runtime, 0, x, x)
+    torch.library.opcheck(torch.ops.kvexport.paged_attention.default, (runtime, 0, x, x, x, ALPHA, INV_S))
+
+
+def test_opcheck_end_batch(runtime):
+    user_ids = batch_inputs()[0]
+    _in_batch(runtime, 10)
+    # end_batch commits once per begin_batch; opcheck calls it several times, so begin before each call.
+    op = torch.ops.kvexport.end_batch.default
+    torch.library.opcheck(op, (runtime, user_ids), test_utils=("test_schema",))
+
+
+def test_stateful_ops_survive_export_and_decompositions(tiny_config, tiny_model):
+    """The cached model's graph keeps begin_batch, every layer's append/attention, and end_batch."""
+    from kvexport.export.wrap import CachedRanker, export_cached
+
+    ep = export_cached(CachedRanker(tiny_model, "export-survival"), tiny_config).run_decompositions()
+    called = [str(node.args[1]) for node in ep.graph.nodes if "with_effects" in str(node.target)]
+    layers = tiny_config.model.num_layers
+    assert called.count("kvexport.begin_batch.default") == 1
+    assert called.count("kvexport.append_kv.default") == layers
+    assert called.count("kvexport.paged_attention.default") == layers
+    assert called.count("kvexport.end_batch.default") == 1
+
+
+def test_hstu_paged_attention_survives_export():
+    class Attend(nn.Module):
+        def forward(self, q, k, v, cache, page_table, row_user, row_keys, row_candidate):
+            return kv.hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
+                                           ALPHA, INV_S)
+
+    ep = torch.export.export(Attend(), random_paged_inputs(4)).run_decompositions()
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert "kvexport.hstu_paged_attention.default" in targets
+    torch.testing.assert_close(ep.module()(*random_paged_inputs(4)), Attend()(*random_paged_inputs(4)))

@@ -1,0 +1,186 @@
+"""Cache runtime semantics with tiny capacities: exact page counts, LRU order, tiers, truncation."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from kvexport.ops import wrappers as kv
+
+PAGE_SIZE = 2
+CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
+                     "device_pages": 6, "host_pages": 4, "dtype": "float32"})
+_names = itertools.count()
+
+
+@pytest.fixture
+def runtime():
+    name = f"test-runtime-{next(_names)}"
+    kv.create_runtime(name, CONFIG)
+    yield name
+    kv.drop_runtime(name)
+
+
+def kv_values(tokens: list[int], layer: int) -> torch.Tensor:
+    """Deterministic k/v rows derived from token ids and layer: [N, 1, 2]."""
+    t = torch.tensor(tokens, dtype=torch.float32)
+    return torch.stack([t + 0.25 * layer, -t - 0.5 * layer], dim=1).unsqueeze(1)
+
+
+def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1) -> list[int]:
+    """Runs one batch through the runtime ops, writing kv_values for the new tokens; returns cached lengths."""
+    user_ids = torch.tensor(list(users), dtype=torch.int64)
+    tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
+    lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
+    candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
+    cached = kv.begin_batch(runtime, CONFIG, user_ids, tokens, lengths, candidates).tolist()
+    new_tokens = [t for (ts, c) in zip(users.values(), cached) for t in ts[c:]]
+    num_rows = num_candidates * len(users) + len(new_tokens)
+    for layer in range(2):
+        rows = torch.cat([torch.zeros(num_candidates * len(users), 1, 2), kv_values(new_tokens, layer)])
+        assert rows.shape[0] == num_rows
+        kv.append_kv(runtime, layer, rows, rows)
+    kv.end_batch(runtime, user_ids)
+    return cached
+
+
+def test_cold_then_warm_then_grown(runtime):
+    assert request(runtime, {1: [10, 11, 12]}) == [0]
+    assert request(runtime, {1: [10, 11, 12]}) == [3]
+    assert request(runtime, {1: [10, 11, 12, 13, 14]}) == [3]
+    stats = kv.runtime_stats(runtime)
+    assert stats["lookups"] == 3
+    assert stats["hit_tokens"] == 6
+    assert stats["recomputed_tokens"] == 5
+    assert stats["device_pages_used"] == 3  # 5 tokens at page size 2
+    assert stats["prefix_truncations"] == 0
+
+
+def test_cached_kv_is_what_was_written(runtime):
+    request(runtime, {1: [10, 11, 12]})
+    request(runtime, {1: [10, 11, 12, 13]})
+    stored = kv.read_user_kv(runtime, 1)  # [layers, 2, len, H, dh]
+    assert stored.shape == (2, 2, 4, 1, 2)
+    for layer in range(2):
+        assert torch.equal(stored[layer, 0], kv_values([10, 11, 12, 13], layer))
+        assert torch.equal(stored[layer, 1], kv_values([10, 11, 12, 13], layer))
+
+
+def test_rewritten_history_truncates_to_common_prefix(runtime):
+    request(runtime, {1: [10, 11, 12, 13, 14]})
+    assert request(runtime, {1: [10, 11, 99, 13, 14, 15]}) == [2]
+    stats = kv.runtime_stats(runtime)
+    assert stats["prefix_truncations"] == 1
+    assert stats["device_pages_used"] == 3
+    assert torch.equal(kv.read_user_kv(runtime, 1)[0, 0], kv_values([10, 11, 99, 13, 14, 15], 0))
+
+
+def test_shorter_history_truncates(runtime):
+    request(runtime, {1: [10, 11, 12, 13, 14]})
+    assert request(runtime, {1: [10, 11, 12]}) == [3]
+    assert kv.runtime_stats(runtime)["prefix_truncations"] == 1
+    assert kv.cached_length(runtime, 1) == 3
+    assert kv.runtime_stats(runtime)["device_pages_used"] == 2
+
+
+def test_lru_eviction_offloads_least_recent_user(runtime):
+    request(runtime, {1: [1, 1, 1, 1]})   # 2 pages
+    request(runtime, {2: [2, 2, 2, 2]})   # 2 pages
+    request(runtime, {3: [3, 3]})         # 1 page
+    request(runtime, {1: [1, 1, 1, 1]})   # touch 1: LRU order is now 2, 3, 1
+    assert kv.device_users_lru(runtime) == [2, 3, 1]
+    request(runtime, {4: [4, 4, 4, 4]})   # needs 2 pages, 1 free: evicts user 2 only
+    assert kv.device_users_lru(runtime) == [3, 1, 4]
+    stats = kv.runtime_stats(runtime)
+    assert (stats["device_evictions"], stats["offloads"]) == (1, 1)
+    assert (stats["host_users"], stats["host_pages_used"]) == (1, 2)
+    assert stats["device_pages_used"] == 5
+    assert kv.cached_length(runtime, 2) == 4  # still cached, on the host tier
+
+
+def test_offload_onboard_round_trip_is_bit_exact(runtime):
+    tokens = [5, 6, 7, 8, 9]
+    request(runtime, {7: tokens})
+    before = kv.read_user_kv(runtime, 7)
+    assert kv.evict_user(runtime, 7)
+    assert kv.runtime_stats(runtime)["device_users"] == 0
+    assert request(runtime, {7: tokens + [10]}) == [5]
+    stats = kv.runtime_stats(runtime)
+    assert (stats["offloads"], stats["onboards"], stats["host_users"]) == (1, 1, 0)
+    after = kv.read_user_kv(runtime, 7)
+    assert torch.equal(after[:, :, :5], before)
+    assert torch.equal(after[0, 0, 5], kv_values([10], 0)[0])
+
+
+def test_onboard_of_diverged_user_keeps_only_common_prefix(runtime):
+    request(runtime, {7: [5, 6, 7, 8, 9]})
+    kv.evict_user(runtime, 7)
+    assert request(runtime, {7: [5, 6, 7, 0, 9]}) == [3]
+    stats = kv.runtime_stats(runtime)
+    assert (stats["onboards"], stats["prefix_truncations"]) == (1, 1)
+
+
+def test_host_tier_lru_evicts_oldest_offload(runtime):
+    request(runtime, {1: [1, 1, 1, 1]})
+    request(runtime, {2: [2, 2, 2, 2]})
+    request(runtime, {3: [3, 3, 3, 3]})
+    for user in (1, 2, 3):  # host holds 4 pages = 2 of these users
+        kv.evict_user(runtime, user)
+    stats = kv.runtime_stats(runtime)
+    assert (stats["offloads"], stats["host_evictions"], stats["host_users"]) == (3, 1, 2)
+    assert kv.cached_length(runtime, 1) == 0
+    assert kv.cached_length(runtime, 2) == 4
+    assert kv.cached_length(runtime, 3) == 4
+
+
+def test_capacity_error_leaves_state_unchanged(runtime):
+    request(runtime, {1: [1, 2, 3]})
+    request(runtime, {2: [4, 5]})
+    before = kv.runtime_stats(runtime)
+    lru = kv.device_users_lru(runtime)
+    with pytest.raises(ValueError, match="needs 7 device pages but kv_cache.device_pages is 6"):
+        request(runtime, {3: [1] * 8, 4: [2] * 6})
+    assert kv.runtime_stats(runtime) == before
+    assert kv.device_users_lru(runtime) == lru
+    assert request(runtime, {1: [1, 2, 3, 4]}) == [3]
+
+
+def test_batch_users_are_never_evicted_for_each_other(runtime):
+    request(runtime, {1: [1] * 4, 2: [2] * 4})
+    assert request(runtime, {1: [1] * 4, 2: [2] * 4, 3: [3] * 4}) == [4, 4, 0]
+    assert kv.runtime_stats(runtime)["device_evictions"] == 0
+    assert request(runtime, {4: [4] * 4, 3: [3] * 4}) == [0, 4]
+    assert kv.runtime_stats(runtime)["device_evictions"] == 1
+    assert kv.device_users_lru(runtime)[0] == 2
+
+
+def test_duplicate_user_in_batch_is_rejected(runtime):
+    with pytest.raises(ValueError, match="user id 1 appears twice in one batch"):
+        kv.begin_batch(runtime, CONFIG, torch.tensor([1, 1]), torch.tensor([1, 2]), torch.tensor([1, 1]),
+                       torch.tensor([1, 1]))
+
+
+def test_reset_empties_everything(runtime):
+    request(runtime, {1: [1, 2, 3]})
+    kv.evict_user(runtime, 1)
+    kv.reset_runtime(runtime)
+    assert all(value == 0 for value in kv.runtime_stats(runtime).values())
+    assert request(runtime, {1: [1, 2, 3]}) == [0]
+
+
+def test_runtimes_are_isolated_by_name(runtime):
+    other = runtime + "-other"
+    kv.create_runtime(other, CONFIG)
+    try:
+        request(runtime, {1: [1, 2, 3]})
+        assert request(other, {1: [1, 2, 3]}) == [0]
+    finally:
+        kv.drop_runtime(other)
+
+
+def test_same_name_with_other_config_is_refused(runtime):
+    with pytest.raises(ValueError, match="already exists in this process with a different config"):
+        kv.create_runtime(runtime, CONFIG.replace('"device_pages": 6', '"device_pages": 8'))
