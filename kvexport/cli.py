@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -32,6 +33,20 @@ def _handle_errors(func):
 
 
 config_argument = click.argument("config", type=click.Path(path_type=Path))
+artifact_argument = click.argument("out", type=click.Path(path_type=Path))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Writes a JSON report atomically (temporary file, then rename)."""
+    import json
+
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {exc.strerror}") from exc
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,6 +61,9 @@ def main(verbose: bool) -> None:
         stream=sys.stderr,
     )
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        # torch's own deprecation chatter during export/compile says nothing to a kvexport user.
+        warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 @main.command("show-config")
@@ -98,3 +116,70 @@ def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> 
     with torch.no_grad():
         logits = model(batch)
     click.echo(f"logits: {tuple(logits.shape)} {logits.dtype} for {batch_size} users")
+
+
+@main.command()
+@config_argument
+@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True,
+              help="Artifact directory to create.")
+@click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Device the package runs on.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_handle_errors
+def build(config: Path, out: Path, checkpoint: Path | None, device: str, force: bool) -> None:
+    """Export CONFIG's KV-cached model to OUT/ (model.pt2, lib/, trace/, manifest.json)."""
+    from kvexport.export.build import build_artifact
+
+    build_artifact(config, out, checkpoint=checkpoint, device=device, force=force)
+
+
+@main.command()
+@artifact_argument
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
+@_handle_errors
+def verify(out: Path, json_path: Path | None) -> None:
+    """Replay OUT's trace through model.pt2 in Python; exit 0 pass, 1 mismatch, 2 unusable input."""
+    from kvexport.trace.report import format_report
+    from kvexport.trace.verify import verify_artifact
+
+    report = verify_artifact(out).to_json()
+    click.echo(format_report(report))
+    if json_path:
+        _write_json(json_path, report)
+    sys.exit(0 if report["passed"] else 1)
+
+
+@main.command()
+@artifact_argument
+@click.option("--requests", "requests_path", type=click.Path(path_type=Path), required=True,
+              help="torch.save'd list of request batches (dicts of int64 tensors).")
+@click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
+              help="File to write the logits to (torch.save'd list of float32 tensors).")
+@_handle_errors
+def run(out: Path, requests_path: Path, output_path: Path) -> None:
+    """Score a request file through OUT's package, in order (the cache carries across batches)."""
+    from kvexport.serve import score_request_file
+
+    count = score_request_file(out, requests_path, output_path)
+    click.echo(f"scored {count} batches -> {output_path}")
+
+
+@main.command()
+@click.argument("target", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_handle_errors
+def inspect(target: Path, as_json: bool) -> None:
+    """Show metadata, signature, dims, required libraries, sizes and versions of OUT or a model.pt2."""
+    import json
+
+    from kvexport.serve import describe
+
+    info = describe(target)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        click.echo(f"{key:>20}: {value}")

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from kvexport.errors import UserError
+
 # Input order of the exported module and of every recorded request.
 SIGNATURE = (
     "user_ids",          # [B]
@@ -98,3 +100,68 @@ def random_batch(model_config, seed: int, history_lengths: list[int], num_candid
         for i, (h, t) in enumerate(zip(history_lengths, num_candidates))
     ]
     return Batch.concat(users)
+
+
+class RequestError(UserError):
+    """A request batch that does not fit the signature or the config's limits."""
+
+
+def _check_tensor(name: str, value: object, ndim: int, index: int | None) -> torch.Tensor:
+    where = f"batch {index}: " if index is not None else ""
+    if not isinstance(value, torch.Tensor):
+        raise RequestError(f"{where}{name} must be a tensor, got {type(value).__name__}")
+    if value.dtype != torch.int64:
+        raise RequestError(f"{where}{name} must be int64, got {str(value.dtype).replace('torch.', '')}")
+    if value.dim() != ndim:
+        raise RequestError(f"{where}{name} must be {ndim}-D, got shape {list(value.shape)}")
+    if value.device.type != "cpu":
+        raise RequestError(f"{where}{name} must be on the CPU, got {value.device}")
+    return value
+
+
+def _check_range(where: str, name: str, values: torch.Tensor, low: int, high: int, what: str) -> None:
+    if values.numel() and (values.min() < low or values.max() >= high):
+        bad = values[(values < low) | (values >= high)][0].item()
+        raise RequestError(f"{where}{name} has {bad}, outside {what} [{low}, {high - 1}]")
+
+
+def check_batch(raw: object, config, index: int | None = None) -> Batch:
+    """Validates a request (a Batch or a dict of tensors) against the signature and config limits."""
+    where = f"batch {index}: " if index is not None else ""
+    if isinstance(raw, Batch):
+        raw = raw.to_dict()
+    if not isinstance(raw, dict):
+        raise RequestError(f"{where}must be a dict of tensors, got {type(raw).__name__}")
+    missing = [name for name in SIGNATURE if name not in raw]
+    if missing:
+        raise RequestError(f"{where}missing {missing[0]}")
+    unknown = sorted(set(raw) - set(SIGNATURE))
+    if unknown:
+        raise RequestError(f"{where}unknown field {unknown[0]}")
+    t = {name: _check_tensor(name, raw[name], 2 if name == "context_ids" else 1, index) for name in SIGNATURE}
+    m, max_batch = config.model, config.serving.max_batch_size
+    num_users = t["user_ids"].shape[0]
+    if num_users == 0:
+        raise RequestError(f"{where}empty batch (no users)")
+    if num_users > max_batch:
+        raise RequestError(f"{where}{num_users} users exceed serving.max_batch_size ({max_batch})")
+    for name in ("history_lengths", "num_candidates", "context_ids"):
+        if t[name].shape[0] != num_users:
+            raise RequestError(f"{where}{name} has {t[name].shape[0]} rows for {num_users} users")
+    if t["context_ids"].shape[1] != m.num_contextual_features:
+        raise RequestError(f"{where}context_ids has {t['context_ids'].shape[1]} features, "
+                           f"the model has {m.num_contextual_features}")
+    if t["user_ids"].unique().numel() != num_users:
+        raise RequestError(f"{where}user_ids repeat a user within one batch")
+    _check_range(where, "history_lengths", t["history_lengths"], 0, m.max_history_length + 1, "events")
+    _check_range(where, "num_candidates", t["num_candidates"], 1, m.max_num_candidates + 1, "candidates")
+    for lengths, fields in (("history_lengths", ("item_ids", "action_ids")), ("num_candidates", ("candidate_ids",))):
+        total = int(t[lengths].sum())
+        for name in fields:
+            if t[name].shape[0] != total:
+                raise RequestError(f"{where}{lengths} sum to {total} but {name} has {t[name].shape[0]} entries")
+    _check_range(where, "item_ids", t["item_ids"], 0, m.item_vocab_size, "the item vocabulary")
+    _check_range(where, "candidate_ids", t["candidate_ids"], 0, m.item_vocab_size, "the item vocabulary")
+    _check_range(where, "action_ids", t["action_ids"], 0, m.action_vocab_size, "the action vocabulary")
+    _check_range(where, "context_ids", t["context_ids"], 0, m.context_vocab_size, "the context vocabulary")
+    return Batch(**{name: t[name].contiguous() for name in SIGNATURE})

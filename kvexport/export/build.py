@@ -1,0 +1,165 @@
+"""`kvexport build`: config (+ checkpoint) -> OUT/{model.pt2, lib/, trace/, manifest.json}.
+
+Everything is written into a temporary sibling directory that is renamed into place only when
+every stage succeeded, so a failed or interrupted build leaves no OUT/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+import kvexport
+from kvexport import artifact
+from kvexport.config import Config, load_config
+from kvexport.errors import UserError
+from kvexport.export.package import (check_package_ops, compile_package, graph_custom_ops,
+                                     required_libraries)
+from kvexport.export.wrap import CachedRanker, export_cached
+from kvexport.model import SIGNATURE, build_model
+from kvexport.native import OPS_LIBRARY, OPS_LIBRARY_NAME
+from kvexport.ops import library
+from kvexport.trace.record import record_trace
+
+log = logging.getLogger(__name__)
+
+TOLERANCES = {"float32": {"atol": 1e-4, "rtol": 1e-4},
+              "bfloat16": {"atol": 5e-2, "rtol": 5e-2},
+              "float16": {"atol": 1e-2, "rtol": 1e-2}}
+
+
+def versions() -> dict[str, str]:
+    def installed(*names: str) -> str:
+        for name in names:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                return importlib.metadata.version(name)
+        return "absent"
+
+    return {"kvexport": kvexport.__version__, "torch": torch.__version__,
+            "fbgemm_gpu": installed("fbgemm-gpu-cpu", "fbgemm-gpu")}
+
+
+def signature(config: Config) -> dict:
+    m, b = config.model, "B"
+    shapes = {"user_ids": [b], "history_lengths": [b], "item_ids": ["sum(history_lengths)"],
+              "action_ids": ["sum(history_lengths)"], "context_ids": [b, m.num_contextual_features],
+              "num_candidates": [b], "candidate_ids": ["sum(num_candidates)"]}
+    return {"inputs": [{"name": n, "dtype": "int64", "shape": shapes[n]} for n in SIGNATURE],
+            "output": {"name": "logits", "dtype": "float32", "shape": ["sum(num_candidates)", m.num_tasks]}}
+
+
+def dims(config: Config) -> dict[str, int]:
+    m = config.model
+    return {"max_batch_size": config.serving.max_batch_size, "max_history_length": m.max_history_length,
+            "max_num_candidates": m.max_num_candidates, "num_contextual_features": m.num_contextual_features,
+            "context_vocab_size": m.context_vocab_size, "item_vocab_size": m.item_vocab_size,
+            "action_vocab_size": m.action_vocab_size, "num_tasks": m.num_tasks}
+
+
+class _Stages:
+    """Logs `[i/n] name ... seconds` around each stage and keeps the timings."""
+
+    def __init__(self, total: int):
+        self.total, self.index, self.seconds = total, 0, {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str, what: str):
+        self.index += 1
+        log.info("[%d/%d] %s: %s", self.index, self.total, name, what)
+        started = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - started, 2)
+        log.info("      %s done in %.1f s", name, self.seconds[name])
+
+
+def _prepare_output(output: Path, force: bool) -> Path:
+    if output.exists() and not force:
+        raise UserError(f"{output} already exists (use --force to replace it)")
+    parent = output.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {output}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write {output}: directory {parent} is not writable")
+    return parent / f".{output.name}.partial-{os.getpid()}"
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is visible to torch")
+        raise UserError("--device cuda: the op library has CPU kernels only in this version")
+
+
+def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str) -> None:
+    stages = _Stages(total=5)
+    with stages.stage("model", f"{config.name} ({'checkpoint ' + str(checkpoint) if checkpoint else 'seeded init'})"):
+        model = build_model(config, checkpoint)
+        library.load()
+    with stages.stage("export", "torch.export of the KV-cached module"):
+        program = export_cached(CachedRanker(model, config.name), config)
+        ops = graph_custom_ops(program)
+    libraries = required_libraries(ops)
+    metadata = {
+        "kvexport.version": kvexport.__version__,
+        "kvexport.runtime_name": config.name,
+        "kvexport.runtime_config": config.runtime_json(),
+        "kvexport.config": json.dumps(config.to_dict(), sort_keys=True),
+        "kvexport.signature": json.dumps(list(SIGNATURE)),
+        "kvexport.required_libraries": json.dumps(libraries),
+        "kvexport.torch_version": torch.__version__,
+    }
+    with stages.stage("compile", "AOTInductor compile and package"):
+        package = compile_package(program, staging / artifact.PACKAGE, metadata)
+        package_ops = check_package_ops(package, ops)
+    with stages.stage("trace", "recording requests with eager cached and full-recompute outputs"):
+        steps = record_trace(config, model, staging / artifact.TRACE_DIR)
+    with stages.stage("manifest", "op library copy, sha256 of every file"):
+        (staging / artifact.LIB_DIR).mkdir()
+        shutil.copy2(OPS_LIBRARY, staging / artifact.LIB_DIR / OPS_LIBRARY_NAME)
+        manifest = {
+            "format_version": artifact.FORMAT_VERSION,
+            "name": config.name,
+            "runtime_name": config.name,
+            "device": device,
+            "config": config.to_dict(),
+            "runtime_config": json.loads(config.runtime_json()),
+            "signature": signature(config),
+            "dims": dims(config),
+            "tolerance": TOLERANCES[config.model.dtype],
+            "versions": versions(),
+            "required_libraries": libraries,
+            "package_ops": dict(sorted(package_ops.items())),
+            "trace": {"steps": steps},
+            "files": artifact.hash_files(staging),
+        }
+    manifest["timings_seconds"] = stages.seconds
+    (staging / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = None, device: str = "cpu",
+                   force: bool = False) -> Path:
+    """Runs every stage into a staging directory and renames it to `output` on success."""
+    config = load_config(config_path)
+    _check_device(device)
+    staging = _prepare_output(output, force)
+    started = time.perf_counter()
+    try:
+        staging.mkdir()
+        _write_artifact(config, staging, checkpoint, device)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("built %s in %.1f s", output, time.perf_counter() - started)
+    return output

@@ -1,0 +1,62 @@
+"""Scores requests through a built package (Python side): the runner of verify, run and soak."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from kvexport.artifact import Artifact
+from kvexport.errors import UserError
+from kvexport.model.batch import Batch, check_batch
+from kvexport.model.checkpoint import load_tensor_file
+from kvexport.ops import jagged, library
+from kvexport.ops import wrappers as kv
+from kvexport.trace.record import EXPECTED_CACHED, EXPECTED_FULL
+
+log = logging.getLogger(__name__)
+
+
+class PackageRunner:
+    """One loaded model.pt2 and its cache runtime (fresh unless `fresh_runtime=False`)."""
+
+    def __init__(self, artifact: Artifact, fresh_runtime: bool = True):
+        self.artifact = artifact
+        self.config = artifact.config
+        library.load()
+        if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
+            raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
+        if fresh_runtime:
+            kv.drop_runtime(artifact.runtime_name)
+        try:
+            self.package = torch._inductor.aoti_load_package(str(artifact.package))
+        except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot load {artifact.package}: {first}") from exc
+        # The runtime config travels inside the package, like the C++ harness reads it.
+        kv.create_runtime(artifact.runtime_name, self.package.get_metadata()["kvexport.runtime_config"])
+
+    def score(self, batch: Batch | dict, index: int | None = None) -> torch.Tensor:
+        """Validates one request and runs it; the cache carries over to the next call."""
+        batch = check_batch(batch, self.config, index)
+        try:
+            return self.package(*batch.tensors())
+        except RuntimeError as exc:
+            capacity = [line for line in str(exc).splitlines() if "KV cache capacity exceeded" in line]
+            if capacity:
+                message = capacity[0][capacity[0].index("KV cache capacity exceeded"):]
+                raise UserError(message) from exc
+            raise
+
+    def stats(self) -> dict[str, int]:
+        return kv.runtime_stats(self.artifact.runtime_name)
+
+
+def load_trace_step(path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A recorded step: request tensors, expected cached output, expected full-recompute output."""
+    data = load_tensor_file(path, "trace file")
+    if not isinstance(data, dict) or EXPECTED_CACHED not in data or EXPECTED_FULL not in data:
+        raise UserError(f"trace file {path} lacks its expected outputs")
+    request = {k: v for k, v in data.items() if k not in (EXPECTED_CACHED, EXPECTED_FULL)}
+    return request, data[EXPECTED_CACHED], data[EXPECTED_FULL]

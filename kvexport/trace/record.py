@@ -1,0 +1,127 @@
+"""The recorded trace of `kvexport build`: a scripted request sequence and its expected outputs.
+
+Each step stores the request and two independent expectations: the eager model's cached path
+(a runtime of its own) and the eager full recompute. The script exercises cold users, appended
+events, zero new events, a rewritten history, a changed context, a user evicted to the host
+tier and onboarded back, and batch sizes 1 and max_batch_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from kvexport.config import Config
+from kvexport.model import Batch
+from kvexport.model.hstu import HSTURanker
+from kvexport.ops.manager import KVCacheManager
+from kvexport.trace.workload import Workload, WorkloadSpec
+
+log = logging.getLogger(__name__)
+
+EXPECTED_CACHED = "expected_cached"
+EXPECTED_FULL = "expected_full"
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceStep:
+    description: str
+    batch: Batch
+
+
+def _trace_workload(config: Config) -> Workload:
+    t = config.trace
+    spec = WorkloadSpec(num_users=t.num_users, min_history_length=t.min_history_length,
+                        max_history_length=t.max_trace_history_length, max_new_events=t.max_new_events,
+                        num_candidates=t.num_candidates, rewrite_fraction=0.0)
+    return Workload(config.model, spec, seed=t.seed)
+
+
+class _Script:
+    """Builds the step list while running the eager cached path, so eviction can be observed."""
+
+    def __init__(self, config: Config, model: HSTURanker, cache: KVCacheManager):
+        self.config, self.model, self.cache = config, model, cache
+        self.workload = _trace_workload(config)
+        self.steps: list[tuple[TraceStep, torch.Tensor]] = []
+        self.next_user = 0
+
+    def run(self, description: str, users: list[int], new_events: int | None = None) -> None:
+        requests = []
+        for user_id in users:
+            user = self.workload.users.get(user_id)
+            if user is None:
+                user = self.workload.new_user(user_id)
+            elif new_events is not None:
+                self.workload.grow(user, new_events)
+            requests.append(self.workload.request(user, self.config.trace.num_candidates))
+        batch = Batch.concat(requests)
+        with torch.no_grad():
+            cached = self.model.forward_cached(batch, self.cache.name)
+        self.steps.append((TraceStep(description, batch), cached))
+
+    def fresh_users(self, count: int) -> list[int]:
+        users = list(range(self.next_user, self.next_user + count))
+        self.next_user += count
+        return users
+
+
+def script_steps(config: Config, model: HSTURanker, cache: KVCacheManager) -> list[tuple[TraceStep, torch.Tensor]]:
+    """The scripted sequence, with the eager cached output of each step."""
+    s = _Script(config, model, cache)
+    max_batch = config.serving.max_batch_size
+    first = s.fresh_users(max_batch)
+    s.run(f"cold users, batch {max_batch}", first)
+    s.run("warm user, appended events", first[:1], new_events=config.trace.max_new_events)
+    s.run("warm user, zero new events", first[:1], new_events=0)
+    s.run("warm user, a single new event", first[1:2], new_events=1)
+    if len(first) > 2:
+        s.workload.rewrite(s.workload.users[first[2]], "edit")
+        s.run("rewritten history (an edited event)", first[2:3], new_events=0)
+    s.workload.rewrite(s.workload.users[first[-1]], "context")
+    s.run("changed context", first[-1:], new_events=1)
+    watched = first[0]
+    for _ in range(64):  # cold users push the watched user out to the host tier
+        if watched not in s.cache.device_users_lru():
+            break
+        s.run(f"cold users, batch {max_batch} (cache pressure)", s.fresh_users(max_batch))
+    if watched in s.cache.device_users_lru():
+        log.warning("trace: the device tier (%d pages) never evicted user %d; onboarding is not exercised",
+                    config.kv_cache.device_pages, watched)
+    onboards = s.cache.stats()["onboards"]
+    s.run("evicted user returns (onboard from host tier)", [watched], new_events=2)
+    if s.cache.stats()["onboards"] == onboards:
+        log.warning("trace: user %d was not onboarded from the host tier", watched)
+    mixed = [watched, *first[1:max_batch - 1], *s.fresh_users(1)][:max_batch]
+    s.run(f"mixed warm and cold users, batch {len(mixed)}", mixed, new_events=1)
+    s.run("batch 1, zero new events", [watched], new_events=0)
+    return s.steps
+
+
+def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> list[dict]:
+    """Runs the script, writes trace_dir/step_NNNN.pt, returns the manifest's step list."""
+    cache = KVCacheManager(config, runtime_name=f"{config.name}@trace")
+    cache.reset()
+    try:
+        steps = script_steps(config, model, cache)
+        stats = cache.stats()
+    finally:
+        cache.close()
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, (step, cached) in enumerate(steps):
+        with torch.no_grad():
+            full = model(step.batch)
+        name = f"step_{i:04d}.pt"
+        torch.save({**step.batch.to_dict(), EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()},
+                   trace_dir / name)
+        entries.append({"file": f"{trace_dir.name}/{name}", "description": step.description,
+                        "batch_size": step.batch.batch_size,
+                        "num_candidates": int(step.batch.num_candidates.sum())})
+    log.info("  trace: %d steps; eager cache counters %s", len(entries),
+             {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads", "onboards",
+                                                      "prefix_truncations")})
+    return entries
