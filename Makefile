@@ -5,12 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPS_LIB := kvexport/_lib/libkvexport_ops.so
 CONFIG ?= configs/hstu-tiny.yaml
-NATIVE_BUILD := build/csrc
+OUT ?= artifacts/hstu-tiny
 
 .PHONY: demo test setup native clean
 
 demo: setup
 	$(VENV)/bin/kvexport score $(CONFIG)
+	$(VENV)/bin/kvexport build $(CONFIG) -o $(OUT) --force
+	$(VENV)/bin/kvexport verify $(OUT)
 
 test: setup
 	$(PY) -m pytest -q

@@ -21,3 +21,30 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
     return build_model(tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_config) -> Path:
+    """A checkpoint that differs from the seeded default, so a build that ignored it would show."""
+    from kvexport.model.checkpoint import save_checkpoint
+
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny-seed3.pt"
+    save_checkpoint(build_model(tiny_config, seed=3), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
+    """One tiny package for the whole session (export + AOTI compile is the suite's costliest step)."""
+    from kvexport.export.build import build_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "hstu-tiny"
+    return build_artifact(TINY, out, checkpoint=tiny_checkpoint)
+
+
+@pytest.fixture
+def artifact_copy(tiny_artifact, tmp_path) -> Path:
+    """A private copy of the shared artifact, for tests that damage it."""
+    import shutil
+
+    return Path(shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny"))

@@ -1,0 +1,228 @@
+"""`kvexport build` / verify / run / inspect on one shared tiny package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvexport.artifact import open_artifact
+from kvexport.cli import main
+from kvexport.model import build_model, random_batch
+from kvexport.runner import PackageRunner, load_trace_step
+from kvexport.trace.verify import verify_artifact
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+
+def test_package_matches_both_expectations_on_every_step(tiny_artifact):
+    report = verify_artifact(tiny_artifact)
+    assert report.steps, "the trace has no steps"
+    for step in report.steps:
+        assert step.vs_cached.passed and step.vs_full.passed, step
+        assert step.vs_full.max_abs <= 1e-4
+    assert report.passed
+
+
+def test_trace_covers_the_required_situations(tiny_artifact):
+    report = verify_artifact(tiny_artifact)
+    descriptions = " | ".join(s.description for s in report.steps)
+    for needle in ("cold users", "appended events", "zero new events", "rewritten history", "changed context",
+                   "onboard from host tier"):
+        assert needle in descriptions
+    sizes = {s.batch_size for s in report.steps}
+    assert {1, 4} <= sizes
+    zero_new = [s for s in report.steps if "zero new events" in s.description]
+    assert zero_new and all(s.recomputed_tokens == 0 and s.hit_tokens > 0 for s in zero_new)
+    assert report.counters["onboards"] > 0 and report.counters["offloads"] > 0
+    assert report.counters["prefix_truncations"] > 0
+
+
+def test_package_reproduces_the_checkpoint(tiny_artifact, tiny_checkpoint, tiny_config):
+    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
+    default = build_model(tiny_config)
+    batch = random_batch(tiny_config.model, seed=11, history_lengths=[1, 30, 7], num_candidates=[3, 1, 5],
+                         first_user_id=1000)
+    runner = PackageRunner(open_artifact(tiny_artifact))
+    with torch.no_grad():
+        expected, other = model(batch), default(batch)
+    got = runner.score(batch)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, other, atol=1e-3)
+
+
+def test_package_serves_batch_one_single_event_and_maxima(tiny_artifact, tiny_config, tiny_checkpoint):
+    m = tiny_config.model
+    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
+    runner = PackageRunner(open_artifact(tiny_artifact))
+    cases = [
+        ([1], [1]),                              # batch 1, a single event, a single candidate
+        ([m.max_history_length], [m.max_num_candidates]),  # one user at both maxima
+        ([3, 0, 9, 2], [1, 2, 3, 4]),            # max batch, one user without history
+    ]
+    for seed, (histories, candidates) in enumerate(cases):
+        batch = random_batch(m, seed=seed, history_lengths=histories, num_candidates=candidates,
+                             first_user_id=2000 + 10 * seed)
+        got = runner.score(batch)
+        assert got.shape == (sum(candidates), m.num_tasks)
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(batch), rtol=1e-4, atol=1e-4)
+
+
+def test_verify_cli_passes(tiny_artifact, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = CliRunner().invoke(main, ["verify", str(tiny_artifact), "--json", str(report_path)])
+    assert result.exit_code == 0, result.output
+    assert "verdict: PASS" in result.output
+    report = json.loads(report_path.read_text())
+    assert report["passed"] and len(report["steps"]) == len(open_artifact(tiny_artifact).trace_steps)
+
+
+@pytest.mark.parametrize("victim", ["trace/step_0003.pt", "model.pt2"])
+def test_tampered_byte_fails_verify_naming_the_file(artifact_copy, victim):
+    path = artifact_copy / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
+    assert result.exit_code == 1
+    assert f"{victim} does not match its sha256" in result.output
+
+
+def test_deleted_trace_file_fails_verify(artifact_copy):
+    (artifact_copy / "trace" / "step_0001.pt").unlink()
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
+    assert result.exit_code == 1
+    assert "trace/step_0001.pt is listed in the manifest but missing" in result.output
+
+
+def test_perturbed_expectation_with_matching_hash_fails_the_step(artifact_copy):
+    """Re-hashing a perturbed expected output: the sha check passes, the comparison must not."""
+    from kvexport.artifact import MANIFEST, sha256_of
+
+    step = artifact_copy / "trace" / "step_0002.pt"
+    data = torch.load(step, weights_only=True)
+    data["expected_full"] = data["expected_full"] + 1e-2
+    torch.save(data, step)
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    manifest["files"]["trace/step_0002.pt"] = sha256_of(step)
+    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
+    assert result.exit_code == 1
+    assert "verdict: FAIL" in result.output
+    assert "FAIL" in [line for line in result.output.splitlines() if line.strip().startswith("2 ")][0]
+
+
+def test_build_refuses_to_overwrite(tiny_artifact):
+    result = CliRunner().invoke(main, ["build", str(TINY), "-o", str(tiny_artifact)])
+    assert result.exit_code == 2
+    assert "already exists (use --force to replace it)" in result.output
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, OSError(28, "No space left on device")])
+def test_interrupted_or_failed_build_leaves_nothing(tmp_path, monkeypatch, interrupt):
+    import kvexport.export.build as build
+
+    def fail(*args, **kwargs):
+        raise interrupt
+
+    monkeypatch.setattr(build, "record_trace", fail)
+    monkeypatch.setattr(build, "compile_package", lambda ep, path, metadata: path.write_bytes(b"partial") or path)
+    monkeypatch.setattr(build, "check_package_ops", lambda path, ops: ops)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", str(TINY), "-o", str(out)])
+    assert result.exit_code != 0
+    if isinstance(interrupt, OSError):
+        assert result.exit_code == 2
+        assert "No space left on device" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_scores_a_request_file(tiny_artifact, tmp_path):
+    artifact = open_artifact(tiny_artifact)
+    steps = [load_trace_step(artifact.root / s["file"]) for s in artifact.trace_steps]
+    requests = tmp_path / "requests.pt"
+    torch.save([request for request, _, _ in steps], requests)
+    output = tmp_path / "logits.pt"
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
+                                       "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    logits = torch.load(output, weights_only=True)
+    assert len(logits) == len(steps)
+    for got, (_, _, expected_full) in zip(logits, steps):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected_full, rtol=1e-4, atol=1e-4)
+
+
+def _good_request(config):
+    return random_batch(config.model, seed=1, history_lengths=[2, 3], num_candidates=[1, 2]).to_dict()
+
+
+def _malformed(config):
+    m = config.model
+
+    def edit(**changes):
+        request = _good_request(config)
+        request.update(changes)
+        return request
+
+    good = _good_request(config)
+    missing = _good_request(config)
+    del missing["candidate_ids"]
+    return [
+        (edit(item_ids=good["item_ids"].int()), "item_ids must be int64, got int32"),
+        (edit(context_ids=good["context_ids"].reshape(-1)), "context_ids must be 2-D"),
+        (edit(history_lengths=torch.tensor([2, 4])), "history_lengths sum to 6 but item_ids has 5 entries"),
+        (edit(history_lengths=torch.tensor([-1, 6])), "history_lengths has -1, outside events"),
+        (edit(item_ids=good["item_ids"] + m.item_vocab_size), "outside the item vocabulary"),
+        (edit(action_ids=torch.full((5,), m.action_vocab_size)), "outside the action vocabulary"),
+        (edit(context_ids=-good["context_ids"] - 1), "outside the context vocabulary"),
+        (edit(num_candidates=torch.tensor([1, m.max_num_candidates + 1])), "num_candidates has 65, outside candidates"),
+        (edit(num_candidates=torch.tensor([0, 3])), "num_candidates has 0, outside candidates"),
+        (edit(user_ids=torch.tensor([5, 5])), "user_ids repeat a user"),
+        (edit(user_ids=torch.tensor([], dtype=torch.int64)), "empty batch"),
+        (missing, "missing candidate_ids"),
+        (edit(extra=torch.zeros(1)), "unknown field extra"),
+        (edit(user_ids=[1, 2]), "user_ids must be a tensor, got list"),
+    ]
+
+
+def test_run_rejects_each_malformed_request(tiny_artifact, tiny_config, tmp_path):
+    for i, (request, message) in enumerate(_malformed(tiny_config)):
+        requests, output = tmp_path / f"r{i}.pt", tmp_path / f"o{i}.pt"
+        torch.save([_good_request(tiny_config), request], requests)
+        result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
+                                           "--output", str(output)])
+        assert result.exit_code == 2, (message, result.output)
+        assert result.output.startswith("error: batch 1: ") and message in result.output, result.output
+        assert result.output.count("\n") == 1
+        assert not output.exists()
+
+
+def test_run_rejects_too_many_users_and_events(tiny_artifact, tiny_config, tmp_path):
+    m = tiny_config.model
+    too_many_users = random_batch(m, seed=0, history_lengths=[1] * 5, num_candidates=[1] * 5).to_dict()
+    too_long = random_batch(m, seed=0, history_lengths=[m.max_history_length + 1], num_candidates=[1]).to_dict()
+    for request, message in ((too_many_users, "5 users exceed serving.max_batch_size (4)"),
+                             (too_long, "history_lengths has 513, outside events [0, 512]")):
+        requests = tmp_path / "r.pt"
+        torch.save([request], requests)
+        result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
+                                           "--output", str(tmp_path / "o.pt")])
+        assert result.exit_code == 2
+        assert message in result.output
+
+
+def test_inspect_directory_and_package(tiny_artifact):
+    for target in (tiny_artifact, tiny_artifact / "model.pt2"):
+        result = CliRunner().invoke(main, ["inspect", str(target), "--json"])
+        assert result.exit_code == 0, result.output
+        info = json.loads(result.output)
+        assert info["name"] == "hstu-tiny"
+        assert "kvexport_ops" in info["required_libraries"]
+        assert info["package_ops"]["kvexport::paged_attention"] == 2
+    text = CliRunner().invoke(main, ["inspect", str(tiny_artifact)])
+    assert "required_libraries" in text.output and "trace_steps" in text.output
