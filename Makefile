@@ -11,8 +11,7 @@ OUT ?= artifacts/hstu-tiny
 
 demo: setup
 	$(VENV)/bin/kvexport score $(CONFIG)
-	$(VENV)/bin/kvexport build $(CONFIG) -o $(OUT) --force
-	$(VENV)/bin/kvexport verify $(OUT)
+	scripts/package.sh $(CONFIG) $(OUT) $(VENV)/bin/kvexport
 
 test: setup
 	$(PY) -m pytest -q
@@ -21,7 +20,6 @@ setup: $(STAMP) native
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

@@ -102,13 +102,14 @@ def open_artifact(root: str | Path) -> Artifact:
 def check_files(artifact: Artifact) -> int:
     """Compares every file with its manifest sha256; returns how many were checked.
 
-    A missing, changed or unlisted file is a VerificationError (exit 1) naming it.
+    A missing file makes the artifact incomplete (UserError, exit 2); a changed or unlisted
+    file is a VerificationError (exit 1). Both name the file.
     """
     expected: dict[str, str] = artifact.manifest["files"]
     for rel, digest in sorted(expected.items()):
         path = artifact.root / rel
         if not path.is_file():
-            raise VerificationError(f"{rel} is listed in the manifest but missing")
+            raise UserError(f"artifact {artifact.root} is incomplete: {rel} is listed in the manifest but missing")
         if sha256_of(path) != digest:
             raise VerificationError(f"{rel} does not match its sha256 in the manifest (modified or corrupted)")
     unlisted = sorted(set(hash_files(artifact.root)) - set(expected))

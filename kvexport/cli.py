@@ -183,3 +183,18 @@ def inspect(target: Path, as_json: bool) -> None:
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
         click.echo(f"{key:>20}: {value}")
+
+
+@main.command()
+@artifact_argument
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Replay the trace N times (from an empty cache each time) for latency percentiles.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Threads replaying the trace concurrently through one loaded package.")
+@_handle_errors
+def replay(out: Path, json_path: Path | None, repeat: int, threads: int) -> None:
+    """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
+    from kvexport.replay import run_replay
+
+    sys.exit(run_replay(out, json_path, repeat, threads))

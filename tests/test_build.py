@@ -92,11 +92,11 @@ def test_tampered_byte_fails_verify_naming_the_file(artifact_copy, victim):
     assert f"{victim} does not match its sha256" in result.output
 
 
-def test_deleted_trace_file_fails_verify(artifact_copy):
+def test_deleted_trace_file_makes_the_artifact_unusable(artifact_copy):
     (artifact_copy / "trace" / "step_0001.pt").unlink()
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
-    assert result.exit_code == 1
-    assert "trace/step_0001.pt is listed in the manifest but missing" in result.output
+    assert result.exit_code == 2
+    assert "is incomplete: trace/step_0001.pt is listed in the manifest but missing" in result.output
 
 
 def test_perturbed_expectation_with_matching_hash_fails_the_step(artifact_copy):

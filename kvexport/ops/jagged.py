@@ -1,12 +1,13 @@
 """Jagged-tensor helpers: fbgemm's ops where fbgemm_gpu is importable, plain aten otherwise.
 
-`required_libraries()` tells the exporter which op libraries a traced graph that used
-these helpers needs at run time.
+A package whose graph calls fbgemm ops needs `fbgemm_library_path()` loaded before it
+(the exporter records that by name; see kvexport/export/package.py).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -23,9 +24,11 @@ except (ImportError, OSError) as exc:
 FBGEMM_LIBRARY = "fbgemm_gpu_py"
 
 
-def required_libraries() -> list[str]:
-    """Op libraries (by name) that graphs built from these helpers call."""
-    return [FBGEMM_LIBRARY] if HAVE_FBGEMM else []
+def fbgemm_library_path() -> Path | None:
+    """fbgemm's op library (it pulls its siblings through $ORIGIN), or None without fbgemm."""
+    if not HAVE_FBGEMM:
+        return None
+    return Path(fbgemm_gpu.__file__).parent / f"{FBGEMM_LIBRARY}.so"
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:

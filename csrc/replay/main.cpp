@@ -1,0 +1,351 @@
+// kvexport_replay: replays an artifact's recorded trace through AOTIModelPackageLoader, without
+// Python, and compares every step with the eager model's cached and full-recompute outputs.
+//
+//   kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE]
+//                   [--repeat N] [--threads N]
+//
+// Exit codes: 0 pass, 1 mismatch (an output outside tolerance, or a file that differs from the
+// manifest), 2 unusable input. `kvexport replay` locates the libraries and passes these flags.
+#include <dlfcn.h>
+#include <stdlib.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "replay/artifact.h"
+
+namespace kvexport::replay {
+namespace {
+
+struct Options {
+  fs::path artifact;
+  std::vector<fs::path> libraries;
+  std::optional<double> atol, rtol;
+  std::optional<fs::path> json;
+  int repeat = 1;
+  int threads = 1;
+};
+
+const char* kUsage =
+    "usage: kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE] "
+    "[--repeat N] [--threads N]";
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  auto value = [&](int& i) -> std::string {
+    if (i + 1 >= argc) throw ReplayError(kUnusable, std::string(argv[i]) + " needs a value\n" + kUsage);
+    return argv[++i];
+  };
+  auto positive = [&](const std::string& flag, const std::string& text) {
+    try {
+      const int n = std::stoi(text);
+      if (n >= 1) return n;
+    } catch (const std::exception&) {
+    }
+    throw ReplayError(kUnusable, flag + " must be a positive integer, got " + text);
+  };
+  auto number = [&](const std::string& flag, const std::string& text) {
+    try {
+      return std::stod(text);
+    } catch (const std::exception&) {
+      throw ReplayError(kUnusable, flag + " must be a number, got " + text);
+    }
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--artifact") o.artifact = value(i);
+    else if (flag == "--library") o.libraries.emplace_back(value(i));
+    else if (flag == "--atol") o.atol = number(flag, value(i));
+    else if (flag == "--rtol") o.rtol = number(flag, value(i));
+    else if (flag == "--json") o.json = fs::path(value(i));
+    else if (flag == "--repeat") o.repeat = positive(flag, value(i));
+    else if (flag == "--threads") o.threads = positive(flag, value(i));
+    else if (flag == "--help" || flag == "-h") throw ReplayError(kPass, kUsage);
+    else throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
+  }
+  if (o.artifact.empty()) throw ReplayError(kUnusable, std::string("--artifact is required\n") + kUsage);
+  return o;
+}
+
+// The package calls custom ops by schema; their libraries must be loaded (globally) first.
+void load_libraries(const Manifest& manifest, const Options& options) {
+  std::vector<fs::path> paths = {manifest.root / "lib" / "libkvexport_ops.so"};
+  paths.insert(paths.end(), options.libraries.begin(), options.libraries.end());
+  for (const auto& name : manifest.required_libraries) {
+    const bool given = std::any_of(paths.begin(), paths.end(), [&](const fs::path& p) {
+      return p.stem() == name || p.stem() == "lib" + name;
+    });
+    if (!given) {
+      throw ReplayError(kUnusable, "the package needs op library " + name + "; pass it with --library PATH");
+    }
+  }
+  for (const auto& path : paths) {
+    if (!fs::is_regular_file(path)) throw ReplayError(kUnusable, "op library " + path.string() + " is missing");
+    if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+      throw ReplayError(kUnusable, "cannot load op library " + path.string() + ": " + dlerror());
+    }
+  }
+}
+
+std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> args) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  op.callBoxed(&args);
+  return args;
+}
+
+std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
+  static const char* kFields[] = {"lookups", "hit_tokens", "recomputed_tokens", "device_evictions", "offloads",
+                                  "onboards", "host_evictions", "prefix_truncations", "device_pages_used",
+                                  "device_users", "host_pages_used", "host_users"};
+  const auto values = call_op("kvexport::runtime_stats", {runtime})[0].toTensor();
+  std::map<std::string, int64_t> stats;
+  for (int64_t i = 0; i < values.numel(); ++i) stats[kFields[i]] = values[i].item<int64_t>();
+  return stats;
+}
+
+struct Comparison {
+  double max_abs = 0, max_rel = 0;
+  bool passed = true;
+};
+
+Comparison compare(const at::Tensor& output, const at::Tensor& expected, double atol, double rtol) {
+  if (output.sizes() != expected.sizes()) return {INFINITY, INFINITY, false};
+  const auto diff = (output.to(at::kFloat) - expected.to(at::kFloat)).abs();
+  const auto scale = expected.to(at::kFloat).abs();
+  Comparison c;
+  c.passed = (diff <= atol + rtol * scale).all().item<bool>();
+  if (diff.numel()) {
+    c.max_abs = diff.max().item<double>();
+    c.max_rel = (diff / (scale + atol)).max().item<double>();
+  }
+  return c;
+}
+
+nlohmann::json to_json(const Comparison& c) {
+  return {{"max_abs", c.max_abs}, {"max_rel", c.max_rel}, {"passed", c.passed}};
+}
+
+struct StepResult {
+  Comparison vs_cached, vs_full;
+  int64_t batch_size = 0, hit_tokens = 0, recomputed_tokens = 0;
+  std::vector<double> latencies_ms;
+};
+
+double percentile(std::vector<double> values, double q) {
+  std::sort(values.begin(), values.end());
+  const auto index = static_cast<size_t>(q * (values.size() - 1) + 0.5);
+  return values[std::min(index, values.size() - 1)];
+}
+
+// Loads every trace step once; inputs in the package's signature order.
+struct LoadedStep {
+  std::vector<at::Tensor> inputs;
+  at::Tensor expected_cached, expected_full;
+};
+
+std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature) {
+  std::vector<LoadedStep> steps;
+  for (const auto& step : manifest.steps) {
+    auto tensors = load_step(manifest.root / step.file);
+    LoadedStep loaded;
+    for (const auto& name : signature) {
+      if (!tensors.count(name)) throw ReplayError(kUnusable, "trace file " + step.file + " lacks " + name);
+      loaded.inputs.push_back(tensors.at(name));
+    }
+    loaded.expected_cached = tensors.at("expected_cached");
+    loaded.expected_full = tensors.at("expected_full");
+    steps.push_back(std::move(loaded));
+  }
+  return steps;
+}
+
+// Replays the trace `repeat` times from an empty cache; every pass is compared.
+void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
+                 const std::vector<LoadedStep>& steps, double atol, double rtol, std::vector<StepResult>& results,
+                 bool count_cache) {
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto before = count_cache ? runtime_stats(runtime) : std::map<std::string, int64_t>{};
+    const auto started = std::chrono::steady_clock::now();
+    const auto outputs = loader.run(steps[i].inputs);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+    auto& r = results[i];
+    r.latencies_ms.push_back(ms);
+    r.batch_size = steps[i].inputs[0].size(0);
+    const auto vs_cached = compare(outputs.at(0), steps[i].expected_cached, atol, rtol);
+    const auto vs_full = compare(outputs.at(0), steps[i].expected_full, atol, rtol);
+    auto worse = [](Comparison& into, const Comparison& c) {
+      into.max_abs = std::max(into.max_abs, c.max_abs);
+      into.max_rel = std::max(into.max_rel, c.max_rel);
+      into.passed = into.passed && c.passed;
+    };
+    worse(r.vs_cached, vs_cached);
+    worse(r.vs_full, vs_full);
+    if (count_cache) {
+      const auto after = runtime_stats(runtime);
+      r.hit_tokens = after.at("hit_tokens") - before.at("hit_tokens");
+      r.recomputed_tokens = after.at("recomputed_tokens") - before.at("recomputed_tokens");
+    }
+  }
+}
+
+void print_report(const nlohmann::json& report) {
+  std::printf("%4s %2s  %-46s %19s %21s %5s %5s %7s  ok\n", "step", "B", "description", "vs cached abs/rel",
+              "vs recompute abs/rel", "hit", "new", "ms");
+  int passed = 0;
+  for (const auto& s : report["steps"]) {
+    const auto& c = s["vs_cached"];
+    const auto& f = s["vs_full"];
+    passed += s["passed"].get<bool>();
+    std::printf("%4d %2d  %-46.46s %9.1e/%-9.1e %10.1e/%-10.1e %5lld %5lld %7.2f  %s\n", s["index"].get<int>(),
+                s["batch_size"].get<int>(), s["description"].get<std::string>().c_str(), c["max_abs"].get<double>(),
+                c["max_rel"].get<double>(), f["max_abs"].get<double>(), f["max_rel"].get<double>(),
+                static_cast<long long>(s["hit_tokens"].get<int64_t>()),
+                static_cast<long long>(s["recomputed_tokens"].get<int64_t>()), s["latency_ms"].get<double>(),
+                s["passed"].get<bool>() ? "ok" : "FAIL");
+  }
+  std::printf("verdict: %s (cpp: %d/%zu steps within atol %g, rtol %g; %d files checked)\n",
+              report["passed"].get<bool>() ? "PASS" : "FAIL", passed, report["steps"].size(),
+              report["atol"].get<double>(), report["rtol"].get<double>(), report["files_checked"].get<int>());
+}
+
+// AOTIModelPackageLoader extracts the package into a temporary directory and does not remove it
+// when its constructor throws. The harness therefore gives it a private TMPDIR that it always
+// removes itself, so no extraction directory outlives the process, on success or failure.
+class PrivateTempDir {
+ public:
+  PrivateTempDir() {
+    std::string pattern = (fs::temp_directory_path() / "kvexport-replay-XXXXXX").string();
+    if (!mkdtemp(pattern.data())) throw ReplayError(kUnusable, "cannot create a temporary directory");
+    path_ = pattern;
+    setenv("TMPDIR", path_.c_str(), 1);
+  }
+  ~PrivateTempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+
+ private:
+  fs::path path_;
+};
+
+int run(const Options& options) {
+  const auto manifest = read_manifest(options.artifact);
+  const int files_checked = check_files(manifest);
+  load_libraries(manifest, options);
+  const double atol = options.atol.value_or(manifest.atol), rtol = options.rtol.value_or(manifest.rtol);
+
+  PrivateTempDir temp_dir;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
+  try {
+    loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+        (manifest.root / "model.pt2").string(), "model", /*run_single_threaded=*/false,
+        /*num_runners=*/static_cast<size_t>(options.threads));
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    const auto schema = what.find("Could not find schema for ");
+    if (schema != std::string::npos) {
+      const auto op = what.substr(schema + 26, what.find_first_of(".\n", schema + 26) - schema - 26);
+      throw ReplayError(kUnusable, "model.pt2 calls " + op + " but no loaded library defines it; pass its "
+                                   "library with --library PATH");
+    }
+    throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
+  }
+  auto metadata = loader->get_metadata();
+  const std::string runtime = metadata.at("kvexport.runtime_name");
+  const auto signature = nlohmann::json::parse(metadata.at("kvexport.signature")).get<std::vector<std::string>>();
+  call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), c10::Device(c10::kCPU)});
+  const auto steps = load_trace(manifest, signature);
+
+  std::vector<StepResult> results(steps.size());
+  for (int pass = 0; pass < options.repeat; ++pass) {
+    call_op("kvexport::reset_runtime", {runtime});
+    if (options.threads == 1) {
+      replay_pass(*loader, runtime, steps, atol, rtol, results, /*count_cache=*/pass == 0);
+      continue;
+    }
+    // Every thread replays the whole trace through the shared loader and runtime. Cache states
+    // interleave, but cached == recompute holds for any state, so each output must still match.
+    std::vector<std::vector<StepResult>> per_thread(options.threads, std::vector<StepResult>(steps.size()));
+    std::vector<std::thread> workers;
+    std::vector<std::exception_ptr> errors(options.threads);
+    for (int t = 0; t < options.threads; ++t) {
+      workers.emplace_back([&, t] {
+        try {
+          replay_pass(*loader, runtime, steps, atol, rtol, per_thread[t], /*count_cache=*/false);
+        } catch (...) {
+          errors[t] = std::current_exception();
+        }
+      });
+    }
+    for (auto& w : workers) w.join();
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    for (const auto& thread_results : per_thread) {
+      for (size_t i = 0; i < steps.size(); ++i) {
+        auto& r = results[i];
+        const auto& t = thread_results[i];
+        r.batch_size = t.batch_size;
+        r.vs_cached.passed = r.vs_cached.passed && t.vs_cached.passed;
+        r.vs_full.passed = r.vs_full.passed && t.vs_full.passed;
+        r.vs_cached.max_abs = std::max(r.vs_cached.max_abs, t.vs_cached.max_abs);
+        r.vs_cached.max_rel = std::max(r.vs_cached.max_rel, t.vs_cached.max_rel);
+        r.vs_full.max_abs = std::max(r.vs_full.max_abs, t.vs_full.max_abs);
+        r.vs_full.max_rel = std::max(r.vs_full.max_rel, t.vs_full.max_rel);
+        r.latencies_ms.insert(r.latencies_ms.end(), t.latencies_ms.begin(), t.latencies_ms.end());
+      }
+    }
+  }
+
+  nlohmann::json report = {{"artifact", manifest.root.string()}, {"runner", "cpp"}, {"files_checked", files_checked},
+                           {"atol", atol}, {"rtol", rtol}, {"repeat", options.repeat},
+                           {"threads", options.threads}, {"steps", nlohmann::json::array()}};
+  bool all_passed = true;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto& r = results[i];
+    const bool passed = r.vs_cached.passed && r.vs_full.passed;
+    all_passed = all_passed && passed;
+    report["steps"].push_back({{"index", i}, {"description", manifest.steps[i].description},
+                               {"batch_size", r.batch_size}, {"vs_cached", to_json(r.vs_cached)},
+                               {"vs_full", to_json(r.vs_full)}, {"hit_tokens", r.hit_tokens},
+                               {"recomputed_tokens", r.recomputed_tokens},
+                               {"latency_ms", percentile(r.latencies_ms, 0.5)},
+                               {"latency_p50_ms", percentile(r.latencies_ms, 0.5)},
+                               {"latency_p99_ms", percentile(r.latencies_ms, 0.99)}, {"passed", passed}});
+  }
+  report["passed"] = all_passed;
+  report["counters"] = runtime_stats(runtime);
+  print_report(report);
+  if (options.json) {
+    std::ofstream out(*options.json);
+    out << report.dump(2) << "\n";
+    if (!out) throw ReplayError(kUnusable, "cannot write " + options.json->string());
+  }
+  return all_passed ? kPass : kMismatch;
+}
+
+}  // namespace
+}  // namespace kvexport::replay
+
+int main(int argc, char** argv) {
+  using namespace kvexport::replay;
+  try {
+    return run(parse_options(argc, argv));
+  } catch (const ReplayError& e) {
+    std::fprintf(e.code == kPass ? stdout : stderr, "%s%s\n", e.code == kPass ? "" : "error: ", e.what());
+    return e.code;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+    return kUnusable;
+  }
+}

@@ -1,0 +1,54 @@
+"""`kvexport replay`: builds (if needed) and runs the bundled C++ harness on an artifact.
+
+The harness needs no Python at run time; this launcher only finds what it must be told:
+the op libraries the package requires (by name in the manifest) and the harness binary.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from kvexport.artifact import open_artifact
+from kvexport.errors import UserError
+from kvexport.native import REPLAY_BINARY, build_native
+from kvexport.ops import jagged
+from kvexport.export.package import LIBRARIES
+
+
+def harness() -> Path:
+    """The harness binary, (re)built incrementally in the cached build directory."""
+    build_native(("kvexport_replay",))
+    return REPLAY_BINARY
+
+
+def library_flags(required: list[str]) -> list[str]:
+    """--library flags for the required libraries the artifact does not carry itself (lib/)."""
+    flags = []
+    for name in required:
+        if name == LIBRARIES["kvexport"]:
+            continue  # shipped in the artifact's lib/
+        if name == jagged.FBGEMM_LIBRARY:
+            path = jagged.fbgemm_library_path()
+            if path is None:
+                raise UserError(f"the package needs {name}, but fbgemm_gpu is not installed here")
+            flags += ["--library", str(path)]
+        else:
+            raise UserError(f"the package needs op library {name}, which this kvexport does not know")
+    return flags
+
+
+def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1) -> list[str]:
+    artifact = open_artifact(out)
+    command = [str(harness()), "--artifact", str(artifact.root), *library_flags(artifact.required_libraries),
+               "--repeat", str(repeat), "--threads", str(threads)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    return command
+
+
+def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1) -> int:
+    """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable)."""
+    if repeat < 1 or threads < 1:
+        raise UserError("--repeat and --threads must be >= 1")
+    return subprocess.run(replay_command(out, json_path, repeat, threads)).returncode
