@@ -117,3 +117,28 @@ def check_files(artifact: Artifact) -> int:
     if extra:
         raise VerificationError(f"{extra[0]} is not listed in the manifest")
     return len(expected)
+
+
+def trace_digest(steps: list[dict[str, Any]], files: dict[str, str]) -> str:
+    """sha256 over each trace step's file, file hash and expected error, one line a step.
+
+    Stored in the package metadata, so an edited trace list or trace hash in manifest.json is
+    caught (the C++ harness computes the same lines).
+    """
+    lines = "".join(f"{s['file']}\t{files.get(s['file'], '')}\t{s.get('expect_error', '')}\n" for s in steps)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def check_manifest_against_package(artifact: Artifact, metadata: dict[str, str]) -> None:
+    """manifest.json must agree with the metadata compiled into model.pt2 (VerificationError otherwise)."""
+    m = artifact.manifest
+    checks = {
+        "runtime_config": (m["runtime_config"], json.loads(metadata.get("kvexport.runtime_config", "null"))),
+        "tolerance": (m["tolerance"], json.loads(metadata.get("kvexport.tolerance", "null"))),
+        "required_libraries": (m["required_libraries"],
+                               json.loads(metadata.get("kvexport.required_libraries", "null"))),
+        "trace": (trace_digest(artifact.trace_steps, m["files"]), metadata.get("kvexport.trace_digest")),
+    }
+    for field, (in_manifest, in_package) in checks.items():
+        if in_manifest != in_package:
+            raise VerificationError(f"{MANIFEST} was edited: its {field} does not match {PACKAGE}'s metadata")

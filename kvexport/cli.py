@@ -137,13 +137,15 @@ def build(config: Path, out: Path, checkpoint: Path | None, device: str, force: 
 @main.command()
 @artifact_argument
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
+@click.option("--atol", type=click.FloatRange(min=0), help="Override the manifest's absolute tolerance.")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Override the manifest's relative tolerance.")
 @_handle_errors
-def verify(out: Path, json_path: Path | None) -> None:
+def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | None) -> None:
     """Replay OUT's trace through model.pt2 in Python; exit 0 pass, 1 mismatch, 2 unusable input."""
     from kvexport.trace.report import format_report
     from kvexport.trace.verify import verify_artifact
 
-    report = verify_artifact(out).to_json()
+    report = verify_artifact(out, atol, rtol).to_json()
     click.echo(format_report(report))
     if json_path:
         _write_json(json_path, report)
@@ -192,9 +194,12 @@ def inspect(target: Path, as_json: bool) -> None:
               help="Replay the trace N times (from an empty cache each time) for latency percentiles.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Threads replaying the trace concurrently through one loaded package.")
+@click.option("--atol", type=click.FloatRange(min=0), help="Override the manifest's absolute tolerance.")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Override the manifest's relative tolerance.")
 @_handle_errors
-def replay(out: Path, json_path: Path | None, repeat: int, threads: int) -> None:
+def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: float | None,
+           rtol: float | None) -> None:
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
     from kvexport.replay import run_replay
 
-    sys.exit(run_replay(out, json_path, repeat, threads))
+    sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol))

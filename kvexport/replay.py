@@ -38,17 +38,23 @@ def library_flags(required: list[str]) -> list[str]:
     return flags
 
 
-def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1) -> list[str]:
+def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
+                   atol: float | None = None, rtol: float | None = None) -> list[str]:
     artifact = open_artifact(out)
     command = [str(harness()), "--artifact", str(artifact.root), *library_flags(artifact.required_libraries),
                "--repeat", str(repeat), "--threads", str(threads)]
     if json_path is not None:
         command += ["--json", str(json_path)]
+    if atol is not None:
+        command += ["--atol", repr(atol)]
+    if rtol is not None:
+        command += ["--rtol", repr(rtol)]
     return command
 
 
-def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1) -> int:
+def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
+               atol: float | None = None, rtol: float | None = None) -> int:
     """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable)."""
     if repeat < 1 or threads < 1:
         raise UserError("--repeat and --threads must be >= 1")
-    return subprocess.run(replay_command(out, json_path, repeat, threads)).returncode
+    return subprocess.run(replay_command(out, json_path, repeat, threads, atol, rtol)).returncode

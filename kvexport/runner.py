@@ -53,10 +53,15 @@ class PackageRunner:
         return kv.runtime_stats(self.artifact.runtime_name)
 
 
-def load_trace_step(path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """A recorded step: request tensors, expected cached output, expected full-recompute output."""
+def load_trace_step(path: Path, expect_outputs: bool = True):
+    """A recorded step: request tensors, expected cached output, expected full-recompute output.
+
+    Steps that must fail (expect_outputs=False) carry the request only; both expectations are None.
+    """
     data = load_tensor_file(path, "trace file")
-    if not isinstance(data, dict) or EXPECTED_CACHED not in data or EXPECTED_FULL not in data:
+    if not isinstance(data, dict):
+        raise UserError(f"trace file {path} must hold a dict of tensors")
+    if expect_outputs and (EXPECTED_CACHED not in data or EXPECTED_FULL not in data):
         raise UserError(f"trace file {path} lacks its expected outputs")
     request = {k: v for k, v in data.items() if k not in (EXPECTED_CACHED, EXPECTED_FULL)}
-    return request, data[EXPECTED_CACHED], data[EXPECTED_FULL]
+    return request, data.get(EXPECTED_CACHED), data.get(EXPECTED_FULL)

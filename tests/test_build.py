@@ -99,8 +99,8 @@ def test_deleted_trace_file_makes_the_artifact_unusable(artifact_copy):
     assert "is incomplete: trace/step_0001.pt is listed in the manifest but missing" in result.output
 
 
-def test_perturbed_expectation_with_matching_hash_fails_the_step(artifact_copy):
-    """Re-hashing a perturbed expected output: the sha check passes, the comparison must not."""
+def test_perturbed_expectation_with_rehashed_manifest_is_caught(artifact_copy):
+    """Re-hashing a perturbed expected output in manifest.json: the package's trace digest disagrees."""
     from kvexport.artifact import MANIFEST, sha256_of
 
     step = artifact_copy / "trace" / "step_0002.pt"
@@ -112,8 +112,38 @@ def test_perturbed_expectation_with_matching_hash_fails_the_step(artifact_copy):
     (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
     assert result.exit_code == 1
+    assert "manifest.json was edited: its trace does not match model.pt2's metadata" in result.output
+
+
+@pytest.mark.parametrize("field,value", [("tolerance", {"atol": 1.0, "rtol": 1.0}),
+                                         ("required_libraries", ["kvexport_ops"])])
+def test_edited_manifest_is_caught(artifact_copy, field, value):
+    from kvexport.artifact import MANIFEST
+
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    manifest[field] = value
+    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
+    assert result.exit_code == 1
+    assert f"manifest.json was edited: its {field} does not match" in result.output
+
+
+def test_comparison_detects_differences(tiny_artifact):
+    """With zero tolerance the package's float differences from the eager model must show as failures."""
+    report = verify_artifact(tiny_artifact, atol=0.0, rtol=0.0)
+    failing = [s for s in report.steps if not s.passed]
+    assert failing and all(s.vs_full.max_abs > 0 for s in failing)
+    result = CliRunner().invoke(main, ["verify", str(tiny_artifact), "--atol", "0", "--rtol", "0"])
+    assert result.exit_code == 1
     assert "verdict: FAIL" in result.output
-    assert "FAIL" in [line for line in result.output.splitlines() if line.strip().startswith("2 ")][0]
+
+
+def test_capacity_error_step_passes_and_leaves_cache_usable(tiny_artifact):
+    report = verify_artifact(tiny_artifact)
+    capacity = [s for s in report.steps if "exceed the device tier" in s.description]
+    assert len(capacity) == 1 and capacity[0].passed and capacity[0].recomputed_tokens == 0
+    after = report.steps[capacity[0].index + 1]
+    assert after.passed and after.hit_tokens > 0
 
 
 def test_build_refuses_to_overwrite(tiny_artifact):
@@ -143,7 +173,7 @@ def test_interrupted_or_failed_build_leaves_nothing(tmp_path, monkeypatch, inter
 
 def test_run_scores_a_request_file(tiny_artifact, tmp_path):
     artifact = open_artifact(tiny_artifact)
-    steps = [load_trace_step(artifact.root / s["file"]) for s in artifact.trace_steps]
+    steps = [load_trace_step(artifact.root / s["file"]) for s in artifact.trace_steps if "expect_error" not in s]
     requests = tmp_path / "requests.pt"
     torch.save([request for request, _, _ in steps], requests)
     output = tmp_path / "logits.pt"

@@ -75,7 +75,17 @@ def test_replay_fails_on_perturbed_expectation(replay_binary, artifact_copy, tmp
     (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
     result, leftovers = run_harness(replay_command(artifact_copy), tmp_path)
     assert result.returncode == 1
+    assert "manifest.json was edited: its trace does not match model.pt2's metadata" in result.stderr
+    assert leftovers == []
+
+
+def test_replay_comparison_detects_differences(replay_binary, tiny_artifact, tmp_path):
+    report_path = tmp_path / "replay.json"
+    result, leftovers = run_harness(replay_command(tiny_artifact, report_path, atol=0.0, rtol=0.0), tmp_path)
+    assert result.returncode == 1
     assert "verdict: FAIL" in result.stdout
+    steps = json.loads(report_path.read_text())["steps"]
+    assert any(not s["passed"] and s["vs_full"]["max_abs"] > 0 for s in steps)
     assert leftovers == []
 
 

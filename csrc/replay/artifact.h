@@ -7,6 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace kvexport::replay {
@@ -25,6 +26,7 @@ struct ReplayError : std::runtime_error {
 struct TraceStep {
   std::string file;
   std::string description;
+  std::string expect_error;  // non-empty: the step must fail with this message, cache unchanged
 };
 
 struct Manifest {
@@ -39,7 +41,11 @@ struct Manifest {
 Manifest read_manifest(const fs::path& root);
 // Compares every listed file with its sha256 (kMismatch naming the file); returns the count.
 int check_files(const Manifest& manifest);
-// A recorded step: the request tensors by name plus expected_cached and expected_full.
-std::map<std::string, at::Tensor> load_step(const fs::path& path);
+// A recorded step: the request tensors by name plus expected_cached and expected_full (absent
+// for a step that must fail).
+std::map<std::string, at::Tensor> load_step(const fs::path& path, bool expect_outputs);
+// manifest.json must agree with the metadata compiled into model.pt2 (kMismatch otherwise).
+void check_manifest_against_package(const Manifest& manifest,
+                                    const std::unordered_map<std::string, std::string>& metadata);
 
 }  // namespace kvexport::replay

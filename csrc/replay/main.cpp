@@ -151,22 +151,36 @@ double percentile(std::vector<double> values, double q) {
 struct LoadedStep {
   std::vector<at::Tensor> inputs;
   at::Tensor expected_cached, expected_full;
+  std::string expect_error;
 };
 
 std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature) {
   std::vector<LoadedStep> steps;
   for (const auto& step : manifest.steps) {
-    auto tensors = load_step(manifest.root / step.file);
+    auto tensors = load_step(manifest.root / step.file, step.expect_error.empty());
     LoadedStep loaded;
+    loaded.expect_error = step.expect_error;
     for (const auto& name : signature) {
       if (!tensors.count(name)) throw ReplayError(kUnusable, "trace file " + step.file + " lacks " + name);
       loaded.inputs.push_back(tensors.at(name));
     }
-    loaded.expected_cached = tensors.at("expected_cached");
-    loaded.expected_full = tensors.at("expected_full");
+    if (loaded.expect_error.empty()) {
+      loaded.expected_cached = tensors.at("expected_cached");
+      loaded.expected_full = tensors.at("expected_full");
+    }
     steps.push_back(std::move(loaded));
   }
   return steps;
+}
+
+// A step recorded as failing passes when the package refuses it with the expected message.
+bool expect_failure(torch::inductor::AOTIModelPackageLoader& loader, const LoadedStep& step) {
+  try {
+    loader.run(step.inputs);
+  } catch (const std::exception& e) {
+    return std::string(e.what()).find(step.expect_error) != std::string::npos;
+  }
+  return false;
 }
 
 // Replays the trace `repeat` times from an empty cache; every pass is compared.
@@ -176,13 +190,19 @@ void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::str
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto before = count_cache ? runtime_stats(runtime) : std::map<std::string, int64_t>{};
     const auto started = std::chrono::steady_clock::now();
-    const auto outputs = loader.run(steps[i].inputs);
+    Comparison vs_cached, vs_full;
+    if (steps[i].expect_error.empty()) {
+      const auto outputs = loader.run(steps[i].inputs);
+      vs_cached = compare(outputs.at(0), steps[i].expected_cached, atol, rtol);
+      vs_full = compare(outputs.at(0), steps[i].expected_full, atol, rtol);
+    } else {
+      vs_cached.passed = expect_failure(loader, steps[i]);
+      vs_full = vs_cached;
+    }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
     auto& r = results[i];
     r.latencies_ms.push_back(ms);
     r.batch_size = steps[i].inputs[0].size(0);
-    const auto vs_cached = compare(outputs.at(0), steps[i].expected_cached, atol, rtol);
-    const auto vs_full = compare(outputs.at(0), steps[i].expected_full, atol, rtol);
     auto worse = [](Comparison& into, const Comparison& c) {
       into.max_abs = std::max(into.max_abs, c.max_abs);
       into.max_rel = std::max(into.max_rel, c.max_rel);
@@ -192,6 +212,9 @@ void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::str
     worse(r.vs_full, vs_full);
     if (count_cache) {
       const auto after = runtime_stats(runtime);
+      if (!steps[i].expect_error.empty() && after != before) {
+        r.vs_cached.passed = r.vs_full.passed = false;  // a failed batch must leave the cache as it was
+      }
       r.hit_tokens = after.at("hit_tokens") - before.at("hit_tokens");
       r.recomputed_tokens = after.at("recomputed_tokens") - before.at("recomputed_tokens");
     }
@@ -261,6 +284,7 @@ int run(const Options& options) {
     throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
   }
   auto metadata = loader->get_metadata();
+  check_manifest_against_package(manifest, metadata);
   const std::string runtime = metadata.at("kvexport.runtime_name");
   const auto signature = nlohmann::json::parse(metadata.at("kvexport.signature")).get<std::vector<std::string>>();
   call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), c10::Device(c10::kCPU)});

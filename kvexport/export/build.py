@@ -98,6 +98,13 @@ def _check_device(device: str) -> None:
         raise UserError("--device cuda: the op library has CPU kernels only in this version")
 
 
+def _weights(checkpoint: Path | None) -> dict[str, str | int]:
+    """Where the weights came from, so a later eager recompute (soak) can use the same ones."""
+    if checkpoint is None:
+        return {"source": "seed", "seed": 0}
+    return {"source": "checkpoint", "sha256": artifact.sha256_of(checkpoint)}
+
+
 def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str) -> None:
     stages = _Stages(total=5)
     with stages.stage("model", f"{config.name} ({'checkpoint ' + str(checkpoint) if checkpoint else 'seeded init'})"):
@@ -106,7 +113,12 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     with stages.stage("export", "torch.export of the KV-cached module"):
         program = export_cached(CachedRanker(model, config.name), config)
         ops = graph_custom_ops(program)
+    with stages.stage("trace", "recording requests with eager cached and full-recompute outputs"):
+        steps = record_trace(config, model, staging / artifact.TRACE_DIR)
+        trace_files = artifact.hash_files(staging)
     libraries = required_libraries(ops)
+    tolerance = TOLERANCES[config.model.dtype]
+    weights = _weights(checkpoint)
     metadata = {
         "kvexport.version": kvexport.__version__,
         "kvexport.runtime_name": config.name,
@@ -114,13 +126,14 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         "kvexport.config": json.dumps(config.to_dict(), sort_keys=True),
         "kvexport.signature": json.dumps(list(SIGNATURE)),
         "kvexport.required_libraries": json.dumps(libraries),
+        "kvexport.tolerance": json.dumps(tolerance),
+        "kvexport.weights": json.dumps(weights),
+        "kvexport.trace_digest": artifact.trace_digest(steps, trace_files),
         "kvexport.torch_version": torch.__version__,
     }
     with stages.stage("compile", "AOTInductor compile and package"):
         package = compile_package(program, staging / artifact.PACKAGE, metadata)
         package_ops = check_package_ops(package, ops)
-    with stages.stage("trace", "recording requests with eager cached and full-recompute outputs"):
-        steps = record_trace(config, model, staging / artifact.TRACE_DIR)
     with stages.stage("manifest", "op library copy, sha256 of every file"):
         (staging / artifact.LIB_DIR).mkdir()
         shutil.copy2(OPS_LIBRARY, staging / artifact.LIB_DIR / OPS_LIBRARY_NAME)
@@ -131,9 +144,10 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
             "device": device,
             "config": config.to_dict(),
             "runtime_config": json.loads(config.runtime_json()),
+            "weights": weights,
             "signature": signature(config),
             "dims": dims(config),
-            "tolerance": TOLERANCES[config.model.dtype],
+            "tolerance": tolerance,
             "versions": versions(),
             "required_libraries": libraries,
             "package_ops": dict(sorted(package_ops.items())),

@@ -26,10 +26,14 @@ EXPECTED_CACHED = "expected_cached"
 EXPECTED_FULL = "expected_full"
 
 
+CAPACITY_ERROR = "KV cache capacity exceeded"
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceStep:
     description: str
     batch: Batch
+    expect_error: str = ""
 
 
 def _trace_workload(config: Config) -> Workload:
@@ -46,7 +50,7 @@ class _Script:
     def __init__(self, config: Config, model: HSTURanker, cache: KVCacheManager):
         self.config, self.model, self.cache = config, model, cache
         self.workload = _trace_workload(config)
-        self.steps: list[tuple[TraceStep, torch.Tensor]] = []
+        self.steps: list[tuple[TraceStep, torch.Tensor | None]] = []
         self.next_user = 0
 
     def run(self, description: str, users: list[int], new_events: int | None = None) -> None:
@@ -63,13 +67,37 @@ class _Script:
             cached = self.model.forward_cached(batch, self.cache.name)
         self.steps.append((TraceStep(description, batch), cached))
 
+    def run_expecting_error(self, description: str, users: list[int], error: str) -> None:
+        """A request that must fail (and leave the cache untouched); recorded without outputs."""
+        m = self.config.model
+        requests = []
+        for user_id in users:
+            user = self.workload.new_user(user_id, num_events=m.max_history_length)
+            requests.append(self.workload.request(user, 1))
+        batch = Batch.concat(requests)
+        before = self.cache.stats()
+        try:
+            with torch.no_grad():
+                self.model.forward_cached(batch, self.cache.name)
+        except ValueError as exc:
+            if error not in str(exc):
+                raise
+        else:
+            raise RuntimeError(f"kvexport bug: trace step '{description}' did not fail")
+        if self.cache.stats() != before:
+            raise RuntimeError("kvexport bug: a failed batch changed the cache runtime's state")
+        for user_id in users:
+            del self.workload.users[user_id]
+        self.steps.append((TraceStep(description, batch, error), None))
+
     def fresh_users(self, count: int) -> list[int]:
         users = list(range(self.next_user, self.next_user + count))
         self.next_user += count
         return users
 
 
-def script_steps(config: Config, model: HSTURanker, cache: KVCacheManager) -> list[tuple[TraceStep, torch.Tensor]]:
+def script_steps(config: Config, model: HSTURanker,
+                 cache: KVCacheManager) -> list[tuple[TraceStep, torch.Tensor | None]]:
     """The scripted sequence, with the eager cached output of each step."""
     s = _Script(config, model, cache)
     max_batch = config.serving.max_batch_size
@@ -98,7 +126,22 @@ def script_steps(config: Config, model: HSTURanker, cache: KVCacheManager) -> li
     mixed = [watched, *first[1:max_batch - 1], *s.fresh_users(1)][:max_batch]
     s.run(f"mixed warm and cold users, batch {len(mixed)}", mixed, new_events=1)
     s.run("batch 1, zero new events", [watched], new_events=0)
+    over_capacity = _over_capacity_users(config)
+    if over_capacity:
+        s.run_expecting_error(f"{over_capacity} users at max history exceed the device tier",
+                              s.fresh_users(over_capacity), CAPACITY_ERROR)
+        s.run("after the capacity error, a warm user", [watched], new_events=1)
+    else:
+        log.info("trace: every valid batch fits the device tier; no capacity-error step")
     return s.steps
+
+
+def _over_capacity_users(config: Config) -> int:
+    """Fewest users at max history whose pages exceed the device tier, if a valid batch can."""
+    m, c = config.model, config.kv_cache
+    pages_per_user = -(-m.max_prefix_length // c.page_size)
+    needed = c.device_pages // pages_per_user + 1
+    return needed if needed <= config.serving.max_batch_size else 0
 
 
 def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> list[dict]:
@@ -113,14 +156,18 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> list[dic
     trace_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     for i, (step, cached) in enumerate(steps):
-        with torch.no_grad():
-            full = model(step.batch)
         name = f"step_{i:04d}.pt"
-        torch.save({**step.batch.to_dict(), EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()},
-                   trace_dir / name)
-        entries.append({"file": f"{trace_dir.name}/{name}", "description": step.description,
-                        "batch_size": step.batch.batch_size,
-                        "num_candidates": int(step.batch.num_candidates.sum())})
+        entry = {"file": f"{trace_dir.name}/{name}", "description": step.description,
+                 "batch_size": step.batch.batch_size, "num_candidates": int(step.batch.num_candidates.sum())}
+        tensors = step.batch.to_dict()
+        if step.expect_error:
+            entry["expect_error"] = step.expect_error
+        else:
+            with torch.no_grad():
+                full = model(step.batch)
+            tensors.update({EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()})
+        torch.save(tensors, trace_dir / name)
+        entries.append(entry)
     log.info("  trace: %d steps; eager cache counters %s", len(entries),
              {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads", "onboards",
                                                       "prefix_truncations")})

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
-from kvexport.artifact import check_files, open_artifact
+from kvexport.errors import UserError
+
+from kvexport.artifact import check_files, check_manifest_against_package, open_artifact
+from kvexport.export.package import read_package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,26 +72,47 @@ class VerifyReport:
                 "steps": steps, "counters": self.counters}
 
 
-def verify_artifact(root: str | Path) -> VerifyReport:
-    """Checks sha256s, loads the package in a fresh runtime, replays the trace in order."""
+def _expect_failure(runner, request, index: int, expected: str) -> Comparison:
+    """A step recorded as failing passes when the package refuses it with the expected message."""
+    try:
+        runner.score(request, index)
+    except UserError as exc:
+        return Comparison(0.0, 0.0, expected in str(exc))
+    return Comparison(0.0, 0.0, False)
+
+
+def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | None = None) -> VerifyReport:
+    """Checks sha256s, loads the package in a fresh runtime, replays the trace in order.
+
+    atol/rtol override the manifest's tolerances (the manifest's own are checked against the package).
+    """
     from kvexport.runner import PackageRunner, load_trace_step
 
     artifact = open_artifact(root)
     files_checked = check_files(artifact)
+    check_manifest_against_package(artifact, read_package(artifact.package)[0])
     runner = PackageRunner(artifact)
-    tol = artifact.tolerance
+    tol = {"atol": artifact.tolerance["atol"] if atol is None else atol,
+           "rtol": artifact.tolerance["rtol"] if rtol is None else rtol}
     results = []
     for index, step in enumerate(artifact.trace_steps):
-        request, expected_cached, expected_full = load_trace_step(artifact.root / step["file"])
+        expect_error = step.get("expect_error", "")
+        request, expected_cached, expected_full = load_trace_step(artifact.root / step["file"], not expect_error)
         before = runner.stats()
         started = time.perf_counter()
-        output = runner.score(request, index)
+        if expect_error:
+            vs_cached = vs_full = _expect_failure(runner, request, index, expect_error)
+        else:
+            output = runner.score(request, index)
+            vs_cached = compare(output, expected_cached, tol["atol"], tol["rtol"])
+            vs_full = compare(output, expected_full, tol["atol"], tol["rtol"])
         latency_ms = (time.perf_counter() - started) * 1e3
         after = runner.stats()
+        if expect_error and after != before:
+            vs_cached = vs_full = Comparison(0.0, 0.0, False)  # a failed batch must leave the cache as it was
         results.append(StepResult(
             index=index, description=step["description"], batch_size=int(request["user_ids"].shape[0]),
-            vs_cached=compare(output, expected_cached, tol["atol"], tol["rtol"]),
-            vs_full=compare(output, expected_full, tol["atol"], tol["rtol"]),
+            vs_cached=vs_cached, vs_full=vs_full,
             hit_tokens=after["hit_tokens"] - before["hit_tokens"],
             recomputed_tokens=after["recomputed_tokens"] - before["recomputed_tokens"],
             latency_ms=round(latency_ms, 3),

@@ -47,8 +47,10 @@ class Workload:
     def _ids(self, vocab: int, n: int) -> list[int]:
         return [self.rng.randrange(vocab) for _ in range(n)]
 
-    def new_user(self, user_id: int) -> UserHistory:
-        n = self.rng.randint(self.spec.min_history_length, self.spec.max_history_length)
+    def new_user(self, user_id: int, num_events: int | None = None) -> UserHistory:
+        """A first-time user with a random history (of `num_events` events, if given)."""
+        n = num_events if num_events is not None else self.rng.randint(self.spec.min_history_length,
+                                                                         self.spec.max_history_length)
         m = self.model
         user = UserHistory(user_id, self._ids(m.context_vocab_size, m.num_contextual_features),
                            self._ids(m.item_vocab_size, n), self._ids(m.action_vocab_size, n))
