@@ -203,3 +203,31 @@ def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: f
     from kvexport.replay import run_replay
 
     sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol))
+
+
+@main.command()
+@artifact_argument
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=300, show_default=True,
+              help="Requests to send.")
+@click.option("--users", "num_users", type=click.IntRange(min=1), default=40, show_default=True,
+              help="Distinct users in the population.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--checkpoint", type=click.Path(path_type=Path),
+              help="The checkpoint OUT was built from (needed when it was built from one).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the result as JSON.")
+@_handle_errors
+def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None,
+         json_path: Path | None) -> None:
+    """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
+    from kvexport.soak import soak as run_soak
+
+    report = run_soak(out, num_requests, num_users, seed, checkpoint)
+    counters = ", ".join(f"{k} {v}" for k, v in report.counters.items())
+    click.echo(f"requests {report.requests}, users {report.users}, seed {report.seed}, {report.seconds:.1f} s")
+    click.echo(f"counters: {counters}")
+    click.echo(f"workload: {', '.join(f'{k} {v}' for k, v in sorted(report.workload.items()))}")
+    verdict = "PASS" if report.passed else f"FAIL ({report.mismatches} mismatches, first at request {report.first_mismatch})"
+    click.echo(f"worst abs error {report.worst_abs:.3e}; verdict: {verdict}")
+    if json_path:
+        _write_json(json_path, report.to_json())
+    sys.exit(0 if report.passed else 1)

@@ -62,6 +62,8 @@ def load_checkpoint(path: str | Path, model: HSTURanker) -> dict[str, torch.Tens
 def save_checkpoint(model: HSTURanker, path: str | Path) -> None:
     """Writes the model's state_dict atomically (temporary file, then rename)."""
     path = Path(path)
+    if not path.resolve().parent.is_dir():
+        raise UserError(f"cannot write checkpoint {path}: its directory does not exist")
     tmp = path.with_name(path.name + ".partial")
     try:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp)

@@ -1,0 +1,102 @@
+"""`kvexport soak`: a seeded random workload through the package, every output checked against
+the eager full recompute, under constant eviction, offloading and history rewrites."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from kvexport.artifact import Artifact, check_files, check_manifest_against_package, open_artifact, sha256_of
+from kvexport.errors import UserError
+from kvexport.export.package import read_package
+from kvexport.model import build_model
+from kvexport.model.hstu import HSTURanker
+from kvexport.trace.verify import compare
+from kvexport.trace.workload import Workload, WorkloadSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SoakReport:
+    requests: int
+    users: int
+    seed: int
+    mismatches: int
+    first_mismatch: int | None
+    worst_abs: float
+    counters: dict[str, int]
+    workload: dict[str, int]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.mismatches == 0
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "passed": self.passed}
+
+
+def eager_model_for(artifact: Artifact, checkpoint: Path | None) -> HSTURanker:
+    """The eager model with the weights the package was built from (checked by sha256)."""
+    weights = artifact.manifest.get("weights", {"source": "seed", "seed": 0})
+    config = artifact.config
+    if weights["source"] == "checkpoint":
+        if checkpoint is None:
+            raise UserError(f"{artifact.root} was built from a checkpoint; pass the same file with --checkpoint")
+        if sha256_of(checkpoint) != weights["sha256"]:
+            raise UserError(f"checkpoint {checkpoint} is not the one {artifact.root} was built from (sha256 differs)")
+        return build_model(config, checkpoint)
+    if checkpoint is not None:
+        raise UserError(f"{artifact.root} was built from seeded weights, not a checkpoint; drop --checkpoint")
+    return build_model(config, seed=weights["seed"])
+
+
+def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
+    """Most users per batch that always fit the device tier at the workload's longest history."""
+    m, c = artifact.config.model, artifact.config.kv_cache
+    pages = -(-(m.num_contextual_features + 2 * max_history) // c.page_size)
+    return max(1, min(artifact.config.serving.max_batch_size, c.device_pages // pages))
+
+
+def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None = None) -> SoakReport:
+    from kvexport.runner import PackageRunner
+
+    if num_requests < 1 or num_users < 1:
+        raise UserError("--requests and --users must be >= 1")
+    artifact = open_artifact(out)
+    check_files(artifact)
+    check_manifest_against_package(artifact, read_package(artifact.package)[0])
+    model = eager_model_for(artifact, checkpoint)
+    runner = PackageRunner(artifact)
+    t = artifact.config.trace
+    spec = WorkloadSpec(num_users=num_users, min_history_length=t.min_history_length,
+                        max_history_length=t.max_trace_history_length, max_new_events=t.max_new_events,
+                        num_candidates=t.num_candidates, rewrite_fraction=0.1)
+    workload = Workload(artifact.config.model, spec, seed)
+    sizes = random.Random(seed + 1)
+    max_batch = min(_largest_safe_batch(artifact, spec.max_history_length), num_users)
+    tol = artifact.tolerance
+    mismatches, first, worst = 0, None, 0.0
+    started = time.perf_counter()
+    for index in range(num_requests):
+        batch = workload.next_batch(sizes.randint(1, max_batch))
+        output = runner.score(batch)
+        with torch.no_grad():
+            expected = model(batch)
+        result = compare(output, expected, tol["atol"], tol["rtol"])
+        worst = max(worst, result.max_abs)
+        if not result.passed:
+            mismatches += 1
+            first = index if first is None else first
+            log.error("request %d: max abs error %.3g outside tolerance", index, result.max_abs)
+        if (index + 1) % max(1, num_requests // 10) == 0:
+            log.info("soak: %d/%d requests, worst abs error %.2e, %d mismatches", index + 1, num_requests,
+                     worst, mismatches)
+    return SoakReport(num_requests, num_users, seed, mismatches, first, worst, runner.stats(),
+                      dict(workload.events), round(time.perf_counter() - started, 2))
