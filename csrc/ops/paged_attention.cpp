@@ -4,6 +4,9 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cmath>
 #include <vector>
 
@@ -11,18 +14,68 @@ namespace kvexport::ops {
 
 namespace {
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// The loops below are written for `#pragma omp simd` (-fopenmp-simd): the reductions vectorise
+// without -ffast-math. expf does not vectorise without -ffast-math (glibc declares its vector
+// variants only then), so SiLU uses exp2 by range reduction and a degree-7 polynomial: relative
+// error below 1e-7 on the whole float range, far inside the package tolerances.
+inline float exp_approx(float x) {
+  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float t = clamped * 1.44269504088896341f;  // x * log2(e)
+  constexpr float kRound = 12582912.0f;             // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (t + kRound) - kRound;
+  const float f = (t - n) * 0.693147180559945309f;  // e^f with f in [-ln2/2, ln2/2]
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float's bits
+  return p * std::bit_cast<float>(exponent);
+}
 
 template <typename scalar_t>
-inline float dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+inline float dot(const float* q, const scalar_t* k, int64_t n) {
   float sum = 0.0f;
-  for (int64_t d = 0; d < n; ++d) sum += static_cast<float>(a[d]) * static_cast<float>(b[d]);
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
 }
 
 template <typename scalar_t>
 inline void accumulate(float* acc, float weight, const scalar_t* value, int64_t n) {
+#pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += weight * static_cast<float>(value[d]);
+}
+
+// scores[j] <- SiLU(alpha * scores[j]) * inv_scaling_seqlen
+inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scaling_seqlen) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = alpha * scores[j];
+    scores[j] = x / (1.0f + exp_approx(-x)) * inv_scaling_seqlen;
+  }
+}
+
+// Rows of one user are processed in tiles that share each key and value read from the cache:
+// the cache is read once per tile instead of once per row (the kernel is bound by those reads).
+constexpr int64_t kTileRows = 16;
+
+struct Tile {
+  int64_t first_row, num_rows;
+};
+
+std::vector<Tile> user_tiles(const int64_t* users, int64_t num_rows) {
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (tiles.empty() || users[r] != users[tiles.back().first_row] || tiles.back().num_rows == kTileRows) {
+      tiles.push_back({r, 0});
+    }
+    ++tiles.back().num_rows;
+  }
+  return tiles;
 }
 
 template <typename scalar_t>
@@ -33,6 +86,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t page_size = cache.size(2);
   const int64_t row_stride = num_heads * head_dim;  // between rows of q/k/v/out and slots of a page
   const int64_t page_stride = 2 * page_size * row_stride;
+  const int64_t value_offset = page_size * row_stride;  // v follows k within a page
   const int64_t max_pages = page_table.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k.data_ptr<scalar_t>();
@@ -43,27 +97,64 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t* keys = row_keys.data_ptr<int64_t>();
   const bool* candidate = row_candidate.data_ptr<bool>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t max_keys = num_rows ? *std::max_element(keys, keys + num_rows) : 0;
+  const auto tiles = user_tiles(users, num_rows);
 
-  at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(head_dim);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per tile row t: scores[t * stride + j] for its keys j, then its own key (candidates).
+    const int64_t stride = max_keys + 1;
+    std::vector<float> scores(kTileRows * stride), acc(kTileRows * head_dim), q_tile(kTileRows * head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / num_heads, h = item % num_heads;
-      const scalar_t* q_row = q_ptr + r * row_stride + h * head_dim;
-      const int64_t* user_pages = pages + users[r] * max_pages;
+      const Tile tile = tiles[item / num_heads];
+      const int64_t h = item % num_heads;
+      const int64_t* user_pages = pages + users[tile.first_row] * max_pages;
+      int64_t tile_keys = 0;
+      for (int64_t t = 0; t < tile.num_rows; ++t) {
+        const int64_t r = tile.first_row + t;
+        tile_keys = std::max(tile_keys, keys[r]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          q_tile[t * head_dim + d] = static_cast<float>(q_ptr[r * row_stride + h * head_dim + d]);
+        }
+      }
+      // Keys are visited page by page: no division per key on the hot path.
+      auto for_each_key = [&](auto&& visit) {
+        for (int64_t first = 0, p = 0; first < tile_keys; first += page_size, ++p) {
+          const scalar_t* page = cache_ptr + user_pages[p] * page_stride + h * head_dim;
+          const int64_t count = std::min(page_size, tile_keys - first);
+          for (int64_t s = 0; s < count; ++s) visit(first + s, page + s * row_stride);
+        }
+      };
+      for_each_key([&](int64_t j, const scalar_t* key) {
+        for (int64_t t = 0; t < tile.num_rows; ++t) {
+          if (j < keys[tile.first_row + t]) scores[t * stride + j] = dot(&q_tile[t * head_dim], key, head_dim);
+        }
+      });
+      for (int64_t t = 0; t < tile.num_rows; ++t) {
+        const int64_t r = tile.first_row + t;
+        float* row_scores = &scores[t * stride];
+        if (candidate[r]) {
+          row_scores[keys[r]] = dot(&q_tile[t * head_dim], k_ptr + r * row_stride + h * head_dim, head_dim);
+        }
+        silu_weights(row_scores, keys[r] + (candidate[r] ? 1 : 0), alpha, inv_scaling_seqlen);
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < keys[r]; ++j) {
-        const scalar_t* slot = cache_ptr + user_pages[j / page_size] * page_stride + (j % page_size) * row_stride +
-                               h * head_dim;
-        const float weight = silu(alpha * dot(q_row, slot, head_dim)) * inv_scaling_seqlen;
-        accumulate(acc.data(), weight, slot + page_size * row_stride, head_dim);
+      for_each_key([&](int64_t j, const scalar_t* key) {
+        for (int64_t t = 0; t < tile.num_rows; ++t) {
+          if (j < keys[tile.first_row + t]) {
+            accumulate(&acc[t * head_dim], scores[t * stride + j], key + value_offset, head_dim);
+          }
+        }
+      });
+      for (int64_t t = 0; t < tile.num_rows; ++t) {
+        const int64_t r = tile.first_row + t;
+        if (candidate[r]) {
+          accumulate(&acc[t * head_dim], scores[t * stride + keys[r]], v_ptr + r * row_stride + h * head_dim,
+                     head_dim);
+        }
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out_ptr[r * row_stride + h * head_dim + d] = static_cast<scalar_t>(acc[t * head_dim + d]);
+        }
       }
-      if (candidate[r]) {
-        const scalar_t* k_row = k_ptr + r * row_stride + h * head_dim;
-        const float weight = silu(alpha * dot(q_row, k_row, head_dim)) * inv_scaling_seqlen;
-        accumulate(acc.data(), weight, v_ptr + r * row_stride + h * head_dim, head_dim);
-      }
-      scalar_t* out_row = out_ptr + r * row_stride + h * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<scalar_t>(acc[d]);
     }
   });
 }

@@ -1,0 +1,193 @@
+"""The measurements of `kvexport bench` (DESIGN.md §4 targets), each a function returning JSON rows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvexport.artifact import Artifact
+from kvexport.bench.timing import paired, summary, timed_ms
+from kvexport.config import Config
+from kvexport.model import Batch
+from kvexport.model.batch import UserRequest
+from kvexport.model.hstu import DTYPES, HSTURanker
+from kvexport.ops import wrappers as kv
+from kvexport.ops.manager import KVCacheManager
+from kvexport.replay import replay_command
+from kvexport.runner import PackageRunner, load_trace_step
+
+log = logging.getLogger(__name__)
+NEW_EVENTS = 16
+CANDIDATES = 64
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version()}
+
+
+class SweepRequests:
+    """Users with L cached events plus NEW_EVENTS new ones and CANDIDATES candidates.
+
+    Variant r changes only the item ids of the last NEW_EVENTS events, so after variant r-1 is
+    cached, variant r reuses exactly the first C + 2L tokens and computes NEW_EVENTS events:
+    identical shapes and work for every repetition, without re-priming the cache.
+    """
+
+    def __init__(self, config: Config, cached_events: int, batch_size: int, first_user: int):
+        m = config.model
+        g = torch.Generator().manual_seed(cached_events * 31 + batch_size)
+        n = cached_events + NEW_EVENTS
+        self.vocab = m.item_vocab_size
+        self.users = [
+            UserRequest(first_user + b, torch.randint(0, m.item_vocab_size, (n,), generator=g),
+                        torch.randint(0, m.action_vocab_size, (n,), generator=g),
+                        torch.randint(0, m.context_vocab_size, (m.num_contextual_features,), generator=g),
+                        torch.randint(0, m.item_vocab_size, (CANDIDATES,), generator=g))
+            for b in range(batch_size)
+        ]
+
+    def variant(self, r: int) -> Batch:
+        users = []
+        for u in self.users:
+            items = u.item_ids.clone()
+            items[-NEW_EVENTS:] = (items[-NEW_EVENTS:] + r) % self.vocab
+            users.append(UserRequest(u.user_id, items, u.action_ids, u.context_ids, u.candidate_ids))
+        return Batch.concat(users)
+
+
+def cache_benefit(runner: PackageRunner, lengths: list[int], batch_sizes: list[int], warmup: int,
+                  repeats: int) -> list[dict]:
+    """Package latency: cached path (NEW_EVENTS new) vs full recompute (empty cache), same shapes."""
+    rows = []
+    for batch_size in batch_sizes:
+        for length in lengths:
+            requests = SweepRequests(runner.config, length, batch_size, first_user=0)
+
+            def full(r: int) -> float:
+                kv.reset_runtime(runner.artifact.runtime_name)
+                return timed_ms(lambda: runner.score(requests.variant(2 * r)))
+
+            def cached(r: int) -> float:
+                return timed_ms(lambda: runner.score(requests.variant(2 * r + 1)))
+
+            result = paired(full, cached, warmup, repeats)
+            rows.append({"cached_events": length, "new_events": NEW_EVENTS, "candidates": CANDIDATES,
+                         "batch_size": batch_size, "full_ms": result["a_ms"], "cached_ms": result["b_ms"],
+                         "speedup": result["ratio"]})
+            log.info("cache benefit L=%d B=%d: full %.1f ms, cached %.2f ms, x%.1f", length, batch_size,
+                     result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
+    return rows
+
+
+def package_vs_eager(runner: PackageRunner, model: HSTURanker, cached_events: int, batch_sizes: list[int],
+                     warmup: int, repeats: int) -> list[dict]:
+    """Cached request through the package vs the eager model's cached path (each its own runtime)."""
+    eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager")
+    rows = []
+    try:
+        for batch_size in batch_sizes:
+            requests = SweepRequests(runner.config, cached_events, batch_size, first_user=10_000)
+            eager.reset()
+            kv.reset_runtime(runner.artifact.runtime_name)
+            with torch.no_grad():
+                model.forward_cached(requests.variant(0), eager.name)
+            runner.score(requests.variant(0))
+
+            def eager_ms(r: int) -> float:
+                with torch.no_grad():
+                    return timed_ms(lambda: model.forward_cached(requests.variant(r + 1), eager.name))
+
+            def package_ms(r: int) -> float:
+                return timed_ms(lambda: runner.score(requests.variant(r + 1)))
+
+            result = paired(eager_ms, package_ms, warmup, repeats)
+            rows.append({"batch_size": batch_size, "cached_events": cached_events, "new_events": NEW_EVENTS,
+                         "eager_ms": result["a_ms"], "package_ms": result["b_ms"], "speedup": result["ratio"]})
+            log.info("package vs eager B=%d: eager %.2f ms, package %.2f ms, x%.2f", batch_size,
+                     result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
+    finally:
+        eager.close()
+    return rows
+
+
+def cpp_vs_python(runner: PackageRunner, repeats: int, workdir: Path) -> dict:
+    """Per-request latency of the trace: C++ harness vs the Python runner, p50 per step, summed."""
+    artifact = runner.artifact
+    steps = [(load_trace_step(artifact.root / s["file"], "expect_error" not in s), s)
+             for s in artifact.trace_steps]
+    python_ms: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        kv.reset_runtime(artifact.runtime_name)
+        for i, ((request, _, _), step) in enumerate(steps):
+            if "expect_error" in step:
+                continue
+            python_ms[i].append(timed_ms(lambda: runner.score(request)))
+    report_path = workdir / "replay.json"
+    subprocess.run(replay_command(artifact.root, report_path, repeat=repeats), check=True,
+                   stdout=subprocess.DEVNULL)
+    cpp_steps = json.loads(report_path.read_text())["steps"]
+    timed = [i for i, (_, s) in enumerate(steps) if "expect_error" not in s]
+    python_total = sum(summary(python_ms[i])["median"] for i in timed)
+    cpp_total = sum(cpp_steps[i]["latency_p50_ms"] for i in timed)
+    log.info("C++ vs Python: %.2f ms vs %.2f ms per trace (p50 per step, summed)", cpp_total, python_total)
+    return {"steps": len(timed), "repeats": repeats, "python_ms_per_trace": round(python_total, 3),
+            "cpp_ms_per_trace": round(cpp_total, 3), "ratio": round(cpp_total / python_total, 4),
+            "per_step": [{"index": i, "python_p50_ms": summary(python_ms[i])["median"],
+                          "cpp_p50_ms": cpp_steps[i]["latency_p50_ms"]} for i in timed]}
+
+
+def build_cost(config_path: Path, workdir: Path) -> tuple[dict, Path]:
+    """`kvexport build` twice in subprocesses: with an empty compile cache (cold), then warm."""
+    cache = workdir / "inductor-cache"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    kvexport = [sys.executable, "-m", "kvexport"]
+    result = {}
+    for kind in ("cold", "warm"):
+        out = workdir / f"build-{kind}"
+        started = time.perf_counter()
+        subprocess.run([*kvexport, "build", str(config_path), "-o", str(out)], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result[f"seconds_{kind}"] = round(time.perf_counter() - started, 2)
+        result[f"stages_{kind}"] = json.loads((out / "manifest.json").read_text())["timings_seconds"]
+        log.info("build (%s compile cache): %.1f s", kind, result[f"seconds_{kind}"])
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+    result["package_bytes"] = (workdir / "build-warm" / "model.pt2").stat().st_size
+    shutil.rmtree(workdir / "build-cold")
+    return result, workdir / "build-warm"
+
+
+def cache_memory(runner: PackageRunner) -> dict:
+    """Bytes per cached token and per user; tier occupancy after replaying the trace once."""
+    c = runner.config
+    m, kc = c.model, c.kv_cache
+    element = torch.empty((), dtype=DTYPES[m.dtype]).element_size()
+    per_token = m.num_layers * 2 * m.num_heads * m.head_dim * element
+    kv.reset_runtime(runner.artifact.runtime_name)
+    for step in runner.artifact.trace_steps:
+        if "expect_error" not in step:
+            runner.score(load_trace_step(runner.artifact.root / step["file"])[0])
+    stats = runner.stats()
+    max_user_pages = -(-m.max_prefix_length // kc.page_size)
+    return {
+        "bytes_per_cached_token": per_token,
+        "bytes_per_page": per_token * kc.page_size,
+        "bytes_per_user_at_max_history": max_user_pages * kc.page_size * per_token,
+        "bytes_per_user_after_trace": (stats["device_pages_used"] * kc.page_size * per_token
+                                       // max(1, stats["device_users"])),
+        "device_tier_bytes": kc.device_pages * kc.page_size * per_token,
+        "device_occupancy": round(stats["device_pages_used"] / kc.device_pages, 4),
+        "host_occupancy": round(stats["host_pages_used"] / kc.host_pages, 4) if kc.host_pages else 0.0,
+        "counters_after_trace": stats,
+    }

@@ -1,0 +1,35 @@
+"""Paired timing: two measurements alternate within each repetition, so machine noise hits both,
+and their ratio is taken pair by pair."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def timed_ms(run: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    run()
+    return (time.perf_counter() - started) * 1e3
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    """Median and spread (min, max) of a list of samples."""
+    return {"median": round(statistics.median(samples), 4), "min": round(min(samples), 4),
+            "max": round(max(samples), 4), "n": len(samples)}
+
+
+def paired(measure_a: Callable[[int], float], measure_b: Callable[[int], float], warmup: int,
+           repeats: int) -> dict[str, dict[str, float]]:
+    """Runs a then b `warmup + repeats` times (each returns milliseconds for repetition i).
+
+    Returns the summaries of a, b and of the pairwise ratio a / b over the timed repetitions.
+    """
+    a_ms, b_ms = [], []
+    for i in range(warmup + repeats):
+        a, b = measure_a(i), measure_b(i)
+        if i >= warmup:
+            a_ms.append(a)
+            b_ms.append(b)
+    return {"a_ms": summary(a_ms), "b_ms": summary(b_ms), "ratio": summary([a / b for a, b in zip(a_ms, b_ms)])}
