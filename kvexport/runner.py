@@ -39,7 +39,10 @@ class PackageRunner:
 
     def score(self, batch: Batch | dict, index: int | None = None) -> torch.Tensor:
         """Validates one request and runs it; the cache carries over to the next call."""
-        batch = check_batch(batch, self.config, index)
+        return self.run(check_batch(batch, self.config, index))
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Runs an already validated request (check_batch) through the package."""
         try:
             return self.package(*batch.tensors())
         except RuntimeError as exc:

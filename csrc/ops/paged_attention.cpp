@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -78,11 +79,13 @@ std::vector<Tile> user_tiles(const int64_t* users, int64_t num_rows) {
   return tiles;
 }
 
-template <typename scalar_t>
+// kHeadDim > 0 fixes the head size at compile time (fully unrolled dot products); 0 = any size.
+template <typename scalar_t, int64_t kHeadDim>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
             const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
             const at::Tensor& row_candidate, float alpha, float inv_scaling_seqlen, at::Tensor& out) {
-  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_rows = q.size(0), num_heads = q.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t page_size = cache.size(2);
   const int64_t row_stride = num_heads * head_dim;  // between rows of q/k/v/out and slots of a page
   const int64_t page_stride = 2 * page_size * row_stride;
@@ -101,20 +104,24 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const auto tiles = user_tiles(users, num_rows);
 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per tile row t: scores[t * stride + j] for its keys j, then its own key (candidates).
-    const int64_t stride = max_keys + 1;
-    std::vector<float> scores(kTileRows * stride), acc(kTileRows * head_dim), q_tile(kTileRows * head_dim);
+    // scores[j * kTileRows + t]: key j for tile row t, key-major so that the rows' scores of one
+    // key share a cache line (row-major rows would sit max_keys floats apart and alias in L1).
+    std::vector<float> scores((max_keys + 1) * kTileRows), self_scores(kTileRows);
+    std::vector<float> acc(kTileRows * head_dim), q_tile(kTileRows * head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const Tile tile = tiles[item / num_heads];
       const int64_t h = item % num_heads;
       const int64_t* user_pages = pages + users[tile.first_row] * max_pages;
+      const int64_t* row_keys_of_tile = keys + tile.first_row;
       int64_t tile_keys = 0;
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         const int64_t r = tile.first_row + t;
-        tile_keys = std::max(tile_keys, keys[r]);
+        tile_keys = std::max(tile_keys, row_keys_of_tile[t]);
         for (int64_t d = 0; d < head_dim; ++d) {
           q_tile[t * head_dim + d] = static_cast<float>(q_ptr[r * row_stride + h * head_dim + d]);
         }
+        self_scores[t] = candidate[r] ? dot(&q_tile[t * head_dim], k_ptr + r * row_stride + h * head_dim, head_dim)
+                                      : 0.0f;
       }
       // Keys are visited page by page: no division per key on the hot path.
       auto for_each_key = [&](auto&& visit) {
@@ -125,31 +132,22 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         }
       };
       for_each_key([&](int64_t j, const scalar_t* key) {
-        for (int64_t t = 0; t < tile.num_rows; ++t) {
-          if (j < keys[tile.first_row + t]) scores[t * stride + j] = dot(&q_tile[t * head_dim], key, head_dim);
-        }
+        for (int64_t t = 0; t < tile.num_rows; ++t) scores[j * kTileRows + t] = dot(&q_tile[t * head_dim], key, head_dim);
       });
-      for (int64_t t = 0; t < tile.num_rows; ++t) {
-        const int64_t r = tile.first_row + t;
-        float* row_scores = &scores[t * stride];
-        if (candidate[r]) {
-          row_scores[keys[r]] = dot(&q_tile[t * head_dim], k_ptr + r * row_stride + h * head_dim, head_dim);
-        }
-        silu_weights(row_scores, keys[r] + (candidate[r] ? 1 : 0), alpha, inv_scaling_seqlen);
-      }
+      silu_weights(scores.data(), tile_keys * kTileRows, alpha, inv_scaling_seqlen);
+      silu_weights(self_scores.data(), tile.num_rows, alpha, inv_scaling_seqlen);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for_each_key([&](int64_t j, const scalar_t* key) {
         for (int64_t t = 0; t < tile.num_rows; ++t) {
-          if (j < keys[tile.first_row + t]) {
-            accumulate(&acc[t * head_dim], scores[t * stride + j], key + value_offset, head_dim);
+          if (j < row_keys_of_tile[t]) {  // causal: row t reads only its first keys
+            accumulate(&acc[t * head_dim], scores[j * kTileRows + t], key + value_offset, head_dim);
           }
         }
       });
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         const int64_t r = tile.first_row + t;
         if (candidate[r]) {
-          accumulate(&acc[t * head_dim], scores[t * stride + keys[r]], v_ptr + r * row_stride + h * head_dim,
-                     head_dim);
+          accumulate(&acc[t * head_dim], self_scores[t], v_ptr + r * row_stride + h * head_dim, head_dim);
         }
         for (int64_t d = 0; d < head_dim; ++d) {
           out_ptr[r * row_stride + h * head_dim + d] = static_cast<scalar_t>(acc[t * head_dim + d]);
@@ -187,8 +185,17 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   }
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    attend<scalar_t>(qc, kc, vc, cc, pt, users, keys, candidate, static_cast<float>(alpha),
-                     static_cast<float>(inv_scaling_seqlen), out);
+    const auto run = [&](auto head_dim) {
+      attend<scalar_t, decltype(head_dim)::value>(qc, kc, vc, cc, pt, users, keys, candidate,
+                                                  static_cast<float>(alpha), static_cast<float>(inv_scaling_seqlen),
+                                                  out);
+    };
+    switch (q.size(2)) {
+      case 32: run(std::integral_constant<int64_t, 32>{}); break;
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
+      default: run(std::integral_constant<int64_t, 0>{});
+    }
   });
   return out;
 }

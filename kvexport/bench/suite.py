@@ -19,7 +19,7 @@ from kvexport.artifact import Artifact
 from kvexport.bench.timing import paired, summary, timed_ms
 from kvexport.config import Config
 from kvexport.model import Batch
-from kvexport.model.batch import UserRequest
+from kvexport.model.batch import UserRequest, check_batch
 from kvexport.model.hstu import DTYPES, HSTURanker
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
@@ -77,10 +77,12 @@ def cache_benefit(runner: PackageRunner, lengths: list[int], batch_sizes: list[i
 
             def full(r: int) -> float:
                 kv.reset_runtime(runner.artifact.runtime_name)
-                return timed_ms(lambda: runner.score(requests.variant(2 * r)))
+                batch = check_batch(requests.variant(2 * r), runner.config)
+                return timed_ms(lambda: runner.run(batch))
 
             def cached(r: int) -> float:
-                return timed_ms(lambda: runner.score(requests.variant(2 * r + 1)))
+                batch = check_batch(requests.variant(2 * r + 1), runner.config)
+                return timed_ms(lambda: runner.run(batch))
 
             result = paired(full, cached, warmup, repeats)
             rows.append({"cached_events": length, "new_events": NEW_EVENTS, "candidates": CANDIDATES,
@@ -91,13 +93,13 @@ def cache_benefit(runner: PackageRunner, lengths: list[int], batch_sizes: list[i
     return rows
 
 
-def package_vs_eager(runner: PackageRunner, model: HSTURanker, cached_events: int, batch_sizes: list[int],
+def package_vs_eager(runner: PackageRunner, model: HSTURanker, lengths: list[int], batch_sizes: list[int],
                      warmup: int, repeats: int) -> list[dict]:
     """Cached request through the package vs the eager model's cached path (each its own runtime)."""
     eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager")
     rows = []
     try:
-        for batch_size in batch_sizes:
+        for batch_size, cached_events in ((b, n) for b in batch_sizes for n in lengths):
             requests = SweepRequests(runner.config, cached_events, batch_size, first_user=10_000)
             eager.reset()
             kv.reset_runtime(runner.artifact.runtime_name)
@@ -106,17 +108,19 @@ def package_vs_eager(runner: PackageRunner, model: HSTURanker, cached_events: in
             runner.score(requests.variant(0))
 
             def eager_ms(r: int) -> float:
+                batch = requests.variant(r + 1)
                 with torch.no_grad():
-                    return timed_ms(lambda: model.forward_cached(requests.variant(r + 1), eager.name))
+                    return timed_ms(lambda: model.forward_cached(batch, eager.name))
 
             def package_ms(r: int) -> float:
-                return timed_ms(lambda: runner.score(requests.variant(r + 1)))
+                batch = check_batch(requests.variant(r + 1), runner.config)
+                return timed_ms(lambda: runner.run(batch))
 
             result = paired(eager_ms, package_ms, warmup, repeats)
             rows.append({"batch_size": batch_size, "cached_events": cached_events, "new_events": NEW_EVENTS,
                          "eager_ms": result["a_ms"], "package_ms": result["b_ms"], "speedup": result["ratio"]})
-            log.info("package vs eager B=%d: eager %.2f ms, package %.2f ms, x%.2f", batch_size,
-                     result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
+            log.info("package vs eager L=%d B=%d: eager %.2f ms, package %.2f ms, x%.2f", cached_events,
+                     batch_size, result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
     finally:
         eager.close()
     return rows
@@ -128,12 +132,13 @@ def cpp_vs_python(runner: PackageRunner, repeats: int, workdir: Path) -> dict:
     steps = [(load_trace_step(artifact.root / s["file"], "expect_error" not in s), s)
              for s in artifact.trace_steps]
     python_ms: list[list[float]] = [[] for _ in steps]
+    batches = [check_batch(request, runner.config) for (request, _, _), _ in steps]
     for _ in range(repeats):
         kv.reset_runtime(artifact.runtime_name)
-        for i, ((request, _, _), step) in enumerate(steps):
+        for i, (_, step) in enumerate(steps):
             if "expect_error" in step:
                 continue
-            python_ms[i].append(timed_ms(lambda: runner.score(request)))
+            python_ms[i].append(timed_ms(lambda: runner.run(batches[i])))
     report_path = workdir / "replay.json"
     subprocess.run(replay_command(artifact.root, report_path, repeat=repeats), check=True,
                    stdout=subprocess.DEVNULL)
