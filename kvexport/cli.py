@@ -37,16 +37,11 @@ artifact_argument = click.argument("out", type=click.Path(path_type=Path))
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Writes a JSON report atomically (temporary file, then rename)."""
     import json
 
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {exc.strerror}") from exc
+    from kvexport.io import write_atomically
+
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"), "report")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -10,7 +10,7 @@ import torch
 from kvexport.artifact import Artifact
 from kvexport.errors import UserError
 from kvexport.model.batch import Batch, check_batch
-from kvexport.model.checkpoint import load_tensor_file
+from kvexport.io import load_tensor_file
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
 from kvexport.trace.record import EXPECTED_CACHED, EXPECTED_FULL

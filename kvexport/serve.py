@@ -11,7 +11,7 @@ from kvexport.artifact import MANIFEST, PACKAGE, open_artifact
 from kvexport.errors import UserError
 from kvexport.export.package import read_package
 from kvexport.model.batch import RequestError, check_batch
-from kvexport.model.checkpoint import load_tensor_file
+from kvexport.io import load_tensor_file, write_atomically
 
 
 def load_requests(path: Path, config) -> list:
@@ -30,16 +30,10 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path) -> int
     artifact = open_artifact(out)
     batches = load_requests(requests_path, artifact.config)
     if not output_path.resolve().parent.is_dir():
-        raise UserError(f"cannot write {output_path}: its directory does not exist")
+        raise UserError(f"cannot write output {output_path}: its directory does not exist")
     runner = PackageRunner(artifact)
-    outputs = [runner.score(batch, index).contiguous() for index, batch in enumerate(batches)]
-    tmp = output_path.with_name(output_path.name + ".partial")
-    try:
-        torch.save(outputs, tmp)
-        tmp.replace(output_path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {output_path}: {exc.strerror}") from exc
+    outputs = [runner.run(batch).contiguous() for batch in batches]
+    write_atomically(output_path, lambda tmp: torch.save(outputs, tmp), "output")
     return len(outputs)
 
 

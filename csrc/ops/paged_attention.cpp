@@ -60,8 +60,8 @@ inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scalin
   }
 }
 
-// Rows of one user are processed in tiles that share each key and value read from the cache:
-// the cache is read once per tile instead of once per row (the kernel is bound by those reads).
+// Rows of one user are processed in tiles that share one gather of the user's keys and values:
+// the cache is read once per tile instead of once per row.
 constexpr int64_t kTileRows = 16;
 
 struct Tile {
@@ -104,54 +104,55 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const auto tiles = user_tiles(users, num_rows);
 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_heads, 1, [&](int64_t begin, int64_t end) {
-    // scores[j * kTileRows + t]: key j for tile row t, key-major so that the rows' scores of one
-    // key share a cache line (row-major rows would sit max_keys floats apart and alias in L1).
-    std::vector<float> scores((max_keys + 1) * kTileRows), self_scores(kTileRows);
-    std::vector<float> acc(kTileRows * head_dim), q_tile(kTileRows * head_dim);
+    // Per tile and head, the user's keys are gathered transposed (keys_t[d * n + j]) and its values
+    // row by row (values[j * dh + d]), as float. Scores then vectorise over keys and outputs over
+    // head_dim, with no horizontal reductions and no per-key latency chain.
+    std::vector<float> keys_t(head_dim * max_keys), values(max_keys * head_dim);
+    std::vector<float> scores(max_keys), acc(head_dim), q_row(head_dim), k_row(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const Tile tile = tiles[item / num_heads];
       const int64_t h = item % num_heads;
       const int64_t* user_pages = pages + users[tile.first_row] * max_pages;
-      const int64_t* row_keys_of_tile = keys + tile.first_row;
-      int64_t tile_keys = 0;
-      for (int64_t t = 0; t < tile.num_rows; ++t) {
-        const int64_t r = tile.first_row + t;
-        tile_keys = std::max(tile_keys, row_keys_of_tile[t]);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          q_tile[t * head_dim + d] = static_cast<float>(q_ptr[r * row_stride + h * head_dim + d]);
-        }
-        self_scores[t] = candidate[r] ? dot(&q_tile[t * head_dim], k_ptr + r * row_stride + h * head_dim, head_dim)
-                                      : 0.0f;
-      }
-      // Keys are visited page by page: no division per key on the hot path.
-      auto for_each_key = [&](auto&& visit) {
-        for (int64_t first = 0, p = 0; first < tile_keys; first += page_size, ++p) {
-          const scalar_t* page = cache_ptr + user_pages[p] * page_stride + h * head_dim;
-          const int64_t count = std::min(page_size, tile_keys - first);
-          for (int64_t s = 0; s < count; ++s) visit(first + s, page + s * row_stride);
-        }
-      };
-      for_each_key([&](int64_t j, const scalar_t* key) {
-        for (int64_t t = 0; t < tile.num_rows; ++t) scores[j * kTileRows + t] = dot(&q_tile[t * head_dim], key, head_dim);
-      });
-      silu_weights(scores.data(), tile_keys * kTileRows, alpha, inv_scaling_seqlen);
-      silu_weights(self_scores.data(), tile.num_rows, alpha, inv_scaling_seqlen);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_key([&](int64_t j, const scalar_t* key) {
-        for (int64_t t = 0; t < tile.num_rows; ++t) {
-          if (j < row_keys_of_tile[t]) {  // causal: row t reads only its first keys
-            accumulate(&acc[t * head_dim], scores[j * kTileRows + t], key + value_offset, head_dim);
+      const int64_t n = *std::max_element(keys + tile.first_row, keys + tile.first_row + tile.num_rows);
+      for (int64_t first = 0, p = 0; first < n; first += page_size, ++p) {  // page by page: no division per key
+        const scalar_t* page = cache_ptr + user_pages[p] * page_stride + h * head_dim;
+        const int64_t count = std::min(page_size, n - first);
+        for (int64_t s = 0; s < count; ++s) {
+          const scalar_t* key = page + s * row_stride;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            keys_t[d * n + first + s] = static_cast<float>(key[d]);
+            values[(first + s) * head_dim + d] = static_cast<float>(key[value_offset + d]);
           }
         }
-      });
+      }
       for (int64_t t = 0; t < tile.num_rows; ++t) {
-        const int64_t r = tile.first_row + t;
-        if (candidate[r]) {
-          accumulate(&acc[t * head_dim], self_scores[t], v_ptr + r * row_stride + h * head_dim, head_dim);
-        }
+        const int64_t r = tile.first_row + t, num_keys = keys[r];
+        const int64_t head = r * row_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q_row[d] = static_cast<float>(q_ptr[head + d]);
+        std::fill(scores.begin(), scores.begin() + num_keys, 0.0f);
         for (int64_t d = 0; d < head_dim; ++d) {
-          out_ptr[r * row_stride + h * head_dim + d] = static_cast<scalar_t>(acc[t * head_dim + d]);
+          const float qd = q_row[d];
+          const float* column = &keys_t[d * n];
+#pragma omp simd
+          for (int64_t j = 0; j < num_keys; ++j) scores[j] += qd * column[j];
         }
+        silu_weights(scores.data(), num_keys, alpha, inv_scaling_seqlen);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        int64_t j = 0;
+        for (; j + 4 <= num_keys; j += 4) {  // four keys per step: independent products, one add chain
+          const float *v0 = &values[j * head_dim], *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
+          const float w0 = scores[j], w1 = scores[j + 1], w2 = scores[j + 2], w3 = scores[j + 3];
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+        }
+        for (; j < num_keys; ++j) accumulate(acc.data(), scores[j], &values[j * head_dim], head_dim);
+        if (candidate[r]) {  // a candidate also reads its own k/v, which is not in the cache
+          for (int64_t d = 0; d < head_dim; ++d) k_row[d] = static_cast<float>(k_ptr[head + d]);
+          float self = dot(q_row.data(), k_row.data(), head_dim);
+          silu_weights(&self, 1, alpha, inv_scaling_seqlen);
+          accumulate(acc.data(), self, v_ptr + head, head_dim);
+        }
+        for (int64_t d = 0; d < head_dim; ++d) out_ptr[head + d] = static_cast<scalar_t>(acc[d]);
       }
     }
   });

@@ -5,33 +5,17 @@ Loaded with `weights_only=True` only: a file that needs pickle code execution is
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import torch
 
 from kvexport.errors import UserError
+from kvexport.io import load_tensor_file, write_atomically
 from kvexport.model.hstu import HSTURanker
 
 
 class CheckpointError(UserError):
     """The checkpoint file is unreadable or does not fit the config."""
-
-
-def load_tensor_file(path: str | Path, what: str):
-    """`torch.load(weights_only=True)` with one-line errors naming the file."""
-    path = Path(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError as exc:
-        raise UserError(f"{what} {path} does not exist") from exc
-    except IsADirectoryError as exc:
-        raise UserError(f"{what} {path} is a directory") from exc
-    except pickle.UnpicklingError as exc:
-        raise UserError(f"{what} {path} is refused: it is not a plain tensor file (weights_only load failed)") from exc
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} {path} is unreadable: {first_line}") from exc
 
 
 def check_state_dict(state_dict: object, model: HSTURanker, path: Path) -> dict[str, torch.Tensor]:
@@ -61,13 +45,5 @@ def load_checkpoint(path: str | Path, model: HSTURanker) -> dict[str, torch.Tens
 
 def save_checkpoint(model: HSTURanker, path: str | Path) -> None:
     """Writes the model's state_dict atomically (temporary file, then rename)."""
-    path = Path(path)
-    if not path.resolve().parent.is_dir():
-        raise UserError(f"cannot write checkpoint {path}: its directory does not exist")
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp)
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write checkpoint {path}: {exc.strerror}") from exc
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    write_atomically(path, lambda tmp: torch.save(state, tmp), "checkpoint")

@@ -128,7 +128,7 @@ def script_steps(config: Config, model: HSTURanker,
     s.run("batch 1, zero new events", [watched], new_events=0)
     over_capacity = _over_capacity_users(config)
     if over_capacity:
-        s.run_expecting_error(f"{over_capacity} users at max history exceed the device tier",
+        s.run_expecting_error(f"{over_capacity} users at max history exceed device tier (must fail)",
                               s.fresh_users(over_capacity), CAPACITY_ERROR)
         s.run("after the capacity error, a warm user", [watched], new_events=1)
     else:
