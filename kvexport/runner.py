@@ -2,20 +2,38 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 import torch
 
-from kvexport.artifact import Artifact
+from kvexport.artifact import LIB_DIR, Artifact, sha256_of
 from kvexport.errors import UserError
-from kvexport.model.batch import Batch, check_batch
 from kvexport.io import load_tensor_file
+from kvexport.model.batch import Batch, check_batch
+from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
 from kvexport.trace.record import EXPECTED_CACHED, EXPECTED_FULL
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_library_digest(loaded: Path) -> str:
+    return sha256_of(loaded)  # the loaded .so cannot change within a process
+
+
+def _check_shipped_library(artifact: Artifact, loaded: Path) -> None:
+    """Python runs the package with the op library loaded in this process; it must be the one
+    the artifact ships (lib/), or verification would not test what is deployed."""
+    shipped = artifact.root / LIB_DIR / OPS_LIBRARY_NAME
+    if not shipped.is_file():
+        raise UserError(f"artifact {artifact.root} is incomplete: {LIB_DIR}/{OPS_LIBRARY_NAME} is missing")
+    if sha256_of(shipped) != _loaded_library_digest(loaded):
+        raise UserError(f"{shipped} differs from the op library loaded here ({loaded}); rebuild the artifact "
+                        "with this kvexport, or check it with `kvexport replay`, which uses the shipped one")
 
 
 class PackageRunner:
@@ -24,7 +42,7 @@ class PackageRunner:
     def __init__(self, artifact: Artifact, fresh_runtime: bool = True):
         self.artifact = artifact
         self.config = artifact.config
-        library.load()
+        _check_shipped_library(artifact, library.load())
         if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
             raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
         if fresh_runtime:

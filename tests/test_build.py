@@ -146,6 +146,20 @@ def test_capacity_error_step_passes_and_leaves_cache_usable(tiny_artifact):
     assert after.passed and after.hit_tokens > 0
 
 
+def test_python_runner_refuses_a_different_shipped_library(artifact_copy):
+    """Python verification runs the process's op library; it must be the one the artifact ships."""
+    from kvexport.artifact import MANIFEST, sha256_of
+
+    lib = artifact_copy / "lib" / "libkvexport_ops.so"
+    lib.write_bytes(lib.read_bytes() + b"\0")
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    manifest["files"]["lib/libkvexport_ops.so"] = sha256_of(lib)
+    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
+    assert result.exit_code == 2
+    assert "libkvexport_ops.so differs from the op library loaded here" in result.output
+
+
 def test_build_refuses_to_overwrite(tiny_artifact):
     result = CliRunner().invoke(main, ["build", str(TINY), "-o", str(tiny_artifact)])
     assert result.exit_code == 2
