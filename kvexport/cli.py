@@ -1,4 +1,7 @@
-"""kvexport command line: parses arguments and calls library functions, nothing more."""
+"""kvexport command line: parses arguments and calls library functions, nothing more.
+
+Commands import their library modules when they run, so `kvexport --help` does not pay for torch.
+"""
 
 from __future__ import annotations
 

@@ -35,6 +35,10 @@ class WorkloadSpec:
     rewrite_fraction: float = 0.1
 
 
+def _int64(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 class Workload:
     """Generates batches; every user carries its full (possibly rewritten) history."""
 
@@ -96,9 +100,8 @@ class Workload:
 
     def request(self, user: UserHistory, num_candidates: int | None = None) -> UserRequest:
         t = num_candidates or self.rng.randint(1, self.spec.num_candidates)
-        as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int64)  # noqa: E731
-        return UserRequest(user.user_id, as_tensor(user.item_ids), as_tensor(user.action_ids),
-                           as_tensor(user.context_ids), as_tensor(self._ids(self.model.item_vocab_size, t)))
+        return UserRequest(user.user_id, _int64(user.item_ids), _int64(user.action_ids),
+                           _int64(user.context_ids), _int64(self._ids(self.model.item_vocab_size, t)))
 
     def next_batch(self, batch_size: int) -> Batch:
         """A batch of distinct users drawn from the population, each advanced one step."""
