@@ -168,3 +168,26 @@ def test_hstu_paged_attention_survives_export():
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "kvexport.hstu_paged_attention.default" in targets
     torch.testing.assert_close(ep.module()(*random_paged_inputs(4)), Attend()(*random_paged_inputs(4)))
+
+
+@pytest.mark.parametrize("op,args", [
+    ("runtime_stats", ()), ("device_users_lru", ()), ("cached_length", (3,)), ("evict_user", (99,)),
+    ("reset_runtime", ()), ("create_runtime", (CONFIG, torch.device("cpu"))),
+])
+def test_opcheck_management_ops(runtime, op, args):
+    """Eager-only ops (never in a graph): their schemas must declare no hidden mutation of inputs."""
+    library.load()
+    torch.library.opcheck(getattr(torch.ops.kvexport, op).default, (runtime, *args), test_utils=("test_schema",))
+
+
+def test_opcheck_read_user_kv_and_drop(runtime):
+    _in_batch(runtime, 10)
+    x = torch.randn(10, 2, 8)
+    kv.append_kv(runtime, 0, x, x)
+    kv.end_batch(runtime, batch_inputs()[0])
+    torch.library.opcheck(torch.ops.kvexport.read_user_kv.default, (runtime, 3), test_utils=("test_schema",))
+    assert torch.equal(kv.read_user_kv(runtime, 3)[0, 0], x[3:7])  # user 3's prefix rows follow 3 candidates
+    other = runtime + "-dropped"
+    kv.create_runtime(other, CONFIG)
+    torch.library.opcheck(torch.ops.kvexport.drop_runtime.default, (other,), test_utils=("test_schema",))
+    assert kv.drop_runtime(other) is False  # opcheck already dropped it
