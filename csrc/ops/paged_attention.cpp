@@ -62,7 +62,7 @@ inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scalin
 
 // Rows of one user are processed in tiles that share one gather of the user's keys and values:
 // the cache is read once per tile instead of once per row.
-constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileRows = 64;
 
 struct Tile {
   int64_t first_row, num_rows;
