@@ -86,10 +86,13 @@ def open_artifact(root: str | Path) -> Artifact:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON") from exc
-    required = ("format_version", "config", "files", "trace", "tolerance", "runtime_name", "required_libraries")
+    required = ("format_version", "config", "runtime_config", "dims", "files", "trace", "tolerance", "runtime_name",
+                "required_libraries")
     missing = [key for key in required if not isinstance(manifest, dict) or key not in manifest]
     if missing:
         raise UserError(f"{path} lacks the field {missing[0]}")
+    if not isinstance(manifest["trace"], dict) or not isinstance(manifest["trace"].get("steps"), list):
+        raise UserError(f"{path} lacks the trace step list")
     if manifest["format_version"] != FORMAT_VERSION:
         raise UserError(f"{path} has format_version {manifest['format_version']}, this kvexport reads {FORMAT_VERSION}")
     try:

@@ -121,11 +121,11 @@ def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> 
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True,
               help="Artifact directory to create.")
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Device the package runs on.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]),
+              help="Device the package runs on (default: the config's serving.device).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_handle_errors
-def build(config: Path, out: Path, checkpoint: Path | None, device: str, force: bool) -> None:
+def build(config: Path, out: Path, checkpoint: Path | None, device: str | None, force: bool) -> None:
     """Export CONFIG's KV-cached model to OUT/ (model.pt2, lib/, trace/, manifest.json)."""
     from kvexport.export.build import build_artifact
 

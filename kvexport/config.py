@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -59,6 +58,10 @@ class KVCacheConfig:
     page_size: int
     device_pages: int
     host_pages: int
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold num_tokens cached tokens."""
+        return -(-num_tokens // self.page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _check(config: Config) -> None:
         raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")
     if c.host_pages < 0:
         raise ConfigError(f"kv_cache.host_pages must be >= 0, got {c.host_pages}")
-    pages_per_user = math.ceil(m.max_prefix_length / c.page_size)
+    pages_per_user = c.pages_for(m.max_prefix_length)
     if c.device_pages < pages_per_user:
         raise ConfigError(
             f"kv_cache.device_pages ({c.device_pages}) cannot hold one user at model.max_history_length "

@@ -37,16 +37,19 @@ def _check_shipped_library(artifact: Artifact, loaded: Path) -> None:
 
 
 class PackageRunner:
-    """One loaded model.pt2 and its cache runtime (fresh unless `fresh_runtime=False`)."""
+    """One loaded model.pt2 and a fresh cache runtime for it.
 
-    def __init__(self, artifact: Artifact, fresh_runtime: bool = True):
+    The runtime is shared with any other copy of the same package in this process (same name,
+    config and weights); creating a runner empties it.
+    """
+
+    def __init__(self, artifact: Artifact):
         self.artifact = artifact
         self.config = artifact.config
         _check_shipped_library(artifact, library.load())
         if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
             raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
-        if fresh_runtime:
-            kv.drop_runtime(artifact.runtime_name)
+        kv.drop_runtime(artifact.runtime_name)
         try:
             self.package = torch._inductor.aoti_load_package(str(artifact.package))
         except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
@@ -64,6 +67,7 @@ class PackageRunner:
         try:
             return self.package(*batch.tensors())
         except RuntimeError as exc:
+            kv.abort_batch(self.artifact.runtime_name)  # release the runtime if the request got that far
             capacity = [line for line in str(exc).splitlines() if "KV cache capacity exceeded" in line]
             if capacity:
                 message = capacity[0][capacity[0].index("KV cache capacity exceeded"):]

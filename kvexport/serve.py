@@ -51,7 +51,8 @@ def describe(target: Path) -> dict:
     info = {
         "package": str(package),
         "package_bytes": package.stat().st_size,
-        "name": metadata.get("kvexport.runtime_name", "?"),
+        "name": json.loads(metadata.get("kvexport.config", "{}")).get("name", "?"),
+        "runtime_name": metadata.get("kvexport.runtime_name", "?"),
         "kvexport_version": metadata.get("kvexport.version", "?"),
         "torch_version": metadata.get("kvexport.torch_version", "?"),
         "signature": json.loads(metadata.get("kvexport.signature", "[]")),

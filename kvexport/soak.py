@@ -49,6 +49,8 @@ def eager_model_for(artifact: Artifact, checkpoint: Path | None) -> HSTURanker:
     if weights["source"] == "checkpoint":
         if checkpoint is None:
             raise UserError(f"{artifact.root} was built from a checkpoint; pass the same file with --checkpoint")
+        if not Path(checkpoint).is_file():
+            raise UserError(f"checkpoint {checkpoint} does not exist")
         if sha256_of(checkpoint) != weights["sha256"]:
             raise UserError(f"checkpoint {checkpoint} is not the one {artifact.root} was built from (sha256 differs)")
         return build_model(config, checkpoint)
@@ -60,7 +62,7 @@ def eager_model_for(artifact: Artifact, checkpoint: Path | None) -> HSTURanker:
 def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
     """Most users per batch that always fit the device tier at the workload's longest history."""
     m, c = artifact.config.model, artifact.config.kv_cache
-    pages = -(-(m.num_contextual_features + 2 * max_history) // c.page_size)
+    pages = c.pages_for(m.num_contextual_features + 2 * max_history)
     return max(1, min(artifact.config.serving.max_batch_size, c.device_pages // pages))
 
 

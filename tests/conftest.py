@@ -48,3 +48,19 @@ def artifact_copy(tiny_artifact, tmp_path) -> Path:
     import shutil
 
     return Path(shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny"))
+
+
+@pytest.fixture(scope="session")
+def mismatched_artifact(tmp_path_factory) -> Path:
+    """A consistent artifact (hashes, digest) whose trace was recorded from other weights than
+    the package's: every comparison must fail, in Python and in C++."""
+    import kvexport.export.build as build
+    from kvexport.trace.record import record_trace
+
+    def record_with_other_weights(config, model, trace_dir):
+        return record_trace(config, build_model(config, seed=5), trace_dir)
+
+    out = tmp_path_factory.mktemp("mismatched") / "hstu-tiny"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "record_trace", record_with_other_weights)
+        return build.build_artifact(TINY, out)

@@ -1,7 +1,8 @@
 """Plain-PyTorch reference of DESIGN.md §1, written for obviousness, not speed. Tests only.
 
-It shares the model's parameters but none of its code paths: tokens are built one user at a
-time with Python lists, and the attention mask is written out element by element.
+It reads the model's parameters but calls none of its methods: tokens are built one user at a
+time with Python lists, each layer is written out with F.linear / F.layer_norm, and the attention
+mask is written out element by element.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+from torch.nn import functional as F
 
 
 def reference_attention(q, k, v, prefix_length: int, alpha: float, scaling_seqlen: int):
@@ -23,7 +24,7 @@ def reference_attention(q, k, v, prefix_length: int, alpha: float, scaling_seqle
                 mask[i, j] = 1.0
     out = torch.zeros_like(q)
     for h in range(q.shape[1]):
-        scores = nn.functional.silu(alpha * q[:, h] @ k[:, h].T) / scaling_seqlen
+        scores = F.silu(alpha * q[:, h] @ k[:, h].T) / scaling_seqlen
         out[:, h] = (scores * mask) @ v[:, h]
     return out
 
@@ -54,8 +55,25 @@ def reference_forward(model, batch) -> torch.Tensor:
         cand = model.item_embedding.weight[candidates] * scale + model.position_embedding.weight[p]
         x = torch.cat([prefix, cand])
         for layer in model.layers:
-            u, v, q, k = layer.project(x)
-            o = reference_attention(q, k, v, p, model.alpha, model.scaling_seqlen)
-            x = layer.finish(x, u, o)
-        outputs.append(model.score(x[p:]))
+            x = reference_layer(layer, x, p, model.scaling_seqlen)
+        outputs.append(reference_head(model.head, x[p:]))
     return torch.cat(outputs)
+
+
+def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int):
+    """DESIGN.md §1 steps 1-4 for one user's sequence x [n, d]."""
+    heads, head_dim = layer.num_heads, layer.head_dim
+    normed = F.layer_norm(x, (x.shape[1],), layer.input_norm.weight, layer.input_norm.bias)
+    projected = F.silu(F.linear(normed, layer.uvqk.weight, layer.uvqk.bias))
+    size = heads * head_dim
+    u, v, q, k = (projected[:, i * size:(i + 1) * size].reshape(-1, heads, head_dim) for i in range(4))
+    o = reference_attention(q, k, v, prefix_length, 1.0 / math.sqrt(head_dim), scaling_seqlen).reshape(-1, size)
+    o = F.layer_norm(o, (size,), layer.attention_norm.weight, layer.attention_norm.bias)
+    return x + F.linear(u.reshape(-1, size) * o, layer.output.weight, layer.output.bias)
+
+
+def reference_head(head, states):
+    """L2-normalised candidate states through Linear -> SiLU -> Linear, as float32 logits."""
+    states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    hidden = F.silu(F.linear(states, head[0].weight, head[0].bias))
+    return F.linear(hidden, head[2].weight, head[2].bias).float()

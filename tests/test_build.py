@@ -270,3 +270,25 @@ def test_inspect_directory_and_package(tiny_artifact):
         assert info["package_ops"]["kvexport::paged_attention"] == 2
     text = CliRunner().invoke(main, ["inspect", str(tiny_artifact)])
     assert "required_libraries" in text.output and "trace_steps" in text.output
+
+
+def test_compare_flags_values_outside_tolerance():
+    from kvexport.trace.verify import compare
+
+    expected = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
+    assert compare(expected.clone(), expected, atol=1e-4, rtol=1e-4).passed
+    close = expected + torch.tensor([[1e-4, 0.0], [0.0, 0.0]])  # within atol + rtol * 1.0
+    assert compare(close, expected, atol=1e-4, rtol=1e-4).passed
+    off = expected + torch.tensor([[0.0, 0.0], [0.0, 2e-4]])   # |exp| = 0: only atol applies
+    result = compare(off, expected, atol=1e-4, rtol=1e-4)
+    assert not result.passed and result.max_abs == pytest.approx(2e-4)
+    assert not compare(expected[:1], expected, atol=1.0, rtol=1.0).passed  # shape mismatch
+
+
+def test_verify_fails_when_expectations_come_from_other_weights(mismatched_artifact):
+    result = CliRunner().invoke(main, ["verify", str(mismatched_artifact)])
+    assert result.exit_code == 1
+    assert "verdict: FAIL" in result.output
+    report = verify_artifact(mismatched_artifact)
+    checked = [s for s in report.steps if "must fail" not in s.description]
+    assert all(not s.passed and s.vs_full.max_abs > 1e-3 for s in checked)

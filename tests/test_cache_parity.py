@@ -33,7 +33,6 @@ def test_cached_equals_recompute_under_eviction():
                         num_candidates=6, rewrite_fraction=0.15)
     workload = Workload(config.model, spec, seed=2)
     partial_hits = 0
-    worst = 0.0
     for step in range(60):
         batch = workload.next_batch(batch_size=1 + step % 3)
         before = cache.stats()
@@ -41,14 +40,12 @@ def test_cached_equals_recompute_under_eviction():
             cached = model.forward_cached(batch)
             full = model(batch)
         after = cache.stats()
-        worst = max(worst, (cached - full).abs().max().item())
         assert torch.allclose(cached, full, rtol=0, atol=1e-4), f"request {step}: cached != recompute"
         hits = after["hit_tokens"] - before["hit_tokens"]
         recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
         partial_hits += batch.batch_size == 1 and hits > 0 and recomputed > 0
     stats = cache.stats()
     cache.close()
-    assert worst <= 1e-4
     assert stats["lookups"] == sum(1 + s % 3 for s in range(60))
     assert stats["hit_tokens"] > 0 and partial_hits > 0
     assert stats["device_evictions"] > 0

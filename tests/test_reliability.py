@@ -158,8 +158,10 @@ def test_truncated_package_fails_verify(artifact_copy):
 @pytest.mark.parametrize("content,message", [
     ("{not json", "manifest.json is not valid JSON"),
     ('{"format_version": 1}', "manifest.json lacks the field config"),
-    ('{"format_version": 99, "config": {}, "files": {}, "trace": {}, "tolerance": {}, "runtime_name": "x",'
-     ' "required_libraries": []}', "has format_version 99"),
+    ('{"format_version": 99, "config": {}, "runtime_config": {}, "dims": {}, "files": {}, "trace": {"steps": []},'
+     ' "tolerance": {}, "runtime_name": "x", "required_libraries": []}', "has format_version 99"),
+    ('{"format_version": 1, "config": {}, "runtime_config": {}, "dims": {}, "files": {}, "trace": {},'
+     ' "tolerance": {}, "runtime_name": "x", "required_libraries": []}', "lacks the trace step list"),
 ])
 def test_unusable_manifest(artifact_copy, content, message):
     (artifact_copy / "manifest.json").write_text(content)

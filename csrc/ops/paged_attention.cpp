@@ -176,6 +176,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const auto pt = page_table.to(at::kLong).contiguous();
   const auto users = row_user.to(at::kLong).contiguous(), keys = row_keys.to(at::kLong).contiguous();
   const auto candidate = row_candidate.to(at::kBool).contiguous();
+  TORCH_CHECK(pt.dim() == 2, "paged_attention: page_table must be [B, max_pages], got ", pt.sizes());
+  TORCH_CHECK(cache.device() == q.device(), "paged_attention: cache on ", cache.device(), ", q on ", q.device());
+  const int64_t num_pages = cache.size(0);
+  for (int64_t i = 0; i < pt.numel(); ++i) {
+    const int64_t page = pt.data_ptr<int64_t>()[i];
+    TORCH_CHECK(page >= 0 && page < num_pages, "paged_attention: page ", page, " outside 0..", num_pages - 1);
+  }
   const int64_t capacity = pt.size(1) * cache.size(2);
   for (int64_t r = 0; r < q.size(0); ++r) {
     const int64_t user = users.data_ptr<int64_t>()[r], num_keys = keys.data_ptr<int64_t>()[r];

@@ -55,6 +55,8 @@ void append_kv(const std::string& name, int64_t layer, const at::Tensor& k, cons
 at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, double alpha, double inv_scaling_seqlen) {
   auto rt = runtime::find_runtime(name);
+  TORCH_CHECK(layer >= 0 && layer < rt->config().num_layers, "paged_attention: layer ", layer, " outside 0..",
+              rt->config().num_layers - 1);
   const auto& plan = rt->batch();
   return paged_attention_cpu(q, k, v, rt->cache().select(0, layer), plan.page_table, plan.row_user, plan.row_keys,
                              plan.row_candidate, alpha, inv_scaling_seqlen);
@@ -62,6 +64,13 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
 
 void end_batch(const std::string& name, const at::Tensor& user_ids) {
   runtime::find_runtime(name)->end_batch(to_vector(user_ids, "user_ids"));
+}
+
+void abort_batch(const std::string& name) {
+  user_errors_as_value_error([&] {
+    runtime::find_runtime(name)->abort_batch();
+    return 0;
+  });
 }
 
 void create_runtime(const std::string& name, const std::string& config, at::Device device) {
@@ -113,6 +122,7 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("end_batch(str runtime, Tensor user_ids) -> ()");
   // Management (eager only, never in an exported graph).
   m.def("create_runtime(str runtime, str config, Device device) -> ()");
+  m.def("abort_batch(str runtime) -> ()");
   m.def("runtime_stats(str runtime) -> Tensor");
   m.def("reset_runtime(str runtime) -> ()");
   m.def("evict_user(str runtime, int user_id) -> bool");
@@ -137,6 +147,7 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
 // leaves room for their fakes.
 TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("create_runtime", &create_runtime);
+  m.impl("abort_batch", &abort_batch);
   m.impl("runtime_stats", &runtime_stats);
   m.impl("reset_runtime", &reset_runtime);
   m.impl("evict_user", &evict_user);

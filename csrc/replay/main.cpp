@@ -109,7 +109,10 @@ std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
                                   "device_users", "host_pages_used", "host_users"};
   const auto values = call_op("kvexport::runtime_stats", {runtime})[0].toTensor();
   std::map<std::string, int64_t> stats;
-  for (int64_t i = 0; i < values.numel(); ++i) stats[kFields[i]] = values[i].item<int64_t>();
+  constexpr int64_t kNumFields = sizeof(kFields) / sizeof(kFields[0]);
+  TORCH_CHECK(values.numel() == kNumFields, "kvexport bug: runtime_stats has ", values.numel(), " values, expected ",
+              kNumFields);
+  for (int64_t i = 0; i < kNumFields; ++i) stats[kFields[i]] = values[i].item<int64_t>();
   return stats;
 }
 
@@ -174,10 +177,12 @@ std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<s
 }
 
 // A step recorded as failing passes when the package refuses it with the expected message.
-bool expect_failure(torch::inductor::AOTIModelPackageLoader& loader, const LoadedStep& step) {
+bool expect_failure(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
+                    const LoadedStep& step) {
   try {
     loader.run(step.inputs);
   } catch (const std::exception& e) {
+    call_op("kvexport::abort_batch", {runtime});  // release the runtime if the request got that far
     return std::string(e.what()).find(step.expect_error) != std::string::npos;
   }
   return false;
@@ -196,7 +201,7 @@ void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::str
       vs_cached = compare(outputs.at(0), steps[i].expected_cached, atol, rtol);
       vs_full = compare(outputs.at(0), steps[i].expected_full, atol, rtol);
     } else {
-      vs_cached.passed = expect_failure(loader, steps[i]);
+      vs_cached.passed = expect_failure(loader, runtime, steps[i]);
       vs_full = vs_cached;
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
@@ -284,6 +289,9 @@ int run(const Options& options) {
     throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
   }
   auto metadata = loader->get_metadata();
+  for (const char* key : {"kvexport.runtime_name", "kvexport.signature", "kvexport.runtime_config"}) {
+    if (!metadata.count(key)) throw ReplayError(kUnusable, std::string("model.pt2 lacks the metadata ") + key);
+  }
   check_manifest_against_package(manifest, metadata);
   const std::string runtime = metadata.at("kvexport.runtime_name");
   const auto signature = nlohmann::json::parse(metadata.at("kvexport.signature")).get<std::vector<std::string>>();
@@ -370,6 +378,9 @@ int main(int argc, char** argv) {
     return e.code;
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+    return kUnusable;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
     return kUnusable;
   }
 }

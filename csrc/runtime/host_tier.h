@@ -27,7 +27,6 @@ class OffloadTier {
   virtual int64_t put(int64_t user_id, OffloadedUser user) = 0;
   // Removes and returns a user, if held.
   virtual std::optional<OffloadedUser> take(int64_t user_id) = 0;
-  virtual bool contains(int64_t user_id) const = 0;
   // Tokens held for a user, without touching its place in the LRU.
   virtual std::optional<int64_t> num_tokens(int64_t user_id) const = 0;
   virtual int64_t used_pages() const = 0;
@@ -41,7 +40,6 @@ class HostTier final : public OffloadTier {
   HostTier(int64_t capacity_pages, bool pin_memory);
   int64_t put(int64_t user_id, OffloadedUser user) override;
   std::optional<OffloadedUser> take(int64_t user_id) override;
-  bool contains(int64_t user_id) const override { return index_.count(user_id) > 0; }
   std::optional<int64_t> num_tokens(int64_t user_id) const override;
   int64_t used_pages() const override { return used_pages_; }
   int64_t num_users() const override { return static_cast<int64_t>(lru_.size()); }

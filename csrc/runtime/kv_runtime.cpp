@@ -57,7 +57,9 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vec
                             const std::vector<int64_t>& num_candidates) const {
   const auto num_users = user_ids.size();
   if (token_lengths.size() != num_users || num_candidates.size() != num_users) {
-    throw std::invalid_argument("begin_batch: user_ids, token_lengths and num_candidates differ in length");
+    throw std::invalid_argument("begin_batch: user_ids (" + std::to_string(num_users) + "), token_lengths (" +
+                                std::to_string(token_lengths.size()) + ") and num_candidates (" +
+                                std::to_string(num_candidates.size()) + ") differ in length");
   }
   std::vector<int64_t> sorted = user_ids;
   std::sort(sorted.begin(), sorted.end());
@@ -91,7 +93,12 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
                                         const std::vector<int64_t>& num_candidates) {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
-  owner_.reset();  // a batch of this thread that never ended is abandoned; its state is consistent
+  if (owner_) {
+    // A batch of this thread that never ended is abandoned; its state is consistent (only the
+    // common prefix counts as cached until a batch commits). Waiters are woken on release.
+    owner_.reset();
+    released_.notify_all();
+  }
   check_batch(user_ids, token_ids, token_lengths, num_candidates);
 
   std::unordered_map<int64_t, bool> in_batch;
@@ -109,7 +116,6 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
     const int64_t* tokens = token_ids.data() + offset;
     const int64_t cached = reuse_prefix(user_ids[b], tokens, token_lengths[b], offloaded[b]);
     plan_.cached_lengths.push_back(cached);
-    plan_.prefix_lengths.push_back(token_lengths[b]);
     plan_.prefix_tokens.emplace_back(tokens, tokens + token_lengths[b]);
     offset += token_lengths[b];
   }
@@ -195,8 +201,9 @@ void KVRuntime::offload(int64_t user_id, UserEntry entry) {
     auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
                      .to(cache_.device());
     OffloadedUser user{entry.token_ids, cache_.index_select(1, index).to(at::kCPU)};
-    ++counters_.offloads;
-    counters_.host_evictions += offload_tier_->put(user_id, std::move(user));
+    const int64_t dropped = offload_tier_->put(user_id, std::move(user));
+    counters_.host_evictions += dropped;
+    if (offload_tier_->num_tokens(user_id)) ++counters_.offloads;
   }
   free_pages_.insert(free_pages_.end(), entry.pages.begin(), entry.pages.end());
 }
@@ -286,6 +293,14 @@ void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
   released_.notify_all();
 }
 
+void KVRuntime::abort_batch() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!owner_ || *owner_ != std::this_thread::get_id()) return;
+  owner_.reset();  // nothing is committed: the users keep only their common prefixes
+  lock.unlock();
+  released_.notify_all();
+}
+
 std::vector<int64_t> KVRuntime::stats() {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
@@ -307,6 +322,7 @@ void KVRuntime::reset() {
   plan_ = BatchPlan{};
   owner_.reset();
   cache_.zero_();
+  released_.notify_all();
 }
 
 bool KVRuntime::evict_user(int64_t user_id) {

@@ -43,7 +43,6 @@ std::vector<int64_t> stats_vector(const Counters& c, int64_t device_pages_used, 
 struct BatchPlan {
   std::vector<int64_t> user_ids;
   std::vector<int64_t> cached_lengths;  // reused prefix per user
-  std::vector<int64_t> prefix_lengths;  // whole prefix per user
   std::vector<std::vector<int64_t>> prefix_tokens;
   int64_t num_candidate_rows = 0;
   int64_t num_new_prefix_rows = 0;
@@ -78,6 +77,9 @@ class KVRuntime {
   const at::Tensor& cache() const { return cache_; }
   // Commits the batch's token ids and releases the runtime to other threads.
   void end_batch(const std::vector<int64_t>& user_ids);
+  // Releases this thread's batch without committing (a request that failed midway); no-op
+  // when the thread has none.
+  void abort_batch();
 
   std::vector<int64_t> stats();
   void reset();

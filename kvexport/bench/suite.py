@@ -8,6 +8,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -15,11 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kvexport.artifact import Artifact
-import statistics
-
 from kvexport.bench.timing import paired, timed_ms
 from kvexport.config import Config
+from kvexport.errors import UserError
 from kvexport.model import Batch
 from kvexport.model.batch import UserRequest, check_batch
 from kvexport.model.hstu import DTYPES, HSTURanker
@@ -32,6 +31,15 @@ log = logging.getLogger(__name__)
 NEW_EVENTS = 16
 CANDIDATES = 64
 PASSES_PER_SAMPLE = 3
+
+
+def _run_quietly(command: list[str], env: dict[str, str] | None = None) -> None:
+    """Runs a kvexport step; its failure becomes the step's own last error line."""
+    result = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+        reason = lines[-1] if lines else (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{Path(command[0]).name} {' '.join(command[1:3])} failed (exit {result.returncode}): {reason}")
 
 
 def machine() -> dict:
@@ -152,7 +160,7 @@ def cpp_vs_python(runner: PackageRunner, repeats: int, workdir: Path) -> dict:
 
     def cpp_pass(_: int) -> float:
         command = replay_command(artifact.root, report_path, repeat=PASSES_PER_SAMPLE)
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        _run_quietly(command)
         steps = json.loads(report_path.read_text())["steps"]
         return sum(steps[i]["latency_p50_ms"] for i in timed)
 
@@ -172,8 +180,7 @@ def build_cost(config_path: Path, workdir: Path) -> tuple[dict, Path]:
     for kind in ("cold", "warm"):
         out = workdir / f"build-{kind}"
         started = time.perf_counter()
-        subprocess.run([*kvexport, "build", str(config_path), "-o", str(out)], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _run_quietly([*kvexport, "build", str(config_path), "-o", str(out)], env=env)
         result[f"seconds_{kind}"] = round(time.perf_counter() - started, 2)
         result[f"stages_{kind}"] = json.loads((out / "manifest.json").read_text())["timings_seconds"]
         log.info("build (%s compile cache): %.1f s", kind, result[f"seconds_{kind}"])
@@ -194,7 +201,7 @@ def cache_memory(runner: PackageRunner) -> dict:
         if "expect_error" not in step:
             runner.score(load_trace_step(runner.artifact.root / step["file"])[0])
     stats = runner.stats()
-    max_user_pages = -(-m.max_prefix_length // kc.page_size)
+    max_user_pages = kc.pages_for(m.max_prefix_length)
     return {
         "bytes_per_cached_token": per_token,
         "bytes_per_page": per_token * kc.page_size,

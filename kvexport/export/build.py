@@ -7,6 +7,7 @@ every stage succeeded, so a failed or interrupted build leaves no OUT/.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -105,13 +106,24 @@ def _weights(checkpoint: Path | None) -> dict[str, str | int]:
     return {"source": "checkpoint", "sha256": artifact.sha256_of(checkpoint)}
 
 
+def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
+    """The package's cache runtime name: the config's name plus a digest of its runtime config and
+    weights, so two packages share a runtime in one process only when they compute the same k/v."""
+    digest = hashlib.sha256(config.runtime_json().encode())
+    for key, tensor in model.state_dict().items():
+        digest.update(key.encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"{config.name}-{digest.hexdigest()[:12]}"
+
+
 def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str) -> None:
     stages = _Stages(total=5)
     with stages.stage("model", f"{config.name} ({'checkpoint ' + str(checkpoint) if checkpoint else 'seeded init'})"):
         model = build_model(config, checkpoint)
+        runtime_name = runtime_name_for(config, model)
         library.load()
     with stages.stage("export", "torch.export of the KV-cached module"):
-        program = export_cached(CachedRanker(model, config.name), config)
+        program = export_cached(CachedRanker(model, runtime_name), config)
         ops = graph_custom_ops(program)
     with stages.stage("trace", "recording requests with eager cached and full-recompute outputs"):
         steps = record_trace(config, model, staging / artifact.TRACE_DIR)
@@ -121,7 +133,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     weights = _weights(checkpoint)
     metadata = {
         "kvexport.version": kvexport.__version__,
-        "kvexport.runtime_name": config.name,
+        "kvexport.runtime_name": runtime_name,
         "kvexport.runtime_config": config.runtime_json(),
         "kvexport.config": json.dumps(config.to_dict(), sort_keys=True),
         "kvexport.signature": json.dumps(list(SIGNATURE)),
@@ -140,7 +152,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         manifest = {
             "format_version": artifact.FORMAT_VERSION,
             "name": config.name,
-            "runtime_name": config.name,
+            "runtime_name": runtime_name,
             "device": device,
             "config": config.to_dict(),
             "runtime_config": json.loads(config.runtime_json()),
@@ -158,20 +170,36 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     (staging / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = None, device: str = "cpu",
+def _replace_directory(staging: Path, output: Path) -> None:
+    """Puts staging at output; an existing output is kept aside until the swap succeeded."""
+    backup = staging.with_name(staging.name + ".old")
+    if output.exists():
+        output.rename(backup)
+    try:
+        staging.rename(output)
+    except BaseException:
+        if backup.exists():
+            backup.rename(output)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = None, device: str | None = None,
                    force: bool = False) -> Path:
-    """Runs every stage into a staging directory and renames it to `output` on success."""
+    """Runs every stage into a staging directory and renames it to `output` on success.
+
+    device defaults to the config's serving.device.
+    """
     config = load_config(config_path)
+    device = device or config.serving.device
     _check_device(device)
     staging = _prepare_output(output, force)
     started = time.perf_counter()
     try:
         staging.mkdir()
         _write_artifact(config, staging, checkpoint, device)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
-    except OSError as exc:
+        _replace_directory(staging, output)
+    except OSError as exc:  # disk full, permissions: the user's environment
         raise UserError(f"cannot write {output}: {exc.strerror or exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -38,10 +38,6 @@ class Batch:
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in SIGNATURE}
 
-    @classmethod
-    def from_dict(cls, tensors: dict[str, torch.Tensor]) -> "Batch":
-        return cls(**{name: tensors[name] for name in SIGNATURE})
-
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(t.to(device) for t in self.tensors()))
 

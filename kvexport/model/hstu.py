@@ -166,8 +166,16 @@ class HSTURanker(nn.Module):
 
 
     def forward_cached(self, batch: Batch, runtime: str | None = None) -> torch.Tensor:
-        """KV-cached path through the runtime named `runtime` (default: the config's name)."""
-        return self.cached_logits(runtime or self.config.name, *batch.tensors())
+        """KV-cached path through the runtime named `runtime` (default: the config's name).
+
+        A request that fails midway is aborted, so the runtime is not left held by this thread.
+        """
+        name = runtime or self.config.name
+        try:
+            return self.cached_logits(name, *batch.tensors())
+        except BaseException:
+            kv.abort_batch(name)
+            raise
 
     def cached_logits(self, runtime: str, user_ids: torch.Tensor, history_lengths: torch.Tensor,
                       item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,

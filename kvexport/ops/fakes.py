@@ -56,6 +56,11 @@ def _create_runtime(runtime, config, device):
     return None
 
 
+@torch.library.register_fake("kvexport::abort_batch")
+def _abort_batch(runtime):
+    return None
+
+
 @torch.library.register_fake("kvexport::reset_runtime")
 def _reset_runtime(runtime):
     return None

@@ -14,8 +14,7 @@ class KVCacheManager:
     def __init__(self, config: Config, runtime_name: str | None = None, device: torch.device | str = "cpu"):
         self.config = config
         self.name = runtime_name or config.name
-        self.config_json = config.runtime_json()
-        wrappers.create_runtime(self.name, self.config_json, device)
+        wrappers.create_runtime(self.name, config.runtime_json(), device)
 
     def stats(self) -> dict[str, int]:
         return wrappers.runtime_stats(self.name)

@@ -56,6 +56,15 @@ def end_batch(runtime: str, user_ids: torch.Tensor) -> None:
     _ops().end_batch(runtime, user_ids)
 
 
+def abort_batch(runtime: str) -> None:
+    """Releases this thread's unfinished request without committing it (no-op without one).
+
+    Call it when a request fails between begin_batch and end_batch: until then other threads
+    wait for the runtime. Users keep only the prefixes that were already cached.
+    """
+    _ops().abort_batch(runtime)
+
+
 def hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
                          alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
     """The kernel behind paged_attention with every input explicit (no runtime state).
