@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import json
 
 import pytest
@@ -184,3 +185,38 @@ def test_runtimes_are_isolated_by_name(runtime):
 def test_same_name_with_other_config_is_refused(runtime):
     with pytest.raises(ValueError, match="already exists in this process with a different config"):
         kv.create_runtime(runtime, CONFIG.replace('"device_pages": 6', '"device_pages": 8'))
+
+
+def _in_thread(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    return thread
+
+
+def test_aborted_batch_releases_the_runtime_to_other_threads(runtime):
+    request(runtime, {1: [1, 2, 3]})
+    kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3, 4]), torch.tensor([4]),
+                   torch.tensor([1]))  # this thread now owns the runtime, as a request failing midway would
+    kv.abort_batch(runtime)
+    results = []
+    assert not _in_thread(lambda: results.append(request(runtime, {1: [1, 2, 3, 4]}))).is_alive()
+    assert results == [[3]]  # the aborted batch committed nothing
+
+
+def test_failed_eager_request_does_not_block_other_threads(tiny_config, tiny_model):
+    from kvexport.model import random_batch
+    from kvexport.model.batch import Batch
+
+    name = f"test-runtime-{next(_names)}"
+    good = random_batch(tiny_config.model, seed=0, history_lengths=[3], num_candidates=[2])
+    bad = Batch(**{**good.to_dict(), "candidate_ids": torch.tensor([0, tiny_config.model.item_vocab_size])})
+    try:
+        with pytest.raises(IndexError):
+            with torch.no_grad():
+                tiny_model.forward_cached(bad, name)  # fails after begin_batch, in the embedding
+        stats = []
+        assert not _in_thread(lambda: stats.append(kv.runtime_stats(name))).is_alive()
+        assert stats[0]["lookups"] == 1
+    finally:
+        kv.drop_runtime(name)
