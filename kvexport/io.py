@@ -11,6 +11,12 @@ import torch
 from kvexport.errors import UserError
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def load_tensor_file(path: str | Path, what: str):
     """`torch.load(weights_only=True)`: a file needing pickle code execution is refused, not run."""
     path = Path(path)
@@ -23,8 +29,7 @@ def load_tensor_file(path: str | Path, what: str):
     except pickle.UnpicklingError as exc:
         raise UserError(f"{what} {path} is refused: it is not a plain tensor file (weights_only load failed)") from exc
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} {path} is unreadable: {first_line}") from exc
+        raise UserError(f"{what} {path} is unreadable: {first_line(exc)}") from exc
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], None], what: str) -> None:
@@ -37,7 +42,7 @@ def write_atomically(path: str | Path, write: Callable[[Path], None], what: str)
         write(tmp)
         tmp.replace(path)
     except (OSError, RuntimeError) as exc:  # torch.save reports I/O failures as RuntimeError
-        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        reason = getattr(exc, "strerror", None) or first_line(exc)
         raise UserError(f"cannot write {what} {path}: {reason}") from exc
     finally:
         tmp.unlink(missing_ok=True)

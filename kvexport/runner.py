@@ -10,7 +10,7 @@ import torch
 
 from kvexport.artifact import LIB_DIR, Artifact, sha256_of
 from kvexport.errors import UserError
-from kvexport.io import load_tensor_file
+from kvexport.io import first_line, load_tensor_file
 from kvexport.model.batch import Batch, check_batch
 from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
@@ -53,8 +53,7 @@ class PackageRunner:
         try:
             self.package = torch._inductor.aoti_load_package(str(artifact.package))
         except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"cannot load {artifact.package}: {first}") from exc
+            raise UserError(f"cannot load {artifact.package}: {first_line(exc)}") from exc
         # The runtime config travels inside the package, like the C++ harness reads it.
         kv.create_runtime(artifact.runtime_name, self.package.get_metadata()["kvexport.runtime_config"])
 

@@ -77,9 +77,7 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     model = eager_model_for(artifact, checkpoint)
     runner = PackageRunner(artifact)
     t = artifact.config.trace
-    spec = WorkloadSpec(num_users=num_users, min_history_length=t.min_history_length,
-                        max_history_length=t.max_trace_history_length, max_new_events=t.max_new_events,
-                        num_candidates=t.num_candidates, rewrite_fraction=0.1)
+    spec = WorkloadSpec.from_trace_config(t, num_users, rewrite_fraction=0.1)
     workload = Workload(artifact.config.model, spec, seed)
     sizes = random.Random(seed + 1)
     max_batch = min(_largest_safe_batch(artifact, spec.max_history_length), num_users)

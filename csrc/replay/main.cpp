@@ -134,6 +134,13 @@ Comparison compare(const at::Tensor& output, const at::Tensor& expected, double 
   return c;
 }
 
+// Keeps the worst of two comparisons of one step (over passes or threads).
+void merge_worst(Comparison& into, const Comparison& c) {
+  into.max_abs = std::max(into.max_abs, c.max_abs);
+  into.max_rel = std::max(into.max_rel, c.max_rel);
+  into.passed = into.passed && c.passed;
+}
+
 nlohmann::json to_json(const Comparison& c) {
   return {{"max_abs", c.max_abs}, {"max_rel", c.max_rel}, {"passed", c.passed}};
 }
@@ -208,13 +215,8 @@ void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::str
     auto& r = results[i];
     r.latencies_ms.push_back(ms);
     r.batch_size = steps[i].inputs[0].size(0);
-    auto worse = [](Comparison& into, const Comparison& c) {
-      into.max_abs = std::max(into.max_abs, c.max_abs);
-      into.max_rel = std::max(into.max_rel, c.max_rel);
-      into.passed = into.passed && c.passed;
-    };
-    worse(r.vs_cached, vs_cached);
-    worse(r.vs_full, vs_full);
+    merge_worst(r.vs_cached, vs_cached);
+    merge_worst(r.vs_full, vs_full);
     if (count_cache) {
       const auto after = runtime_stats(runtime);
       if (!steps[i].expect_error.empty() && after != before) {
@@ -266,6 +268,80 @@ class PrivateTempDir {
   fs::path path_;
 };
 
+std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Manifest& manifest, int num_runners) {
+  try {
+    return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+        (manifest.root / "model.pt2").string(), "model", /*run_single_threaded=*/false,
+        static_cast<size_t>(num_runners));
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    const std::string marker = "Could not find schema for ";
+    const auto schema = what.find(marker);
+    if (schema != std::string::npos) {
+      const auto begin = schema + marker.size();
+      const auto op = what.substr(begin, what.find_first_of(".\n", begin) - begin);
+      throw ReplayError(kUnusable, "model.pt2 calls " + op + " but no loaded library defines it; pass its "
+                                   "library with --library PATH");
+    }
+    throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
+  }
+}
+
+// Every thread replays the whole trace through the shared loader and runtime. Cache states
+// interleave, but cached == recompute holds for any state, so each output must still match.
+void replay_concurrently(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
+                         const std::vector<LoadedStep>& steps, double atol, double rtol, int num_threads,
+                         std::vector<StepResult>& results) {
+  std::vector<std::vector<StepResult>> per_thread(num_threads, std::vector<StepResult>(steps.size()));
+  std::vector<std::thread> workers;
+  std::vector<std::exception_ptr> errors(num_threads);
+  for (int t = 0; t < num_threads; ++t) {
+    workers.emplace_back([&, t] {
+      try {
+        replay_pass(loader, runtime, steps, atol, rtol, per_thread[t], /*count_cache=*/false);
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  for (const auto& thread_results : per_thread) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      auto& r = results[i];
+      const auto& t = thread_results[i];
+      r.batch_size = t.batch_size;
+      merge_worst(r.vs_cached, t.vs_cached);
+      merge_worst(r.vs_full, t.vs_full);
+      r.latencies_ms.insert(r.latencies_ms.end(), t.latencies_ms.begin(), t.latencies_ms.end());
+    }
+  }
+}
+
+nlohmann::json make_report(const Manifest& manifest, const Options& options, int files_checked, double atol,
+                           double rtol, const std::vector<StepResult>& results) {
+  nlohmann::json report = {{"artifact", manifest.root.string()}, {"runner", "cpp"}, {"files_checked", files_checked},
+                           {"atol", atol}, {"rtol", rtol}, {"repeat", options.repeat},
+                           {"threads", options.threads}, {"steps", nlohmann::json::array()}};
+  bool all_passed = true;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    const bool passed = r.vs_cached.passed && r.vs_full.passed;
+    all_passed = all_passed && passed;
+    report["steps"].push_back({{"index", i}, {"description", manifest.steps[i].description},
+                               {"batch_size", r.batch_size}, {"vs_cached", to_json(r.vs_cached)},
+                               {"vs_full", to_json(r.vs_full)}, {"hit_tokens", r.hit_tokens},
+                               {"recomputed_tokens", r.recomputed_tokens},
+                               {"latency_ms", percentile(r.latencies_ms, 0.5)},
+                               {"latency_p50_ms", percentile(r.latencies_ms, 0.5)},
+                               {"latency_p99_ms", percentile(r.latencies_ms, 0.99)}, {"passed", passed}});
+  }
+  report["passed"] = all_passed;
+  return report;
+}
+
 int run(const Options& options) {
   const auto manifest = read_manifest(options.artifact);
   const int files_checked = check_files(manifest);
@@ -273,21 +349,7 @@ int run(const Options& options) {
   const double atol = options.atol.value_or(manifest.atol), rtol = options.rtol.value_or(manifest.rtol);
 
   PrivateTempDir temp_dir;
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
-  try {
-    loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-        (manifest.root / "model.pt2").string(), "model", /*run_single_threaded=*/false,
-        /*num_runners=*/static_cast<size_t>(options.threads));
-  } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    const auto schema = what.find("Could not find schema for ");
-    if (schema != std::string::npos) {
-      const auto op = what.substr(schema + 26, what.find_first_of(".\n", schema + 26) - schema - 26);
-      throw ReplayError(kUnusable, "model.pt2 calls " + op + " but no loaded library defines it; pass its "
-                                   "library with --library PATH");
-    }
-    throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
-  }
+  const auto loader = load_package(manifest, options.threads);
   auto metadata = loader->get_metadata();
   for (const char* key : {"kvexport.runtime_name", "kvexport.signature", "kvexport.runtime_config"}) {
     if (!metadata.count(key)) throw ReplayError(kUnusable, std::string("model.pt2 lacks the metadata ") + key);
@@ -303,59 +365,11 @@ int run(const Options& options) {
     call_op("kvexport::reset_runtime", {runtime});
     if (options.threads == 1) {
       replay_pass(*loader, runtime, steps, atol, rtol, results, /*count_cache=*/pass == 0);
-      continue;
-    }
-    // Every thread replays the whole trace through the shared loader and runtime. Cache states
-    // interleave, but cached == recompute holds for any state, so each output must still match.
-    std::vector<std::vector<StepResult>> per_thread(options.threads, std::vector<StepResult>(steps.size()));
-    std::vector<std::thread> workers;
-    std::vector<std::exception_ptr> errors(options.threads);
-    for (int t = 0; t < options.threads; ++t) {
-      workers.emplace_back([&, t] {
-        try {
-          replay_pass(*loader, runtime, steps, atol, rtol, per_thread[t], /*count_cache=*/false);
-        } catch (...) {
-          errors[t] = std::current_exception();
-        }
-      });
-    }
-    for (auto& w : workers) w.join();
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
-    for (const auto& thread_results : per_thread) {
-      for (size_t i = 0; i < steps.size(); ++i) {
-        auto& r = results[i];
-        const auto& t = thread_results[i];
-        r.batch_size = t.batch_size;
-        r.vs_cached.passed = r.vs_cached.passed && t.vs_cached.passed;
-        r.vs_full.passed = r.vs_full.passed && t.vs_full.passed;
-        r.vs_cached.max_abs = std::max(r.vs_cached.max_abs, t.vs_cached.max_abs);
-        r.vs_cached.max_rel = std::max(r.vs_cached.max_rel, t.vs_cached.max_rel);
-        r.vs_full.max_abs = std::max(r.vs_full.max_abs, t.vs_full.max_abs);
-        r.vs_full.max_rel = std::max(r.vs_full.max_rel, t.vs_full.max_rel);
-        r.latencies_ms.insert(r.latencies_ms.end(), t.latencies_ms.begin(), t.latencies_ms.end());
-      }
+    } else {
+      replay_concurrently(*loader, runtime, steps, atol, rtol, options.threads, results);
     }
   }
-
-  nlohmann::json report = {{"artifact", manifest.root.string()}, {"runner", "cpp"}, {"files_checked", files_checked},
-                           {"atol", atol}, {"rtol", rtol}, {"repeat", options.repeat},
-                           {"threads", options.threads}, {"steps", nlohmann::json::array()}};
-  bool all_passed = true;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const auto& r = results[i];
-    const bool passed = r.vs_cached.passed && r.vs_full.passed;
-    all_passed = all_passed && passed;
-    report["steps"].push_back({{"index", i}, {"description", manifest.steps[i].description},
-                               {"batch_size", r.batch_size}, {"vs_cached", to_json(r.vs_cached)},
-                               {"vs_full", to_json(r.vs_full)}, {"hit_tokens", r.hit_tokens},
-                               {"recomputed_tokens", r.recomputed_tokens},
-                               {"latency_ms", percentile(r.latencies_ms, 0.5)},
-                               {"latency_p50_ms", percentile(r.latencies_ms, 0.5)},
-                               {"latency_p99_ms", percentile(r.latencies_ms, 0.99)}, {"passed", passed}});
-  }
-  report["passed"] = all_passed;
+  auto report = make_report(manifest, options, files_checked, atol, rtol, results);
   report["counters"] = runtime_stats(runtime);
   print_report(report);
   if (options.json) {
@@ -363,7 +377,7 @@ int run(const Options& options) {
     out << report.dump(2) << "\n";
     if (!out) throw ReplayError(kUnusable, "cannot write " + options.json->string());
   }
-  return all_passed ? kPass : kMismatch;
+  return report["passed"].get<bool>() ? kPass : kMismatch;
 }
 
 }  // namespace

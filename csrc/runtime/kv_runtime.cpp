@@ -187,20 +187,27 @@ void KVRuntime::evict_lru_user(const std::unordered_map<int64_t, bool>& in_batch
     // check_batch() guarantees the batch fits once every other user is gone.
     throw std::logic_error("kvexport bug: no user left to evict although the batch fits");
   }
-  const int64_t user_id = victim->first;
-  UserEntry entry = std::move(victim->second);
-  users_.erase(victim);
+  evict(victim);
+}
+
+void KVRuntime::evict(std::unordered_map<int64_t, UserEntry>::iterator user) {
+  const int64_t user_id = user->first;
+  UserEntry entry = std::move(user->second);
+  users_.erase(user);
   ++counters_.device_evictions;
   offload(user_id, std::move(entry));
 }
 
+at::Tensor KVRuntime::cached_pages(const UserEntry& entry) const {
+  const int64_t num_pages = config_.pages_for(static_cast<int64_t>(entry.token_ids.size()));
+  const auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
+                         .to(cache_.device());
+  return cache_.index_select(1, index);  // [layers, num_pages, 2, page_size, H, dh]
+}
+
 void KVRuntime::offload(int64_t user_id, UserEntry entry) {
-  const auto num_tokens = static_cast<int64_t>(entry.token_ids.size());
-  const int64_t num_pages = config_.pages_for(num_tokens);
-  if (num_tokens > 0) {
-    auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
-                     .to(cache_.device());
-    OffloadedUser user{entry.token_ids, cache_.index_select(1, index).to(at::kCPU)};
+  if (!entry.token_ids.empty()) {
+    OffloadedUser user{entry.token_ids, cached_pages(entry).to(at::kCPU)};
     const int64_t dropped = offload_tier_->put(user_id, std::move(user));
     counters_.host_evictions += dropped;
     if (offload_tier_->num_tokens(user_id)) ++counters_.offloads;
@@ -330,10 +337,7 @@ bool KVRuntime::evict_user(int64_t user_id) {
   acquire_batch(lock);
   auto it = users_.find(user_id);
   if (it == users_.end()) return false;
-  UserEntry entry = std::move(it->second);
-  users_.erase(it);
-  ++counters_.device_evictions;
-  offload(user_id, std::move(entry));
+  evict(it);
   return true;
 }
 
@@ -363,12 +367,9 @@ at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
   if (it == users_.end()) {
     throw std::invalid_argument("user " + std::to_string(user_id) + " is not on the device tier of " + name_);
   }
-  const auto& entry = it->second;
-  const auto num_tokens = static_cast<int64_t>(entry.token_ids.size());
+  const auto num_tokens = static_cast<int64_t>(it->second.token_ids.size());
   const int64_t num_pages = config_.pages_for(num_tokens);
-  auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
-                   .to(cache_.device());
-  return cache_.index_select(1, index)  // [layers, pages, 2, page_size, H, dh]
+  return cached_pages(it->second)
       .permute({0, 2, 1, 3, 4, 5})
       .reshape({config_.num_layers, 2, num_pages * config_.page_size, config_.num_heads, config_.head_dim})
       .narrow(2, 0, num_tokens)

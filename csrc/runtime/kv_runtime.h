@@ -104,6 +104,8 @@ class KVRuntime {
                        std::optional<OffloadedUser>& offloaded);
   std::vector<int64_t> allocate_pages(int64_t count, const std::unordered_map<int64_t, bool>& in_batch);
   void evict_lru_user(const std::unordered_map<int64_t, bool>& in_batch);
+  void evict(std::unordered_map<int64_t, UserEntry>::iterator user);  // device tier -> offload tier
+  at::Tensor cached_pages(const UserEntry& entry) const;  // the pages holding the entry's tokens
   void offload(int64_t user_id, UserEntry entry);
   void onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens);
   void build_plan(const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates);

@@ -82,7 +82,10 @@ def create_runtime(runtime: str, config_json: str, device: torch.device | str = 
 
 def runtime_stats(runtime: str) -> dict[str, int]:
     """Counters and occupancy of the named runtime."""
-    return dict(zip(STATS_FIELDS, _ops().runtime_stats(runtime).tolist()))
+    values = _ops().runtime_stats(runtime).tolist()
+    if len(values) != len(STATS_FIELDS):
+        raise RuntimeError(f"kvexport bug: runtime_stats returned {len(values)} values for {len(STATS_FIELDS)} fields")
+    return dict(zip(STATS_FIELDS, values))
 
 
 def reset_runtime(runtime: str) -> None:

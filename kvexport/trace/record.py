@@ -38,9 +38,7 @@ class TraceStep:
 
 def _trace_workload(config: Config) -> Workload:
     t = config.trace
-    spec = WorkloadSpec(num_users=t.num_users, min_history_length=t.min_history_length,
-                        max_history_length=t.max_trace_history_length, max_new_events=t.max_new_events,
-                        num_candidates=t.num_candidates, rewrite_fraction=0.0)
+    spec = WorkloadSpec.from_trace_config(t, t.num_users, rewrite_fraction=0.0)
     return Workload(config.model, spec, seed=t.seed)
 
 

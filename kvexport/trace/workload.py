@@ -34,6 +34,13 @@ class WorkloadSpec:
     num_candidates: int
     rewrite_fraction: float = 0.1
 
+    @classmethod
+    def from_trace_config(cls, trace, num_users: int, rewrite_fraction: float) -> "WorkloadSpec":
+        """History lengths and candidates as in a config's trace section."""
+        return cls(num_users=num_users, min_history_length=trace.min_history_length,
+                   max_history_length=trace.max_trace_history_length, max_new_events=trace.max_new_events,
+                   num_candidates=trace.num_candidates, rewrite_fraction=rewrite_fraction)
+
 
 def _int64(ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
