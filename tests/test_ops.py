@@ -36,9 +36,9 @@ def reference_paged_attention(q, k, v, cache, page_table, row_user, row_keys, ro
     return out
 
 
-def random_paged_inputs(seed: int, dtype=torch.float32):
+def random_paged_inputs(seed: int, dtype=torch.float32, head_dim: int = 8):
     g = torch.Generator().manual_seed(seed)
-    num_pages, page_size, heads, head_dim = 8, 4, 2, 8
+    num_pages, page_size, heads = 8, 4, 2
     cache = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g).to(dtype)
     page_table = torch.tensor([[5, 2, 7], [0, 3, 1]])
     row_user = torch.tensor([0, 0, 1, 1, 1, 0])
@@ -46,6 +46,35 @@ def random_paged_inputs(seed: int, dtype=torch.float32):
     row_candidate = torch.tensor([True, True, True, False, True, False])
     q, k, v = (torch.randn(6, heads, head_dim, generator=g).to(dtype) for _ in range(3))
     return q, k, v, cache, page_table, row_user, row_keys, row_candidate
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 24])  # the compile-time sizes and the generic path
+def test_paged_attention_kernel_head_sizes(head_dim):
+    inputs = random_paged_inputs(5, head_dim=head_dim)
+    got = kv.hstu_paged_attention(*inputs, ALPHA, INV_S)
+    torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_kernel_many_rows_per_user():
+    """More rows of one user than a tile holds, with causal and candidate rows mixed."""
+    g = torch.Generator().manual_seed(6)
+    page_size, heads, head_dim, num_rows = 16, 2, 32, 150
+    cache = torch.randn(20, 2, page_size, heads, head_dim, generator=g)
+    page_table = torch.randperm(20, generator=g)[:13].view(1, 13)
+    row_user = torch.zeros(num_rows, dtype=torch.int64)
+    row_keys = torch.randint(0, 13 * page_size + 1, (num_rows,), generator=g)
+    row_candidate = torch.rand(num_rows, generator=g) < 0.4
+    q, k, v = (torch.randn(num_rows, heads, head_dim, generator=g) for _ in range(3))
+    inputs = (q, k, v, cache, page_table, row_user, row_keys, row_candidate)
+    torch.testing.assert_close(kv.hstu_paged_attention(*inputs, ALPHA, INV_S), reference_paged_attention(*inputs),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_kernel_rejects_pages_outside_the_cache():
+    q, k, v, cache, page_table, row_user, row_keys, row_candidate = random_paged_inputs(7)
+    page_table[1, 2] = 8
+    with pytest.raises(RuntimeError, match="page 8 outside 0..7"):
+        kv.hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate, ALPHA, INV_S)
 
 
 def test_paged_attention_kernel_matches_reference():

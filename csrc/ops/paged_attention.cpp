@@ -64,6 +64,25 @@ inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scalin
 // the cache is read once per tile instead of once per row.
 constexpr int64_t kTileRows = 64;
 
+// Keys 0..n-1 of one user and head, as float: keys_t[d * n + j] (transposed) and
+// values[j * head_dim + d]. `head` points at the head's slice of page 0, slot 0.
+template <typename scalar_t>
+void gather_keys_values(const scalar_t* head, const int64_t* user_pages, int64_t n, int64_t page_size,
+                        int64_t page_stride, int64_t row_stride, int64_t head_dim, float* keys_t, float* values) {
+  const int64_t value_offset = page_size * row_stride;  // v follows k within a page
+  for (int64_t first = 0, p = 0; first < n; first += page_size, ++p) {  // page by page: no division per key
+    const scalar_t* page = head + user_pages[p] * page_stride;
+    const int64_t count = std::min(page_size, n - first);
+    for (int64_t s = 0; s < count; ++s) {
+      const scalar_t* key = page + s * row_stride;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        keys_t[d * n + first + s] = static_cast<float>(key[d]);
+        values[(first + s) * head_dim + d] = static_cast<float>(key[value_offset + d]);
+      }
+    }
+  }
+}
+
 struct Tile {
   int64_t first_row, num_rows;
 };
@@ -89,7 +108,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t page_size = cache.size(2);
   const int64_t row_stride = num_heads * head_dim;  // between rows of q/k/v/out and slots of a page
   const int64_t page_stride = 2 * page_size * row_stride;
-  const int64_t value_offset = page_size * row_stride;  // v follows k within a page
   const int64_t max_pages = page_table.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k.data_ptr<scalar_t>();
@@ -114,17 +132,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const int64_t h = item % num_heads;
       const int64_t* user_pages = pages + users[tile.first_row] * max_pages;
       const int64_t n = *std::max_element(keys + tile.first_row, keys + tile.first_row + tile.num_rows);
-      for (int64_t first = 0, p = 0; first < n; first += page_size, ++p) {  // page by page: no division per key
-        const scalar_t* page = cache_ptr + user_pages[p] * page_stride + h * head_dim;
-        const int64_t count = std::min(page_size, n - first);
-        for (int64_t s = 0; s < count; ++s) {
-          const scalar_t* key = page + s * row_stride;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            keys_t[d * n + first + s] = static_cast<float>(key[d]);
-            values[(first + s) * head_dim + d] = static_cast<float>(key[value_offset + d]);
-          }
-        }
-      }
+      gather_keys_values(cache_ptr + h * head_dim, user_pages, n, page_size, page_stride, row_stride, head_dim,
+                         keys_t.data(), values.data());
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         const int64_t r = tile.first_row + t, num_keys = keys[r];
         const int64_t head = r * row_stride + h * head_dim;
