@@ -62,7 +62,7 @@ inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scalin
 
 // Rows of one user are processed in tiles that share one gather of the user's keys and values:
 // the cache is read once per tile instead of once per row.
-constexpr int64_t kTileRows = 64;
+constexpr int64_t kTileRows = 16;
 
 // Keys 0..n-1 of one user and head, as float: keys_t[d * n + j] (transposed) and
 // values[j * head_dim + d]. `head` points at the head's slice of page 0, slot 0.
