@@ -64,3 +64,14 @@ def mismatched_artifact(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build, "record_trace", record_with_other_weights)
         return build.build_artifact(TINY, out)
+
+
+def rehash(artifact: Path, rel: str) -> None:
+    """Records a changed file's sha256 in the artifact's manifest, as a tamperer would."""
+    import json
+
+    from kvexport.artifact import MANIFEST, sha256_of
+
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    manifest["files"][rel] = sha256_of(artifact / rel)
+    (artifact / MANIFEST).write_text(json.dumps(manifest))

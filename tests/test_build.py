@@ -13,7 +13,7 @@ from kvexport.cli import main
 from kvexport.model import build_model, random_batch
 from kvexport.runner import PackageRunner, load_trace_step
 from kvexport.trace.verify import verify_artifact
-from tests.conftest import TINY
+from tests.conftest import TINY, rehash
 
 pytestmark = pytest.mark.slow
 
@@ -101,15 +101,11 @@ def test_deleted_trace_file_makes_the_artifact_unusable(artifact_copy):
 
 def test_perturbed_expectation_with_rehashed_manifest_is_caught(artifact_copy):
     """Re-hashing a perturbed expected output in manifest.json: the package's trace digest disagrees."""
-    from kvexport.artifact import MANIFEST, sha256_of
-
     step = artifact_copy / "trace" / "step_0002.pt"
     data = torch.load(step, weights_only=True)
     data["expected_full"] = data["expected_full"] + 1e-2
     torch.save(data, step)
-    manifest = json.loads((artifact_copy / MANIFEST).read_text())
-    manifest["files"]["trace/step_0002.pt"] = sha256_of(step)
-    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    rehash(artifact_copy, "trace/step_0002.pt")
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
     assert result.exit_code == 1
     assert "manifest.json was edited: its trace does not match model.pt2's metadata" in result.output
@@ -148,13 +144,9 @@ def test_capacity_error_step_passes_and_leaves_cache_usable(tiny_artifact):
 
 def test_python_runner_refuses_a_different_shipped_library(artifact_copy):
     """Python verification runs the process's op library; it must be the one the artifact ships."""
-    from kvexport.artifact import MANIFEST, sha256_of
-
     lib = artifact_copy / "lib" / "libkvexport_ops.so"
     lib.write_bytes(lib.read_bytes() + b"\0")
-    manifest = json.loads((artifact_copy / MANIFEST).read_text())
-    manifest["files"]["lib/libkvexport_ops.so"] = sha256_of(lib)
-    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    rehash(artifact_copy, "lib/libkvexport_ops.so")
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
     assert result.exit_code == 2
     assert "libkvexport_ops.so differs from the op library loaded here" in result.output

@@ -33,10 +33,11 @@ def test_prefix_tokens_layout():
     history_lengths = torch.tensor([2, 1])
     items, actions = torch.tensor([10, 11, 12]), torch.tensor([1, 2, 3])
     context = torch.tensor([[100, 101], [200, 201]])
-    token_ids, positions, lengths = prefix_tokens(history_lengths, items, actions, context)
+    token_ids, positions, lengths, users = prefix_tokens(history_lengths, items, actions, context)
     assert token_ids.tolist() == [100, 101, 10, 1, 11, 2, 200, 201, 12, 3]
     assert positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
     assert lengths.tolist() == [6, 4]
+    assert users.tolist() == [0] * 6 + [1] * 4
 
 
 def test_candidates_do_not_see_each_other(tiny_model, tiny_config):

@@ -10,11 +10,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvexport.artifact import MANIFEST, sha256_of
+from kvexport.artifact import MANIFEST
 from kvexport.cli import main
 from kvexport.ops import jagged
 from kvexport.replay import harness, replay_command
 from kvexport.trace.verify import verify_artifact
+from tests.conftest import rehash
 
 pytestmark = pytest.mark.slow
 
@@ -71,9 +72,7 @@ def test_replay_fails_on_perturbed_expectation(replay_binary, artifact_copy, tmp
     data = torch.load(step, weights_only=True)
     data["expected_cached"] = data["expected_cached"] * 1.01 + 1e-3
     torch.save(data, step)
-    manifest = json.loads((artifact_copy / MANIFEST).read_text())
-    manifest["files"]["trace/step_0004.pt"] = sha256_of(step)
-    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    rehash(artifact_copy, "trace/step_0004.pt")
     result, leftovers = run_harness(replay_command(artifact_copy), tmp_path)
     assert result.returncode == 1
     assert "manifest.json was edited: its trace does not match model.pt2's metadata" in result.stderr

@@ -8,6 +8,7 @@ C + 2h tokens are the user's *prefix* (cacheable); candidates all share position
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -20,14 +21,19 @@ from kvexport.ops import wrappers as kv
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
-                  context_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lays out each user's prefix as one jagged token sequence.
+class PrefixTokens(NamedTuple):
+    """Each user's prefix as one jagged token sequence. Token ids are the raw ids; a token's kind
+    (context, item, action) follows from its position."""
 
-    Returns token_ids [sum(P)], positions [sum(P)] (absolute, from 0 per user) and
-    token_lengths [B] (P = C + 2h per user). Token ids are the raw ids; a token's kind
-    (context, item, action) follows from its position.
-    """
+    token_ids: torch.Tensor      # [sum(P)]
+    positions: torch.Tensor      # [sum(P)] absolute, from 0 per user
+    token_lengths: torch.Tensor  # [B] P = C + 2h
+    token_user: torch.Tensor     # [sum(P)] batch index of each token
+
+
+def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
+                  context_ids: torch.Tensor) -> PrefixTokens:
+    """Lays out each user's context and interleaved history as one jagged token sequence."""
     num_users, num_context = context_ids.shape
     # One batch size for all per-user inputs (lets export unify their symbols up front).
     torch._check(history_lengths.shape[0] == num_users, lambda: "history_lengths and context_ids disagree on B")
@@ -52,7 +58,7 @@ def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_
         torch.arange(num_users, device=item_ids.device), token_lengths, output_size=total
     )
     positions = torch.arange(total, device=item_ids.device) - offsets[token_user]
-    return token_ids, positions, token_lengths
+    return PrefixTokens(token_ids, positions, token_lengths, token_user)
 
 
 class HSTULayer(nn.Module):
@@ -148,7 +154,7 @@ class HSTURanker(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Full recompute: every token of every user, no cache."""
-        token_ids, positions, token_lengths = prefix_tokens(
+        token_ids, positions, token_lengths, _ = prefix_tokens(
             batch.history_lengths, batch.item_ids, batch.action_ids, batch.context_ids
         )
         num_candidates = batch.num_candidates
@@ -185,12 +191,10 @@ class HSTURanker(nn.Module):
         New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
         cached tokens are neither re-embedded nor re-projected.
         """
-        token_ids, positions, token_lengths = prefix_tokens(history_lengths, item_ids, action_ids, context_ids)
+        token_ids, positions, token_lengths, token_user = prefix_tokens(history_lengths, item_ids, action_ids,
+                                                                        context_ids)
         cached_lengths = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates)
         # Uncached tokens, users in order, positions ascending: the runtime's row order too.
-        token_user = torch.repeat_interleave(
-            torch.arange(user_ids.shape[0], device=user_ids.device), token_lengths, output_size=token_ids.shape[0]
-        )
         new_index = torch.nonzero(positions >= cached_lengths[token_user]).squeeze(1)  # [N_new]
         new_tokens = self.embed_prefix(token_ids[new_index], positions[new_index])
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
