@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -49,7 +50,7 @@ class Artifact:
     root: Path
     manifest: dict[str, Any]
 
-    @property
+    @functools.cached_property
     def config(self) -> Config:
         return config_from_dict(self.manifest["config"])
 

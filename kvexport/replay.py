@@ -6,6 +6,7 @@ the op libraries the package requires (by name in the manifest) and the harness 
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from kvexport.ops import jagged
 from kvexport.export.package import LIBRARIES
 
 
+@functools.cache
 def harness() -> Path:
-    """The harness binary, (re)built incrementally in the cached build directory."""
+    """The harness binary, (re)built incrementally in the cached build directory (once a process)."""
     build_native(("kvexport_replay",))
     return REPLAY_BINARY
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 
-from kvexport.artifact import Artifact, check_files, check_manifest_against_package, open_artifact, sha256_of
+from kvexport.artifact import Artifact, open_artifact, sha256_of
 from kvexport.errors import UserError
-from kvexport.export.package import read_package
 from kvexport.model import build_model
 from kvexport.model.hstu import HSTURanker
-from kvexport.trace.verify import compare
+from kvexport.trace.verify import check_integrity, compare
 from kvexport.trace.workload import Workload, WorkloadSpec
 
 log = logging.getLogger(__name__)
@@ -72,8 +71,7 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     if num_requests < 1 or num_users < 1:
         raise UserError("--requests and --users must be >= 1")
     artifact = open_artifact(out)
-    check_files(artifact)
-    check_manifest_against_package(artifact, read_package(artifact.package)[0])
+    check_integrity(artifact)
     model = eager_model_for(artifact, checkpoint)
     runner = PackageRunner(artifact)
     t = artifact.config.trace

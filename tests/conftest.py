@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,25 @@ from kvexport.config import load_config
 from kvexport.model import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
+_runtime_names = itertools.count()
+
+
+def scratch_runtime_name() -> str:
+    """A runtime name no other test uses."""
+    return f"test-runtime-{next(_runtime_names)}"
+
+
+@contextlib.contextmanager
+def scratch_runtime(config_json: str):
+    """A fresh cache runtime with the given config, dropped afterwards."""
+    from kvexport.ops import wrappers as kv
+
+    name = scratch_runtime_name()
+    kv.create_runtime(name, config_json)
+    try:
+        yield name
+    finally:
+        kv.drop_runtime(name)
 TINY = ROOT / "configs" / "hstu-tiny.yaml"
 
 

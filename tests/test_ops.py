@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
 import torch
 from torch import nn
 
-from kvexport.model import random_batch
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
+from tests.conftest import scratch_runtime
 
 ALPHA, INV_S = 0.5, 1.0 / 64
-_names = itertools.count()
 
 
 def reference_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate):
@@ -108,10 +106,8 @@ CONFIG = json.dumps({"num_layers": 1, "num_heads": 2, "head_dim": 8, "page_size"
 
 @pytest.fixture
 def runtime():
-    name = f"test-ops-{next(_names)}"
-    kv.create_runtime(name, CONFIG)
-    yield name
-    kv.drop_runtime(name)
+    with scratch_runtime(CONFIG) as name:
+        yield name
 
 
 def batch_inputs():

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import itertools
-import threading
 import json
+import threading
 
 import pytest
 import torch
 
 from kvexport.ops import wrappers as kv
+from tests.conftest import scratch_runtime, scratch_runtime_name
 
 PAGE_SIZE = 2
 CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
                      "device_pages": 6, "host_pages": 4, "dtype": "float32"})
-_names = itertools.count()
 
 
 @pytest.fixture
 def runtime():
-    name = f"test-runtime-{next(_names)}"
-    kv.create_runtime(name, CONFIG)
-    yield name
-    kv.drop_runtime(name)
+    with scratch_runtime(CONFIG) as name:
+        yield name
 
 
 def kv_values(tokens: list[int], layer: int) -> torch.Tensor:
@@ -208,7 +205,7 @@ def test_failed_eager_request_does_not_block_other_threads(tiny_config, tiny_mod
     from kvexport.model import random_batch
     from kvexport.model.batch import Batch
 
-    name = f"test-runtime-{next(_names)}"
+    name = scratch_runtime_name()
     good = random_batch(tiny_config.model, seed=0, history_lengths=[3], num_candidates=[2])
     bad = Batch(**{**good.to_dict(), "candidate_ids": torch.tensor([0, tiny_config.model.item_vocab_size])})
     try:

@@ -14,7 +14,7 @@ import torch
 
 from kvexport.errors import UserError
 
-from kvexport.artifact import check_files, check_manifest_against_package, open_artifact
+from kvexport.artifact import Artifact, check_files, check_manifest_against_package, open_artifact
 from kvexport.export.package import read_package
 
 
@@ -72,6 +72,16 @@ class VerifyReport:
                 "steps": steps, "counters": self.counters}
 
 
+def check_integrity(artifact: Artifact) -> int:
+    """Every file against its manifest sha256, then the manifest against the package's metadata.
+
+    Returns how many files were checked; raises as check_files / check_manifest_against_package.
+    """
+    files_checked = check_files(artifact)
+    check_manifest_against_package(artifact, read_package(artifact.package)[0])
+    return files_checked
+
+
 def _expect_failure(runner, request, index: int, expected: str) -> Comparison:
     """A step recorded as failing passes when the package refuses it with the expected message."""
     try:
@@ -89,8 +99,7 @@ def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | N
     from kvexport.runner import PackageRunner, load_trace_step
 
     artifact = open_artifact(root)
-    files_checked = check_files(artifact)
-    check_manifest_against_package(artifact, read_package(artifact.package)[0])
+    files_checked = check_integrity(artifact)
     runner = PackageRunner(artifact)
     tol = {"atol": artifact.tolerance["atol"] if atol is None else atol,
            "rtol": artifact.tolerance["rtol"] if rtol is None else rtol}
