@@ -2,8 +2,11 @@
 
     OUT/model.pt2        AOTInductor package (metadata inside)
     OUT/lib/             the op library the package calls
-    OUT/trace/           recorded requests + expected outputs, step_NNNN.pt
+    OUT/trace/           recorded requests + expected outputs, step_NNNN.pt (+ step_NNNN.reference.pt)
     OUT/manifest.json    config, signature, dims, tolerances, versions, timings, sha256 of every file
+
+The integrity rules are stated once, in kvexport/contract.json, which the C++ replay harness
+compiles in: this module only follows them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.resources
 import json
 from pathlib import Path
 from typing import Any
@@ -18,12 +22,28 @@ from typing import Any
 from kvexport.config import Config, config_from_dict
 from kvexport.errors import UserError, VerificationError
 
-MANIFEST = "manifest.json"
-PACKAGE = "model.pt2"
+
+def _load_contract() -> dict[str, Any]:
+    """kvexport/contract.json, shipped as package data (the harness embeds the same file)."""
+    return json.loads(importlib.resources.files(__package__).joinpath("contract.json").read_text())
+
+
+CONTRACT = _load_contract()
+TRACE_KEYS: dict[str, str] = CONTRACT["trace"]
+MANIFEST = CONTRACT["manifest"]
+PACKAGE = CONTRACT["package"]
+FORMAT_VERSION = CONTRACT["format_version"]
 TRACE_DIR = "trace"
 LIB_DIR = "lib"
-REPORTS_DIR = "reports"  # written by verify/replay --json and scripts/package.sh; not hashed
-FORMAT_VERSION = 1
+
+
+def contract_failure(rule: str, **values: object) -> UserError:
+    """The contract's failure `rule`, its message filled in: VerificationError for exit 1, else UserError."""
+    failure = CONTRACT["failures"][rule]
+    message = failure["message"]
+    for name, value in values.items():
+        message = message.replace("{" + name + "}", str(value))
+    return VerificationError(message) if failure["exit"] == VerificationError.exit_code else UserError(message)
 
 
 def sha256_of(path: Path) -> str:
@@ -32,15 +52,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def hash_files(root: Path) -> dict[str, str]:
-    """sha256 of every file under root except the manifest, by relative path."""
-    return {
-        str(p.relative_to(root)): sha256_of(p)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +71,7 @@ class Artifact:
 
     @property
     def trace_steps(self) -> list[dict[str, Any]]:
-        return self.manifest["trace"]["steps"]
+        return self.manifest["trace"][TRACE_KEYS["steps"]]
 
     @property
     def tolerance(self) -> dict[str, float]:
@@ -79,23 +90,15 @@ def open_artifact(root: str | Path) -> Artifact:
     """Reads OUT/manifest.json; an unusable directory is a UserError (exit 2)."""
     root = Path(root)
     if not root.is_dir():
-        raise UserError(f"artifact directory {root} does not exist")
+        raise contract_failure("no_directory", root=root)
     path = root / MANIFEST
     if not path.is_file():
-        raise UserError(f"{root} is not a kvexport artifact: {MANIFEST} is missing")
+        raise contract_failure("manifest_missing", root=root)
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not valid JSON") from exc
-    required = ("format_version", "config", "runtime_config", "dims", "files", "trace", "tolerance", "runtime_name",
-                "required_libraries")
-    missing = [key for key in required if not isinstance(manifest, dict) or key not in manifest]
-    if missing:
-        raise UserError(f"{path} lacks the field {missing[0]}")
-    if not isinstance(manifest["trace"], dict) or not isinstance(manifest["trace"].get("steps"), list):
-        raise UserError(f"{path} lacks the trace step list")
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise UserError(f"{path} has format_version {manifest['format_version']}, this kvexport reads {FORMAT_VERSION}")
+        raise contract_failure("manifest_invalid", path=path) from exc
+    _check_manifest_shape(manifest, path)
     try:
         config_from_dict(manifest["config"])
     except UserError as exc:
@@ -103,46 +106,121 @@ def open_artifact(root: str | Path) -> Artifact:
     return Artifact(root, manifest)
 
 
-def check_files(artifact: Artifact) -> int:
-    """Compares every file with its manifest sha256; returns how many were checked.
+def _check_manifest_shape(manifest: Any, path: Path) -> None:
+    """The contract's fields are present, with the types both checkers read them as."""
+    missing = [key for key in CONTRACT["manifest_fields"] if not isinstance(manifest, dict) or key not in manifest]
+    if missing:
+        raise contract_failure("manifest_field_missing", path=path, field=missing[0])
+    steps = manifest["trace"].get(TRACE_KEYS["steps"]) if isinstance(manifest["trace"], dict) else None
+    if not isinstance(steps, list):
+        raise contract_failure("trace_steps_missing", path=path)
+    if not same_json(manifest["format_version"], FORMAT_VERSION):
+        raise contract_failure("format_version", path=path, found=manifest["format_version"], expected=FORMAT_VERSION)
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise contract_failure("manifest_field_malformed", path=path, field="files")
+    if not all(_is_step(step) for step in steps):
+        raise contract_failure("manifest_field_malformed", path=path, field="trace")
+    tolerance = manifest["tolerance"]
+    if not isinstance(tolerance, dict) or not all(_is_number(tolerance.get(key)) for key in ("atol", "rtol")):
+        raise contract_failure("manifest_field_malformed", path=path, field="tolerance")
+    libraries = manifest["required_libraries"]
+    if not isinstance(libraries, list) or not all(isinstance(name, str) for name in libraries):
+        raise contract_failure("manifest_field_malformed", path=path, field="required_libraries")
 
-    A missing file makes the artifact incomplete (UserError, exit 2); a changed or unlisted
-    file is a VerificationError (exit 1). Both name the file.
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_step(step: Any) -> bool:
+    """A trace step: an object whose contract fields, where present, are strings (file, description required)."""
+    required = (TRACE_KEYS["file"], TRACE_KEYS["description"])
+    optional = (TRACE_KEYS["reference_file"], TRACE_KEYS["expect_error"])
+    return (isinstance(step, dict) and all(isinstance(step.get(key), str) for key in required)
+            and all(isinstance(step.get(key, ""), str) for key in optional))
+
+
+def present_files(root: Path) -> list[str]:
+    """Every file under root the manifest must list: all but the manifest and the unhashed directories."""
+    skipped = tuple(f"{d}/" for d in CONTRACT["unhashed_dirs"])
+    names = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    return sorted(n for n in names if n != MANIFEST and not n.startswith(skipped))
+
+
+def hash_files(root: Path) -> dict[str, str]:
+    """sha256 of every file the manifest must list, by relative path."""
+    return {rel: sha256_of(root / rel) for rel in present_files(root)}
+
+
+def check_files(artifact: Artifact) -> int:
+    """Every listed file against its sha256, then the required files, then unlisted files.
+
+    Returns how many files were checked; raises the contract's failure (naming the file) otherwise.
     """
     expected: dict[str, str] = artifact.manifest["files"]
+    root = artifact.root
     for rel, digest in sorted(expected.items()):
-        path = artifact.root / rel
-        if not path.is_file():
-            raise UserError(f"artifact {artifact.root} is incomplete: {rel} is listed in the manifest but missing")
-        if sha256_of(path) != digest:
-            raise VerificationError(f"{rel} does not match its sha256 in the manifest (modified or corrupted)")
-    unlisted = sorted(set(hash_files(artifact.root)) - set(expected))
-    extra = [rel for rel in unlisted if not rel.startswith(REPORTS_DIR + "/")]
-    if extra:
-        raise VerificationError(f"{extra[0]} is not listed in the manifest")
+        if not (root / rel).is_file():
+            raise contract_failure("listed_file_missing", root=root, file=rel)
+        if sha256_of(root / rel) != digest:
+            raise contract_failure("file_modified", file=rel)
+    for rel in CONTRACT["required_files"]:
+        if not (root / rel).is_file():
+            raise contract_failure("required_file_missing", root=root, file=rel)
+    unlisted = [rel for rel in present_files(root) if rel not in expected]
+    if unlisted:
+        raise contract_failure("file_unlisted", file=unlisted[0])
     return len(expected)
 
 
 def trace_digest(steps: list[dict[str, Any]], files: dict[str, str]) -> str:
-    """sha256 over each trace step's file, file hash and expected error, one line a step.
+    """sha256 over one line per trace step, with the contract's columns.
 
     Stored in the package metadata, so an edited trace list or trace hash in manifest.json is
-    caught (the C++ harness computes the same lines).
+    caught (the C++ harness computes the same lines from the same contract).
     """
-    lines = "".join(f"{s['file']}\t{files.get(s['file'], '')}\t{s.get('expect_error', '')}\n" for s in steps)
+    def cell(step: dict[str, Any], column: str) -> str:
+        if column.startswith("sha256:"):
+            return files.get(step.get(column.removeprefix("sha256:"), ""), "")
+        return step.get(column, "")
+
+    columns = CONTRACT["trace_digest"]["columns"]
+    lines = "".join("\t".join(cell(step, c) for c in columns) + "\n" for step in steps)
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
+def _metadata_value(metadata: dict[str, str], key: str, encoding: str) -> Any:
+    """A metadata entry as the contract encodes it; absent (or unreadable JSON) reads as None."""
+    if key not in metadata:
+        return None
+    if encoding == "string":
+        return metadata[key]
+    try:
+        return json.loads(metadata[key])
+    except json.JSONDecodeError:
+        return None
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """JSON equality as the C++ harness (nlohmann::json) has it: 1 == 1.0, but true != 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(same_json(a[k], b[k]) for k in a))
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same_json, a, b))
+    return a == b
+
+
 def check_manifest_against_package(artifact: Artifact, metadata: dict[str, str]) -> None:
-    """manifest.json must agree with the metadata compiled into model.pt2 (VerificationError otherwise)."""
+    """manifest.json must agree with the metadata compiled into model.pt2, field by field as the
+    contract pairs them; the first that differs is named (VerificationError)."""
     m = artifact.manifest
-    checks = {
-        "runtime_config": (m["runtime_config"], json.loads(metadata.get("kvexport.runtime_config", "null"))),
-        "tolerance": (m["tolerance"], json.loads(metadata.get("kvexport.tolerance", "null"))),
-        "required_libraries": (m["required_libraries"],
-                               json.loads(metadata.get("kvexport.required_libraries", "null"))),
-        "trace": (trace_digest(artifact.trace_steps, m["files"]), metadata.get("kvexport.trace_digest")),
-    }
-    for field, (in_manifest, in_package) in checks.items():
-        if in_manifest != in_package:
-            raise VerificationError(f"{MANIFEST} was edited: its {field} does not match {PACKAGE}'s metadata")
+    for pair in CONTRACT["package_metadata"]:
+        if not same_json(m.get(pair["field"]), _metadata_value(metadata, pair["key"], pair["encoding"])):
+            raise contract_failure("metadata_mismatch", field=pair["field"])
+    digest = CONTRACT["trace_digest"]
+    if trace_digest(artifact.trace_steps, m["files"]) != metadata.get(digest["key"]):
+        raise contract_failure("metadata_mismatch", field=digest["field"])

@@ -5,9 +5,14 @@ Commands import their library modules when they run, so `kvexport --help` does n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import math
+import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -19,24 +24,167 @@ from kvexport.errors import UserError
 log = logging.getLogger("kvexport")
 
 
+class _Terminated(BaseException):
+    """SIGTERM as an exception, so cleanup (`finally`, context managers) runs as for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The signal that interrupted the command: Python may wrap the exception a handler raises (an
+# interrupt during an import surfaces as a RuntimeError), so the exit status follows this record.
+_interrupted_by: list[int] = []
+
+
+def _raise_interrupted(signum, frame) -> None:
+    _interrupted_by.append(signum)
+    raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """Within the block SIGINT and SIGTERM raise (handlers can only be set from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _exit_on_signal(signum: int) -> None:
+    """Exit status 128 + signal number, as a shell reports a process killed by that signal."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.exception("interrupted")
+    click.echo(f"error: interrupted by {signal.Signals(signum).name}", err=True)
+    if not _interrupted_by:  # raised, not signalled (an embedding caller, a test)
+        sys.exit(128 + signum)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The command's own cleanup has run. Exit now: an interrupt that landed inside an import can
+    # leave the interpreter to re-raise SIGINT at shutdown, which would replace this status.
+    os._exit(128 + signum)
+
+
 def _handle_errors(func):
-    """User errors: one line on stderr and their exit code; --verbose adds the traceback."""
+    """User errors: one line on stderr and their exit code; --verbose adds the traceback.
+
+    SIGINT and SIGTERM unwind the command (removing what it was writing) and exit 130 / 143.
+    """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
-            return func(*args, **kwargs)
+            with _signals_raise():
+                return func(*args, **kwargs)
         except UserError as exc:
-            if logging.getLogger().isEnabledFor(logging.DEBUG):
+            if _interrupted_by:
+                _exit_on_signal(_interrupted_by[0])
+            if log.isEnabledFor(logging.DEBUG):
                 log.exception("user error")
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except (KeyboardInterrupt, _Terminated):
+            _exit_on_signal(_interrupted_by[0] if _interrupted_by else signal.SIGINT)
+        except Exception:
+            if _interrupted_by:  # the interrupt, wrapped by Python on its way up
+                _exit_on_signal(_interrupted_by[0])
+            raise
 
     return wrapper
 
 
+def _aoti_errors_filtered(func):
+    """Commands that run a package in this process print no raw AOTInductor error lines: every
+    refusal is reported with the runtime's reason instead (kept with --verbose)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if log.isEnabledFor(logging.DEBUG):
+            return func(*args, **kwargs)
+        from kvexport.stderr_filter import aoti_errors_filtered
+
+        with aoti_errors_filtered():
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+class _BadValue(click.ClickException):
+    """A bad option or argument value, reported like a UserError: one `error:` line, exit 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _param_name(param: click.Parameter | None) -> str:
+    if param is None:
+        return "value"
+    return param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+
+
+class Tolerance(click.ParamType):
+    """A finite float >= 0 (NaN would make every comparison fail, inf would pass anything)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise _BadValue(f"{_param_name(param)} must be a finite number >= 0, got {value}")
+        return number
+
+
+class WritablePath(click.ParamType):
+    """A file to write: checked while parsing, so a bad path fails before hours of work, not after."""
+
+    name = "path"
+
+    def convert(self, value, param, ctx) -> Path:
+        path = Path(value)
+        where = f"cannot write {_param_name(param)} {path}"
+        if path.is_dir():
+            raise _BadValue(f"{where}: it is a directory")
+        parent = path.resolve().parent
+        if not parent.exists():
+            raise _BadValue(f"{where}: directory {parent} does not exist")
+        if not parent.is_dir():
+            raise _BadValue(f"{where}: {parent} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise _BadValue(f"{where}: directory {parent} is not writable")
+        return path
+
+
+class ArtifactDirectory(click.ParamType):
+    """An artifact directory; a file (say OUT/model.pt2) is named as such, not as missing."""
+
+    name = "out"
+
+    def convert(self, value, param, ctx) -> Path:
+        path = Path(value)
+        if path.is_file():
+            command = f"kvexport {ctx.info_name}" if ctx else "this command"
+            raise _BadValue(f"{path} is a file; {command} takes the artifact directory "
+                            "(the one holding manifest.json)")
+        return path
+
+
 config_argument = click.argument("config", type=click.Path(path_type=Path))
-artifact_argument = click.argument("out", type=click.Path(path_type=Path))
+artifact_argument = click.argument("out", type=ArtifactDirectory())
+json_option = click.option("--json", "json_path", type=WritablePath(), help="Also write the report as JSON.")
+atol_option = click.option("--atol", type=Tolerance(),
+                           help="Override the manifest's absolute tolerance (finite, >= 0).")
+rtol_option = click.option("--rtol", type=Tolerance(),
+                           help="Override the manifest's relative tolerance (finite, >= 0).")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -53,8 +201,9 @@ def _write_json(path: Path, data: dict) -> None:
 def main(verbose: bool) -> None:
     """Export an HSTU ranking model with a user-history KV cache to an AOTInductor package,
     and prove that the package computes what the model computes."""
+    # Only kvexport's own loggers go down to DEBUG: torch, filelock and friends stay at WARNING.
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
+        level=logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s",
         stream=sys.stderr,
     )
@@ -78,7 +227,7 @@ def show_config(config: Path) -> None:
 
 @main.command("init-checkpoint")
 @config_argument
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Checkpoint file to write.")
+@click.option("-o", "--output", type=WritablePath(), required=True, help="Checkpoint file to write.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random initialisation.")
 @_handle_errors
 def init_checkpoint(config: Path, output: Path, seed: int) -> None:
@@ -134,10 +283,11 @@ def build(config: Path, out: Path, checkpoint: Path | None, device: str | None, 
 
 @main.command()
 @artifact_argument
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
-@click.option("--atol", type=click.FloatRange(min=0), help="Override the manifest's absolute tolerance.")
-@click.option("--rtol", type=click.FloatRange(min=0), help="Override the manifest's relative tolerance.")
+@json_option
+@atol_option
+@rtol_option
 @_handle_errors
+@_aoti_errors_filtered
 def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | None) -> None:
     """Replay OUT's trace through model.pt2 in Python; exit 0 pass, 1 mismatch, 2 unusable input."""
     from kvexport.trace.report import format_report
@@ -154,15 +304,34 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
 @artifact_argument
 @click.option("--requests", "requests_path", type=click.Path(path_type=Path), required=True,
               help="torch.save'd list of request batches (dicts of int64 tensors).")
-@click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
-              help="File to write the logits to (torch.save'd list of float32 tensors).")
+@click.option("--output", "output_path", type=WritablePath(), required=True,
+              help="File to write each batch's status, logits and row users to (format above).")
 @_handle_errors
+@_aoti_errors_filtered
 def run(out: Path, requests_path: Path, output_path: Path) -> None:
-    """Score a request file through OUT's package, in order (the cache carries across batches)."""
-    from kvexport.serve import score_request_file
+    """Score a request file through OUT's package, in order (the cache carries across batches).
 
-    count = score_request_file(out, requests_path, output_path)
-    click.echo(f"scored {count} batches -> {output_path}")
+    Every batch is validated before any runs (a malformed one: nothing runs, no output). A batch the
+    package refuses (say, KV cache capacity exceeded) is recorded and the next batches still run.
+
+    \b
+    --output is a torch.save'd list, one dict per batch in request order
+    (read it with torch.load(F, weights_only=True)):
+      status    "ok", or the one-line error that refused the batch
+      logits    float32 [sum(num_candidates), num_tasks]; None when refused
+      user_ids  int64 [sum(num_candidates)]: the user of each logits row
+
+    Exit 0 when every batch is ok; 2 when any was refused (the file is still written) or the input
+    is unusable.
+    """
+    from kvexport.serve import OK, score_request_file
+
+    results = score_request_file(out, requests_path, output_path)
+    failed = [index for index, result in enumerate(results) if result["status"] != OK]
+    click.echo(f"scored {len(results) - len(failed)}/{len(results)} batches -> {output_path}")
+    if failed:
+        raise UserError(f"batch {failed[0]}: {results[failed[0]]['status']} ({len(failed)} of {len(results)} "
+                        f"batches refused; each batch's status is in {output_path})")
 
 
 @main.command()
@@ -180,20 +349,33 @@ def inspect(target: Path, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
         return
     for key, value in info.items():
+        if key == "signature" and value:
+            click.echo(_format_signature(value))
+            continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
         click.echo(f"{key:>20}: {value}")
 
 
+def _format_signature(signature: dict) -> str:
+    """One line per input and for the output: name, dtype and shape."""
+    def line(label: str, spec: dict) -> str:
+        shape = ", ".join(str(d) for d in spec["shape"])
+        return f"{label:>20}{':' if label else ' '} {spec['name']:<16} {spec['dtype']:<8} [{shape}]"
+
+    lines = [line("inputs" if i == 0 else "", spec) for i, spec in enumerate(signature["inputs"])]
+    return "\n".join([*lines, line("output", signature["output"])])
+
+
 @main.command()
 @artifact_argument
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
+@json_option
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Replay the trace N times (from an empty cache each time) for latency percentiles.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Threads replaying the trace concurrently through one loaded package.")
-@click.option("--atol", type=click.FloatRange(min=0), help="Override the manifest's absolute tolerance.")
-@click.option("--rtol", type=click.FloatRange(min=0), help="Override the manifest's relative tolerance.")
+@atol_option
+@rtol_option
 @_handle_errors
 def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: float | None,
            rtol: float | None) -> None:
@@ -212,8 +394,9 @@ def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: f
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--checkpoint", type=click.Path(path_type=Path),
               help="The checkpoint OUT was built from (needed when it was built from one).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the result as JSON.")
+@click.option("--json", "json_path", type=WritablePath(), help="Also write the result as JSON.")
 @_handle_errors
+@_aoti_errors_filtered
 def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None,
          json_path: Path | None) -> None:
     """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
@@ -243,8 +426,8 @@ def _lengths(ctx, param, value: str) -> list[int]:
 
 @main.command()
 @click.argument("target", type=click.Path(path_type=Path))
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write latency vs history as PNG.")
+@click.option("--json", "json_path", type=WritablePath(), help="Write the results as JSON.")
+@click.option("--plot", "plot_path", type=WritablePath(), help="Write latency vs history as PNG.")
 @click.option("--lengths", default="64,256,1024,4096", show_default=True, callback=_lengths,
               help="Cached history events L to sweep.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed repetitions.")
@@ -252,6 +435,7 @@ def _lengths(ctx, param, value: str) -> list[int]:
 @click.option("--checkpoint", type=click.Path(path_type=Path),
               help="The checkpoint an artifact TARGET was built from.")
 @_handle_errors
+@_aoti_errors_filtered
 def bench(target: Path, json_path: Path | None, plot_path: Path | None, lengths: list[int], warmup: int,
           repeats: int, checkpoint: Path | None) -> None:
     """Benchmark TARGET (a config, built here cold and warm, or a built artifact)."""

@@ -58,6 +58,9 @@ class KVCacheConfig:
     page_size: int
     device_pages: int
     host_pages: int
+    # A request whose ops stop for this long (its host failed it between two ops) loses the
+    # runtime to the next waiting request; see docs/hosting.md.
+    stall_timeout_ms: int = 10000
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold num_tokens cached tokens."""
@@ -105,6 +108,23 @@ class Config:
                 "page_size": c.page_size,
                 "device_pages": c.device_pages,
                 "host_pages": c.host_pages,
+                "stall_timeout_ms": c.stall_timeout_ms,
+            },
+            sort_keys=True,
+        )
+
+    def request_limits_json(self) -> str:
+        """The limits every request is checked against inside the package (kvexport::check_request)."""
+        m = self.model
+        return json.dumps(
+            {
+                "max_batch_size": self.serving.max_batch_size,
+                "max_history_length": m.max_history_length,
+                "max_num_candidates": m.max_num_candidates,
+                "num_contextual_features": m.num_contextual_features,
+                "context_vocab_size": m.context_vocab_size,
+                "item_vocab_size": m.item_vocab_size,
+                "action_vocab_size": m.action_vocab_size,
             },
             sort_keys=True,
         )
@@ -175,7 +195,7 @@ def _check(config: Config) -> None:
         )
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
-    _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages)
+    _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)
     if c.page_size & (c.page_size - 1):
         raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")
     if c.host_pages < 0:

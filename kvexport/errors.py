@@ -14,3 +14,12 @@ class VerificationError(UserError):
     """An artifact does not compute (or no longer holds) what it should; exit 1."""
 
     exit_code = 1
+
+
+class RequestFailed(UserError):
+    """The package refused a request; `code` is the runtime's reason (kvexport::last_error):
+    "invalid_request", "capacity_exceeded" or "internal"."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

@@ -1,14 +1,25 @@
-"""File I/O with the project's error rules: weights_only loads, atomic writes, one-line errors."""
+"""File I/O with the project's error rules: weights_only loads, atomic writes, one-line errors,
+exclusive lock files and renames that never replace."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import fcntl
+import glob
+import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from kvexport.errors import UserError
+
+_LOCK_ATTEMPTS = 5  # a lock file removed between our open and flock is retried on a fresh one
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <linux/fcntl.h>, <linux/fs.h>
 
 
 def first_line(exc: BaseException) -> str:
@@ -46,3 +57,81 @@ def write_atomically(path: str | Path, write: Callable[[Path], None], what: str)
         raise UserError(f"cannot write {what} {path}: {reason}") from exc
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, holder: str):
+    """Holds an exclusive, non-blocking flock on `path` (created if needed) and removes it on exit.
+
+    A lock held by another process is a UserError naming `holder`. The file is unlinked while still
+    locked, so a process that opened it just before sees a stale inode and retries on a fresh file
+    instead of sharing the lock with a third one.
+    """
+    for _ in range(_LOCK_ATTEMPTS):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{holder} (lock {path} is held by another process)") from None
+        if _same_file(path, fd):
+            break
+        os.close(fd)  # the previous holder removed this lock file after we opened it
+    else:
+        raise UserError(f"{holder} (lock {path} keeps changing)")
+    try:
+        yield
+    finally:
+        Path(path).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def rename_no_replace(source: Path, target: Path) -> None:
+    """Renames source to target, failing with FileExistsError if target exists (even an empty directory).
+
+    os.rename silently replaces an empty directory; renameat2(RENAME_NOREPLACE) makes the check
+    and the rename one step. Where the kernel or file system lacks it, the check comes first.
+    """
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), str(target))
+    if os.path.lexists(target):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+    os.rename(source, target)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one we may not signal still counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def remove_stale_staging(parent: Path, prefix: str, suffixes: tuple[str, ...] = ("",)) -> list[Path]:
+    """Removes `parent/{prefix}{pid}{suffix}` entries whose process is gone (debris of a killed writer)."""
+    removed = []
+    for path in sorted(parent.glob(glob.escape(prefix) + "*")):
+        pid, dot, rest = path.name[len(prefix):].partition(".")
+        if not pid.isdigit() or dot + rest not in suffixes or process_alive(int(pid)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path)
+    return removed

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvexport.artifact import LIB_DIR, Artifact, sha256_of
-from kvexport.errors import UserError
+from kvexport.errors import RequestFailed, UserError
 from kvexport.io import first_line, load_tensor_file
 from kvexport.model.batch import Batch, check_batch
 from kvexport.native import OPS_LIBRARY_NAME
@@ -62,16 +62,18 @@ class PackageRunner:
         return self.run(check_batch(batch, self.config, index))
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Runs an already validated request (check_batch) through the package."""
+        """Runs a request through the package; the package checks it itself.
+
+        A refused request raises RequestFailed with the runtime's code and message (never parsed
+        from the exception, whose text depends on the torch version); the next request is served.
+        """
         try:
             return self.package(*batch.tensors())
         except RuntimeError as exc:
-            kv.abort_batch(self.artifact.runtime_name)  # release the runtime if the request got that far
-            capacity = [line for line in str(exc).splitlines() if "KV cache capacity exceeded" in line]
-            if capacity:
-                message = capacity[0][capacity[0].index("KV cache capacity exceeded"):]
-                raise UserError(message) from exc
-            raise
+            code, message = kv.last_error(self.artifact.runtime_name)
+            if code == "ok":
+                raise
+            raise RequestFailed(code, message) from exc
 
     def stats(self) -> dict[str, int]:
         return kv.runtime_stats(self.artifact.runtime_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -10,8 +11,12 @@ import torch
 from kvexport.artifact import MANIFEST, PACKAGE, open_artifact
 from kvexport.errors import UserError
 from kvexport.export.package import read_package
-from kvexport.model.batch import RequestError, check_batch
-from kvexport.io import load_tensor_file, write_atomically
+from kvexport.io import first_line, load_tensor_file, write_atomically
+from kvexport.model.batch import Batch, RequestError, check_batch
+
+log = logging.getLogger(__name__)
+
+OK = "ok"  # status of a batch that was scored; any other status is the error that refused it
 
 
 def load_requests(path: Path, config) -> list:
@@ -24,7 +29,24 @@ def load_requests(path: Path, config) -> list:
     return [check_batch(batch, config, index) for index, batch in enumerate(raw)]
 
 
-def score_request_file(out: Path, requests_path: Path, output_path: Path) -> int:
+def _score_batch(runner, batch: Batch, index: int) -> dict:
+    """One batch's entry of the output file; a refused batch (UserError) is recorded, not raised,
+    so the batches before and after it keep their outputs (a refused batch leaves the cache as it was)."""
+    rows = batch.user_ids.repeat_interleave(batch.num_candidates)
+    try:
+        logits = runner.run(batch).contiguous()
+    except UserError as exc:
+        log.debug("batch %d refused", index, exc_info=True)
+        return {"status": first_line(exc), "logits": None, "user_ids": rows}
+    return {"status": OK, "logits": logits, "user_ids": rows}
+
+
+def score_request_file(out: Path, requests_path: Path, output_path: Path) -> list[dict]:
+    """Scores every batch in order and writes one entry per batch to output_path (see `kvexport run --help`).
+
+    Every batch is validated before any runs; a batch the package refuses gets its error as status
+    and no logits, and the following batches still run. Returns the entries written.
+    """
     from kvexport.runner import PackageRunner
 
     artifact = open_artifact(out)
@@ -32,9 +54,21 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path) -> int
     if not output_path.resolve().parent.is_dir():
         raise UserError(f"cannot write output {output_path}: its directory does not exist")
     runner = PackageRunner(artifact)
-    outputs = [runner.run(batch).contiguous() for batch in batches]
-    write_atomically(output_path, lambda tmp: torch.save(outputs, tmp), "output")
-    return len(outputs)
+    results = [_score_batch(runner, batch, index) for index, batch in enumerate(batches)]
+    write_atomically(output_path, lambda tmp: torch.save(results, tmp), "output")
+    return results
+
+
+def _signature(metadata: dict[str, str], manifest: dict | None) -> dict:
+    """Inputs and output with dtype and shape: the manifest's, or derived from the package's own config."""
+    from kvexport.config import config_from_dict
+    from kvexport.export.build import signature
+
+    if manifest is not None and "signature" in manifest:
+        return manifest["signature"]
+    if "kvexport.config" not in metadata:
+        return {}
+    return signature(config_from_dict(json.loads(metadata["kvexport.config"])))
 
 
 def describe(target: Path) -> dict:
@@ -55,7 +89,7 @@ def describe(target: Path) -> dict:
         "runtime_name": metadata.get("kvexport.runtime_name", "?"),
         "kvexport_version": metadata.get("kvexport.version", "?"),
         "torch_version": metadata.get("kvexport.torch_version", "?"),
-        "signature": json.loads(metadata.get("kvexport.signature", "[]")),
+        "signature": _signature(metadata, manifest),
         "required_libraries": json.loads(metadata.get("kvexport.required_libraries", "[]")),
         "runtime_config": json.loads(metadata.get("kvexport.runtime_config", "{}")),
         "package_ops": dict(sorted(ops.items())),

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of DESIGN.md §1, written for obviousness, not speed. Tests only.
+"""Plain-PyTorch reference of docs/design.md §1, written for obviousness, not speed. Tests only.
 
 It reads the model's parameters but calls none of its methods: tokens are built one user at a
 time with Python lists, each layer is written out with F.linear / F.layer_norm, and the attention
@@ -61,7 +61,7 @@ def reference_forward(model, batch) -> torch.Tensor:
 
 
 def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int):
-    """DESIGN.md §1 steps 1-4 for one user's sequence x [n, d]."""
+    """docs/design.md §1 steps 1-4 for one user's sequence x [n, d]."""
     heads, head_dim = layer.num_heads, layer.head_dim
     normed = F.layer_norm(x, (x.shape[1],), layer.input_norm.weight, layer.input_norm.bias)
     projected = F.silu(F.linear(normed, layer.uvqk.weight, layer.uvqk.bias))

@@ -13,6 +13,7 @@ from kvexport.cli import main
 from kvexport.model import build_model, random_batch
 from kvexport.runner import PackageRunner, load_trace_step
 from kvexport.trace.verify import verify_artifact
+from tests.hostile import good_request, package_corpus
 from tests.conftest import TINY, rehash
 
 pytestmark = pytest.mark.slow
@@ -112,7 +113,7 @@ def test_perturbed_expectation_with_rehashed_manifest_is_caught(artifact_copy):
 
 
 @pytest.mark.parametrize("field,value", [("tolerance", {"atol": 1.0, "rtol": 1.0}),
-                                         ("required_libraries", ["kvexport_ops"])])
+                                         ("required_libraries", ["fbgemm_gpu_py", "kvexport_ops"])])
 def test_edited_manifest_is_caught(artifact_copy, field, value):
     from kvexport.artifact import MANIFEST
 
@@ -186,50 +187,31 @@ def test_run_scores_a_request_file(tiny_artifact, tmp_path):
     result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
                                        "--output", str(output)])
     assert result.exit_code == 0, result.output
-    logits = torch.load(output, weights_only=True)
-    assert len(logits) == len(steps)
-    for got, (_, _, expected_full) in zip(logits, steps):
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got, expected_full, rtol=1e-4, atol=1e-4)
-
-
-def _good_request(config):
-    return random_batch(config.model, seed=1, history_lengths=[2, 3], num_candidates=[1, 2]).to_dict()
+    entries = torch.load(output, weights_only=True)
+    assert len(entries) == len(steps)
+    for entry, (request, _, expected_full) in zip(entries, steps):
+        assert entry["status"] == "ok" and entry["logits"].dtype == torch.float32
+        torch.testing.assert_close(entry["logits"], expected_full, rtol=1e-4, atol=1e-4)
+        assert torch.equal(entry["user_ids"], request["user_ids"].repeat_interleave(request["num_candidates"]))
 
 
 def _malformed(config):
-    m = config.model
-
-    def edit(**changes):
-        request = _good_request(config)
-        request.update(changes)
-        return request
-
-    good = _good_request(config)
-    missing = _good_request(config)
+    """The package-level hostile corpus (tests/hostile.py) plus what only a request file can get wrong."""
+    missing = good_request(config)
     del missing["candidate_ids"]
-    return [
-        (edit(item_ids=good["item_ids"].int()), "item_ids must be int64, got int32"),
-        (edit(context_ids=good["context_ids"].reshape(-1)), "context_ids must be 2-D"),
-        (edit(history_lengths=torch.tensor([2, 4])), "history_lengths sum to 6 but item_ids has 5 entries"),
-        (edit(history_lengths=torch.tensor([-1, 6])), "history_lengths has -1, outside events"),
-        (edit(item_ids=good["item_ids"] + m.item_vocab_size), "outside the item vocabulary"),
-        (edit(action_ids=torch.full((5,), m.action_vocab_size)), "outside the action vocabulary"),
-        (edit(context_ids=-good["context_ids"] - 1), "outside the context vocabulary"),
-        (edit(num_candidates=torch.tensor([1, m.max_num_candidates + 1])), "num_candidates has 65, outside candidates"),
-        (edit(num_candidates=torch.tensor([0, 3])), "num_candidates has 0, outside candidates"),
-        (edit(user_ids=torch.tensor([5, 5])), "user_ids repeat a user"),
-        (edit(user_ids=torch.tensor([], dtype=torch.int64)), "empty batch"),
+    structural = [
+        ({**good_request(config), "user_ids": torch.tensor([], dtype=torch.int64)}, "empty batch"),
         (missing, "missing candidate_ids"),
-        (edit(extra=torch.zeros(1)), "unknown field extra"),
-        (edit(user_ids=[1, 2]), "user_ids must be a tensor, got list"),
+        ({**good_request(config), "extra": torch.zeros(1)}, "unknown field extra"),
+        ({**good_request(config), "user_ids": [1, 2]}, "user_ids must be a tensor, got list"),
     ]
+    return package_corpus(config) + structural
 
 
 def test_run_rejects_each_malformed_request(tiny_artifact, tiny_config, tmp_path):
     for i, (request, message) in enumerate(_malformed(tiny_config)):
         requests, output = tmp_path / f"r{i}.pt", tmp_path / f"o{i}.pt"
-        torch.save([_good_request(tiny_config), request], requests)
+        torch.save([good_request(tiny_config), request], requests)
         result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
                                            "--output", str(output)])
         assert result.exit_code == 2, (message, result.output)

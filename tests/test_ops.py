@@ -126,9 +126,8 @@ def test_stateful_ops_match_reference_attention(runtime):
     q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
     cached = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
     assert cached.tolist() == [0, 0]
-    kv.append_kv(runtime, 0, k, v)
     got = kv.paged_attention(runtime, 0, q, k, v, ALPHA, INV_S)
-    kv.end_batch(runtime, user_ids)
+    kv.end_batch(runtime, user_ids, got)
     # Dense reference: user 0 = prefix rows 3..6 + candidates 0, 1; user 1 = prefix rows 7..9 + candidate 2.
     for prefix_rows, candidate_rows in (([3, 4, 5, 6], [0, 1]), ([7, 8, 9], [2])):
         for i, r in enumerate(prefix_rows):
@@ -151,14 +150,8 @@ def test_opcheck_begin_batch(runtime):
     torch.library.opcheck(torch.ops.kvexport.begin_batch.default, (runtime, CONFIG, *batch_inputs()))
 
 
-def test_opcheck_append_kv(runtime):
-    x = _in_batch(runtime, 10)
-    torch.library.opcheck(torch.ops.kvexport.append_kv.default, (runtime, 0, x, x))
-
-
 def test_opcheck_paged_attention(runtime):
     x = _in_batch(runtime, 10)
-    kv.append_kv(runtime, 0, x, x)
     torch.library.opcheck(torch.ops.kvexport.paged_attention.default, (runtime, 0, x, x, x, ALPHA, INV_S))
 
 
@@ -167,20 +160,22 @@ def test_opcheck_end_batch(runtime):
     _in_batch(runtime, 10)
     # end_batch commits once per begin_batch and fails without one, so only its schema is checked
     # here (test_schema runs it once); the commit itself is checked by the runtime tests.
-    torch.library.opcheck(torch.ops.kvexport.end_batch.default, (runtime, user_ids), test_utils=("test_schema",))
+    torch.library.opcheck(torch.ops.kvexport.end_batch.default, (runtime, user_ids, torch.zeros(3, 4)),
+                          test_utils=("test_schema",))
 
 
 def test_stateful_ops_survive_export_and_decompositions(tiny_config, tiny_model):
-    """The cached model's graph keeps begin_batch, every layer's append/attention, and end_batch."""
+    """The cached model's graph keeps check_request, begin_batch, every layer's attention, and end_batch."""
     from kvexport.export.wrap import CachedRanker, export_cached
 
     ep = export_cached(CachedRanker(tiny_model, "export-survival"), tiny_config).run_decompositions()
     called = [str(node.args[1]) for node in ep.graph.nodes if "with_effects" in str(node.target)]
     layers = tiny_config.model.num_layers
     assert called.count("kvexport.begin_batch.default") == 1
-    assert called.count("kvexport.append_kv.default") == layers
     assert called.count("kvexport.paged_attention.default") == layers
     assert called.count("kvexport.end_batch.default") == 1
+    checks = [n for n in ep.graph.nodes if str(n.target) == "kvexport.check_request.default"]
+    assert len(checks) == 1
 
 
 def test_hstu_paged_attention_survives_export():
@@ -208,8 +203,8 @@ def test_opcheck_management_ops(runtime, op, args):
 def test_opcheck_read_user_kv_and_drop(runtime):
     _in_batch(runtime, 10)
     x = torch.randn(10, 2, 8)
-    kv.append_kv(runtime, 0, x, x)
-    kv.end_batch(runtime, batch_inputs()[0])
+    kv.paged_attention(runtime, 0, x, x, x, ALPHA, INV_S)
+    kv.end_batch(runtime, batch_inputs()[0], x)
     torch.library.opcheck(torch.ops.kvexport.read_user_kv.default, (runtime, 3), test_utils=("test_schema",))
     assert torch.equal(kv.read_user_kv(runtime, 3)[0, 0], x[3:7])  # user 3's prefix rows follow 3 candidates
     other = runtime + "-dropped"

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from kvexport.artifact import open_artifact
 from kvexport.cli import main
 from kvexport.config import load_config
-from kvexport.errors import UserError
+from kvexport.errors import RequestFailed, UserError
 from kvexport.model import build_model, random_batch
 from kvexport.runner import PackageRunner
 from tests.conftest import TINY
@@ -58,8 +58,9 @@ def test_capacity_error_then_next_request_is_correct(tiny_artifact, tiny_checkpo
     before = runner.stats()
     too_big = random_batch(m, seed=2, history_lengths=[m.max_history_length] * 2, num_candidates=[1, 1],
                            first_user_id=6000)
-    with pytest.raises(UserError, match=r"^KV cache capacity exceeded: the batch of 2 users needs 130 device pages"):
+    with pytest.raises(RequestFailed, match=r"^KV cache capacity exceeded: the batch of 2 users needs 130 device pages") as refused:
         runner.score(too_big)
+    assert refused.value.code == "capacity_exceeded"  # from the runtime, not parsed from the exception
     assert runner.stats() == before
     with torch.no_grad():
         expected = model(warm)
@@ -75,9 +76,10 @@ def test_capacity_error_through_run_is_one_line(tiny_artifact, tiny_config, tmp_
     result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
                                        "--output", str(tmp_path / "out.pt")])
     assert result.exit_code == 2
-    assert result.output.startswith("error: KV cache capacity exceeded")
+    assert "error: batch 0: KV cache capacity exceeded" in result.output
     assert "Traceback" not in result.output
-    assert not (tmp_path / "out.pt").exists()
+    [entry] = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert entry["status"].startswith("KV cache capacity exceeded") and entry["logits"] is None
 
 
 def test_threads_scoring_through_one_package(tiny_artifact, tiny_checkpoint, tiny_config):
@@ -183,9 +185,9 @@ def test_unwritable_outputs(tiny_artifact, tmp_path):
     torch.save([random_batch(load_config(TINY).model, 0, [1], [1]).to_dict()], requests)
     result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
                                        "--output", str(blocker / "out.pt")])
-    assert result.exit_code == 2 and "its directory does not exist" in result.output
+    assert result.exit_code == 2 and "is not a directory" in result.output
     result = CliRunner().invoke(main, ["init-checkpoint", str(TINY), "-o", str(blocker / "c.pt")])
-    assert result.exit_code == 2 and "cannot write checkpoint" in result.output
+    assert result.exit_code == 2 and "cannot write -o" in result.output and "is not a directory" in result.output
     assert sorted(tmp_path.iterdir()) == sorted([blocker, requests])
 
 

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from kvexport.artifact import MANIFEST
 from kvexport.cli import main
-from kvexport.ops import jagged
 from kvexport.replay import harness, replay_command
 from kvexport.trace.verify import verify_artifact
 from tests.conftest import rehash
@@ -99,25 +98,26 @@ def test_replay_fails_on_modified_file(replay_binary, artifact_copy, tmp_path):
     assert "trace/step_0000.pt does not match its sha256" in result.stderr
 
 
-needs_fbgemm = pytest.mark.skipif(not jagged.HAVE_FBGEMM, reason="the package needs fbgemm only where it is installed")
-
-
-@needs_fbgemm
-def test_missing_required_library_is_named(replay_binary, tiny_artifact, tmp_path):
-    result, _ = run_harness([str(replay_binary), "--artifact", str(tiny_artifact)], tmp_path)
+def test_missing_required_library_is_named(replay_binary, artifact_copy, tmp_path):
+    """A library the manifest requires and nobody passes is named before the package is loaded."""
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    manifest["required_libraries"] = ["fbgemm_gpu_py", "kvexport_ops"]
+    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    result, _ = run_harness([str(replay_binary), "--artifact", str(artifact_copy)], tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: the package needs op library fbgemm_gpu_py; pass it with --library PATH"
 
 
-@needs_fbgemm
 def test_unloaded_op_library_is_named_and_cleaned_up(replay_binary, artifact_copy, tmp_path):
-    """If the manifest under-declares a library, the loader's schema error is turned into a message."""
-    manifest = json.loads((artifact_copy / MANIFEST).read_text())
-    manifest["required_libraries"] = ["kvexport_ops"]
-    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    """An op library that defines none of the package's ops: the loader's schema error becomes a message."""
+    source = tmp_path / "empty.cpp"
+    source.write_text("extern \"C\" int kvexport_test_nothing() { return 0; }\n")
+    library = artifact_copy / "lib" / "libkvexport_ops.so"
+    subprocess.run(["g++", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    rehash(artifact_copy, "lib/libkvexport_ops.so")
     result, leftovers = run_harness([str(replay_binary), "--artifact", str(artifact_copy)], tmp_path)
     assert result.returncode == 2
-    assert "model.pt2 calls fbgemm::asynchronous_complete_cumsum but no loaded library defines it" in result.stderr
+    assert "model.pt2 calls kvexport::check_request but no loaded library defines it" in result.stderr
     assert leftovers == []
 
 

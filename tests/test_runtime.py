@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -28,20 +29,20 @@ def kv_values(tokens: list[int], layer: int) -> torch.Tensor:
     return torch.stack([t + 0.25 * layer, -t - 0.5 * layer], dim=1).unsqueeze(1)
 
 
-def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1) -> list[int]:
+def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, config: str = CONFIG) -> list[int]:
     """Runs one batch through the runtime ops, writing kv_values for the new tokens; returns cached lengths."""
     user_ids = torch.tensor(list(users), dtype=torch.int64)
     tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
     lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
     candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
-    cached = kv.begin_batch(runtime, CONFIG, user_ids, tokens, lengths, candidates).tolist()
+    cached = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates).tolist()
     new_tokens = [t for (ts, c) in zip(users.values(), cached) for t in ts[c:]]
     num_rows = num_candidates * len(users) + len(new_tokens)
     for layer in range(2):
         rows = torch.cat([torch.zeros(num_candidates * len(users), 1, 2), kv_values(new_tokens, layer)])
         assert rows.shape[0] == num_rows
-        kv.append_kv(runtime, layer, rows, rows)
-    kv.end_batch(runtime, user_ids)
+        kv.paged_attention(runtime, layer, rows, rows, rows, 1.0, 1.0)  # stores the new rows' k/v
+    kv.end_batch(runtime, user_ids, rows)
     return cached
 
 
@@ -201,7 +202,7 @@ def test_aborted_batch_releases_the_runtime_to_other_threads(runtime):
     assert results == [[3]]  # the aborted batch committed nothing
 
 
-def test_failed_eager_request_does_not_block_other_threads(tiny_config, tiny_model):
+def test_refused_request_records_why_and_holds_nothing(tiny_config, tiny_model):
     from kvexport.model import random_batch
     from kvexport.model.batch import Batch
 
@@ -209,11 +210,60 @@ def test_failed_eager_request_does_not_block_other_threads(tiny_config, tiny_mod
     good = random_batch(tiny_config.model, seed=0, history_lengths=[3], num_candidates=[2])
     bad = Batch(**{**good.to_dict(), "candidate_ids": torch.tensor([0, tiny_config.model.item_vocab_size])})
     try:
-        with pytest.raises(IndexError):
+        with pytest.raises(ValueError, match="candidate_ids has 10000, outside the item vocabulary"):
             with torch.no_grad():
-                tiny_model.forward_cached(bad, name)  # fails after begin_batch, in the embedding
+                tiny_model.forward_cached(bad, name)  # refused by check_request, before begin_batch
+        assert kv.last_error(name) == ("invalid_request",
+                                       "candidate_ids has 10000, outside the item vocabulary [0, 9999]")
+        assert _in_thread(lambda: kv.last_error(name)).is_alive() is False
+        with torch.no_grad():
+            tiny_model.forward_cached(good, name)
+        assert kv.last_error(name) == ("ok", "")  # every request starts by clearing it
         stats = []
         assert not _in_thread(lambda: stats.append(kv.runtime_stats(name))).is_alive()
-        assert stats[0]["lookups"] == 1
+        assert stats[0]["lookups"] == 1  # the refused request never reached the runtime
     finally:
         kv.drop_runtime(name)
+
+
+def test_failing_op_releases_its_batch_at_once(runtime):
+    kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([1]))
+    wrong_rows = torch.zeros(2, 1, 2)  # the plan has 1 candidate + 3 new prefix rows
+    with pytest.raises(RuntimeError, match="expected k and v of 4 rows"):
+        kv.paged_attention(runtime, 0, wrong_rows, wrong_rows, wrong_rows, 1.0, 1.0)
+    assert kv.last_error(runtime)[0] == "internal"
+    results = []
+    assert not _in_thread(lambda: results.append(request(runtime, {1: [1, 2, 3]}))).is_alive()
+    assert results == [[0]]  # nothing of the failed request was committed
+    assert kv.runtime_stats(runtime)["stalled_batches"] == 0  # released by the failing op, not by time
+
+
+def test_stalled_batch_goes_to_the_next_request_and_its_ops_then_fail():
+    config = json.dumps({**json.loads(CONFIG), "stall_timeout_ms": 200})
+    with scratch_runtime(config) as name:
+        begun = threading.Event()
+        later_error = []
+
+        def host_that_stops_between_ops():
+            kv.begin_batch(name, config, torch.tensor([7]), torch.tensor([1, 2]), torch.tensor([2]),
+                           torch.tensor([1]))
+            begun.set()  # the host now fails this request without calling anything
+            time.sleep(0.6)
+            rows = torch.zeros(3, 1, 2)
+            try:
+                kv.paged_attention(name, 0, rows, rows, rows, 1.0, 1.0)
+            except RuntimeError:
+                later_error.append(kv.last_error(name))
+
+        stopped = threading.Thread(target=host_that_stops_between_ops)
+        stopped.start()
+        begun.wait(10)
+        started = time.monotonic()
+        results = []
+        assert not _in_thread(lambda: results.append(request(name, {8: [5, 6]}, config=config))).is_alive()
+        waited = time.monotonic() - started
+        stopped.join(10)
+        assert results == [[0]] and waited >= 0.15
+        assert kv.runtime_stats(name)["stalled_batches"] == 1
+        assert later_error and later_error[0][0] == "internal"
+        assert "no batch in flight" in later_error[0][1]

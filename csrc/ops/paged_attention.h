@@ -1,4 +1,4 @@
-// HSTU attention (DESIGN.md §1 step 3) of new rows over a paged k/v cache.
+// HSTU attention (docs/design.md §1.3 step 3) of new rows over a paged k/v cache.
 #pragma once
 
 #include <ATen/Tensor.h>

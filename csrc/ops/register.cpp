@@ -5,27 +5,66 @@
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/paged_attention.h"
+#include "ops/request_check.h"
 #include "runtime/kv_runtime.h"
 
 namespace kvexport::ops {
 
 namespace {
 
+using runtime::ErrorCode;
 using runtime::KVRuntime;
+using runtime::RequestError;
 
 std::vector<int64_t> to_vector(const at::Tensor& t, const char* what) {
-  TORCH_CHECK_VALUE(t.dim() == 1, what, " must be 1-D, got ", t.sizes());
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, what, " must be int64, got ", t.scalar_type());
+  if (t.dim() != 1 || t.scalar_type() != at::kLong) {
+    throw RequestError(ErrorCode::kInvalidRequest, std::string(what) + " must be 1-D int64");
+  }
   const auto cpu = t.to(at::kCPU).contiguous();
   return {cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel()};
 }
 
-// Runtime errors caused by the request (capacity, malformed batch) reach Python as ValueError.
+// Releases the calling thread's batch on `runtime`, if there is one: a request that failed
+// midway never keeps the runtime from other requests.
+void release_batch(const std::string& runtime) {
+  try {
+    runtime::find_runtime(runtime)->abort_batch();
+  } catch (const std::exception&) {
+    // No such runtime: nothing is held.
+  }
+}
+
+// Every op of a request runs through here: a failure is recorded for kvexport::last_error
+// (hosts read why a request failed there, never from exception text), the request's batch is
+// released, and the error surfaces as one catchable exception (ValueError for the request's own
+// faults).
 template <typename F>
-auto user_errors_as_value_error(F&& f) {
+auto request_op(const std::string& runtime, F&& f) {
+  try {
+    return f();
+  } catch (const RequestError& e) {
+    runtime::record_last_error(runtime, e.code(), e.what());
+    release_batch(runtime);
+    if (e.code() == ErrorCode::kInternal) TORCH_CHECK(false, e.what());
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const c10::Error& e) {
+    runtime::record_last_error(runtime, ErrorCode::kInternal, e.what_without_backtrace());
+    release_batch(runtime);
+    throw;
+  } catch (const std::exception& e) {
+    runtime::record_last_error(runtime, ErrorCode::kInternal, e.what());
+    release_batch(runtime);
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// Management ops: user errors (an unknown runtime, a bad config) as ValueError.
+template <typename F>
+auto management_op(F&& f) {
   try {
     return f();
   } catch (const std::invalid_argument& e) {
@@ -33,10 +72,21 @@ auto user_errors_as_value_error(F&& f) {
   }
 }
 
-at::Tensor begin_batch(const std::string& name, const std::string& config,
-                                               const at::Tensor& user_ids, const at::Tensor& token_ids,
-                                               const at::Tensor& token_lengths, const at::Tensor& num_candidates) {
-  return user_errors_as_value_error([&] {
+RequestTensors check_request_op(const std::string& name, const std::string& limits, const at::Tensor& user_ids,
+                                const at::Tensor& history_lengths, const at::Tensor& item_ids,
+                                const at::Tensor& action_ids, const at::Tensor& context_ids,
+                                const at::Tensor& num_candidates, const at::Tensor& candidate_ids) {
+  runtime::clear_last_error(name);  // the first op of every request
+  return request_op(name, [&] {
+    return check_request(limits, user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
+                         candidate_ids);
+  });
+}
+
+at::Tensor begin_batch(const std::string& name, const std::string& config, const at::Tensor& user_ids,
+                       const at::Tensor& token_ids, const at::Tensor& token_lengths,
+                       const at::Tensor& num_candidates) {
+  return request_op(name, [&] {
     auto rt = runtime::get_or_create_runtime(name, config, user_ids.device());
     const auto& plan = rt->begin_batch(to_vector(user_ids, "user_ids"), to_vector(token_ids, "token_ids"),
                                        to_vector(token_lengths, "token_lengths"),
@@ -45,67 +95,69 @@ at::Tensor begin_batch(const std::string& name, const std::string& config,
   });
 }
 
-void append_kv(const std::string& name, int64_t layer, const at::Tensor& k, const at::Tensor& v) {
-  user_errors_as_value_error([&] {
-    runtime::find_runtime(name)->write_kv(layer, k, v);
-    return 0;
-  });
-}
-
 at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, double alpha, double inv_scaling_seqlen) {
-  auto rt = runtime::find_runtime(name);
-  TORCH_CHECK(layer >= 0 && layer < rt->config().num_layers, "paged_attention: layer ", layer, " outside 0..",
-              rt->config().num_layers - 1);
-  const auto& plan = rt->batch();
-  return paged_attention_cpu(q, k, v, rt->cache().select(0, layer), plan.page_table, plan.row_user, plan.row_keys,
-                             plan.row_candidate, alpha, inv_scaling_seqlen);
+  return request_op(name, [&] {
+    return runtime::find_runtime(name)->with_layer(
+        layer, k, v, [&](const runtime::BatchPlan& plan, const at::Tensor& layer_cache) {
+          return paged_attention_cpu(q, k, v, layer_cache, plan.page_table, plan.row_user, plan.row_keys,
+                                     plan.row_candidate, alpha, inv_scaling_seqlen);
+        });
+  });
 }
 
-void end_batch(const std::string& name, const at::Tensor& user_ids) {
-  runtime::find_runtime(name)->end_batch(to_vector(user_ids, "user_ids"));
-}
-
-void abort_batch(const std::string& name) {
-  user_errors_as_value_error([&] {
-    runtime::find_runtime(name)->abort_batch();
+// `after` is never read: it is the request's final hidden states, so that end_batch depends on
+// every layer's output by data and no compiler can schedule it earlier. (Inductor on torch 2.13
+// moved an end_batch ordered only by its ORDERED effect before begin_batch.)
+void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Tensor& after) {
+  request_op(name, [&] {
+    runtime::find_runtime(name)->end_batch(to_vector(user_ids, "user_ids"));
     return 0;
   });
 }
 
+std::tuple<std::string, std::string> last_error(const std::string& name) {
+  const auto error = runtime::last_error(name);
+  return {runtime::error_code_name(error.code), error.message};
+}
+
+std::vector<std::string> stat_names() { return runtime::stat_names(); }
+
+// A no-op when nothing is held, including when no runtime of that name exists yet.
+void abort_batch(const std::string& name) { release_batch(name); }
+
 void create_runtime(const std::string& name, const std::string& config, at::Device device) {
-  user_errors_as_value_error([&] {
+  management_op([&] {
     runtime::get_or_create_runtime(name, config, device);
     return 0;
   });
 }
 
 at::Tensor runtime_stats(const std::string& name) {
-  return at::tensor(user_errors_as_value_error([&] { return runtime::find_runtime(name)->stats(); }), at::kLong);
+  return at::tensor(management_op([&] { return runtime::find_runtime(name)->stats(); }), at::kLong);
 }
 
 void reset_runtime(const std::string& name) {
-  user_errors_as_value_error([&] {
+  management_op([&] {
     runtime::find_runtime(name)->reset();
     return 0;
   });
 }
 
 bool evict_user(const std::string& name, int64_t user_id) {
-  return user_errors_as_value_error([&] { return runtime::find_runtime(name)->evict_user(user_id); });
+  return management_op([&] { return runtime::find_runtime(name)->evict_user(user_id); });
 }
 
 int64_t cached_length(const std::string& name, int64_t user_id) {
-  return user_errors_as_value_error([&] { return runtime::find_runtime(name)->cached_length(user_id); });
+  return management_op([&] { return runtime::find_runtime(name)->cached_length(user_id); });
 }
 
 at::Tensor device_users_lru(const std::string& name) {
-  return at::tensor(user_errors_as_value_error([&] { return runtime::find_runtime(name)->device_users_lru(); }),
-                    at::kLong);
+  return at::tensor(management_op([&] { return runtime::find_runtime(name)->device_users_lru(); }), at::kLong);
 }
 
 at::Tensor read_user_kv(const std::string& name, int64_t user_id) {
-  return user_errors_as_value_error([&] { return runtime::find_runtime(name)->read_user_kv(user_id); });
+  return management_op([&] { return runtime::find_runtime(name)->read_user_kv(user_id); });
 }
 
 bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name); }
@@ -113,16 +165,26 @@ bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name);
 }  // namespace
 
 TORCH_LIBRARY(kvexport, m) {
-  // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py).
+  // The first op of every request: checks it against the package's limits and returns the
+  // tensors the rest of the graph reads (so nothing indexes with an unchecked id).
+  m.def("check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
+        "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py). Each also depends on
+  // the previous one by data: begin_batch's cached lengths select the rows every layer computes,
+  // each layer's paged_attention (which stores the layer's new k/v, then attends) feeds the next
+  // layer, and end_batch takes the final states.
   m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
         "Tensor num_candidates) -> Tensor");
-  m.def("append_kv(str runtime, int layer, Tensor k, Tensor v) -> ()");
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "
         "float inv_scaling_seqlen) -> Tensor");
-  m.def("end_batch(str runtime, Tensor user_ids) -> ()");
+  m.def("end_batch(str runtime, Tensor user_ids, Tensor after) -> ()");
   // Management (eager only, never in an exported graph).
   m.def("create_runtime(str runtime, str config, Device device) -> ()");
   m.def("abort_batch(str runtime) -> ()");
+  // Why the calling thread's last request on `runtime` failed: (code, message), code "ok" if it did not.
+  m.def("last_error(str runtime) -> (str, str)");
+  m.def("stat_names() -> str[]");
   m.def("runtime_stats(str runtime) -> Tensor");
   m.def("reset_runtime(str runtime) -> ()");
   m.def("evict_user(str runtime, int user_id) -> bool");
@@ -136,8 +198,8 @@ TORCH_LIBRARY(kvexport, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
+  m.impl("check_request", &check_request_op);
   m.impl("begin_batch", &begin_batch);
-  m.impl("append_kv", &append_kv);
   m.impl("paged_attention", &paged_attention);
   m.impl("end_batch", &end_batch);
   m.impl("hstu_paged_attention", &paged_attention_cpu);
@@ -148,6 +210,8 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
 TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("create_runtime", &create_runtime);
   m.impl("abort_batch", &abort_batch);
+  m.impl("last_error", &last_error);
+  m.impl("stat_names", &stat_names);
   m.impl("runtime_stats", &runtime_stats);
   m.impl("reset_runtime", &reset_runtime);
   m.impl("evict_user", &evict_user);

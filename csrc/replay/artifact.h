@@ -1,4 +1,6 @@
 // The artifact directory as the replay harness sees it: manifest, file hashes, trace steps.
+// Its rules (files, fields, metadata pairs, trace keys, failures) come from kvexport/contract.json,
+// compiled in (replay/contract.h); `kvexport verify` follows the same file.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -25,9 +27,16 @@ struct ReplayError : std::runtime_error {
 
 struct TraceStep {
   std::string file;
+  std::string reference_file;  // the float32 reference output; empty for a step that must fail
   std::string description;
-  std::string expect_error;  // non-empty: the step must fail with this message, cache unchanged
+  std::string expect_error;  // non-empty: the step must fail with this error code, cache unchanged
 };
+
+// The trace files' tensor keys, as the contract names them.
+struct TraceKeys {
+  std::string expected_cached, expected_full, expected_reference;
+};
+const TraceKeys& trace_keys();
 
 struct Manifest {
   fs::path root;
@@ -37,13 +46,14 @@ struct Manifest {
   double atol = 0, rtol = 0;
 };
 
-// Parses OUT/manifest.json (kUnusable when absent or malformed).
+// Parses OUT/manifest.json and checks its fields (kUnusable when absent or malformed).
 Manifest read_manifest(const fs::path& root);
-// Compares every listed file with its sha256 (kMismatch naming the file); returns the count.
+// Every listed file against its sha256, the required files, then unlisted files; returns the
+// count of listed files. Throws the contract's failure naming the file.
 int check_files(const Manifest& manifest);
-// A recorded step: the request tensors by name plus expected_cached and expected_full (absent
-// for a step that must fail).
-std::map<std::string, at::Tensor> load_step(const fs::path& path, bool expect_outputs);
+// A recorded step: the request tensors by name plus, unless the step must fail, its expected
+// outputs under trace_keys() (the eager ones from its file, the reference from its reference file).
+std::map<std::string, at::Tensor> load_step(const Manifest& manifest, const TraceStep& step);
 // manifest.json must agree with the metadata compiled into model.pt2 (kMismatch otherwise).
 void check_manifest_against_package(const Manifest& manifest,
                                     const std::unordered_map<std::string, std::string>& metadata);

@@ -2,7 +2,11 @@
 // Python, and compares every step with the eager model's cached and full-recompute outputs.
 //
 //   kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE]
-//                   [--repeat N] [--threads N]
+//                   [--repeat N] [--threads N] [--hostile FILE]
+//
+// --hostile FILE: a torch.save'd list of requests (dicts of tensors) the package must refuse;
+// each thread sends all of them before every trace step, and each must fail with the runtime's
+// "invalid_request" code while the trace's outputs stay correct.
 //
 // Exit codes: 0 pass, 1 mismatch (an output outside tolerance, or a file that differs from the
 // manifest), 2 unusable input. `kvexport replay` locates the libraries and passes these flags.
@@ -23,6 +27,8 @@
 #include <thread>
 
 #include "replay/artifact.h"
+#include "replay/requests.h"
+#include "replay/stderr_filter.h"
 
 namespace kvexport::replay {
 namespace {
@@ -34,11 +40,12 @@ struct Options {
   std::optional<fs::path> json;
   int repeat = 1;
   int threads = 1;
+  std::optional<fs::path> hostile;
 };
 
 const char* kUsage =
     "usage: kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE] "
-    "[--repeat N] [--threads N]";
+    "[--repeat N] [--threads N] [--hostile FILE]";
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -70,6 +77,7 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--json") o.json = fs::path(value(i));
     else if (flag == "--repeat") o.repeat = positive(flag, value(i));
     else if (flag == "--threads") o.threads = positive(flag, value(i));
+    else if (flag == "--hostile") o.hostile = fs::path(value(i));
     else if (flag == "--help" || flag == "-h") throw ReplayError(kPass, kUsage);
     else throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
   }
@@ -103,17 +111,22 @@ std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> args
   return args;
 }
 
+// Counter names come from the op library, which owns them.
 std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
-  static const char* kFields[] = {"lookups", "hit_tokens", "recomputed_tokens", "device_evictions", "offloads",
-                                  "onboards", "host_evictions", "prefix_truncations", "device_pages_used",
-                                  "device_users", "host_pages_used", "host_users"};
+  const auto result = call_op("kvexport::stat_names", {});
+  const auto names = result.at(0).toListRef();
   const auto values = call_op("kvexport::runtime_stats", {runtime})[0].toTensor();
+  TORCH_CHECK(values.numel() == static_cast<int64_t>(names.size()), "kvexport bug: runtime_stats has ",
+              values.numel(), " values for ", names.size(), " names");
   std::map<std::string, int64_t> stats;
-  constexpr int64_t kNumFields = sizeof(kFields) / sizeof(kFields[0]);
-  TORCH_CHECK(values.numel() == kNumFields, "kvexport bug: runtime_stats has ", values.numel(), " values, expected ",
-              kNumFields);
-  for (int64_t i = 0; i < kNumFields; ++i) stats[kFields[i]] = values[i].item<int64_t>();
+  for (size_t i = 0; i < names.size(); ++i) stats[names[i].toStringRef()] = values[i].item<int64_t>();
   return stats;
+}
+
+// Why this thread's last request failed, as the runtime recorded it: {code, message}.
+std::pair<std::string, std::string> last_error(const std::string& runtime) {
+  const auto result = call_op("kvexport::last_error", {runtime});
+  return {result.at(0).toStringRef(), result.at(1).toStringRef()};
 }
 
 struct Comparison {
@@ -146,7 +159,7 @@ nlohmann::json to_json(const Comparison& c) {
 }
 
 struct StepResult {
-  Comparison vs_cached, vs_full;
+  Comparison vs_cached, vs_full, vs_reference;
   int64_t batch_size = 0, hit_tokens = 0, recomputed_tokens = 0;
   std::vector<double> latencies_ms;
 };
@@ -160,14 +173,14 @@ double percentile(std::vector<double> values, double q) {
 // Loads every trace step once; inputs in the package's signature order.
 struct LoadedStep {
   std::vector<at::Tensor> inputs;
-  at::Tensor expected_cached, expected_full;
+  at::Tensor expected_cached, expected_full, expected_reference;
   std::string expect_error;
 };
 
 std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature) {
   std::vector<LoadedStep> steps;
   for (const auto& step : manifest.steps) {
-    auto tensors = load_step(manifest.root / step.file, step.expect_error.empty());
+    auto tensors = load_step(manifest, step);
     LoadedStep loaded;
     loaded.expect_error = step.expect_error;
     for (const auto& name : signature) {
@@ -175,48 +188,96 @@ std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<s
       loaded.inputs.push_back(tensors.at(name));
     }
     if (loaded.expect_error.empty()) {
-      loaded.expected_cached = tensors.at("expected_cached");
-      loaded.expected_full = tensors.at("expected_full");
+      loaded.expected_cached = tensors.at(trace_keys().expected_cached);
+      loaded.expected_full = tensors.at(trace_keys().expected_full);
+      loaded.expected_reference = tensors.at(trace_keys().expected_reference);
     }
     steps.push_back(std::move(loaded));
   }
   return steps;
 }
 
-// A step recorded as failing passes when the package refuses it with the expected message.
+// A request recorded as failing passes when the package refuses it with the expected error code
+// (read from the runtime: the exception's text differs between torch versions).
 bool expect_failure(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
-                    const LoadedStep& step) {
+                    const std::vector<at::Tensor>& inputs, const std::string& expected_code) {
   try {
-    loader.run(step.inputs);
-  } catch (const std::exception& e) {
-    call_op("kvexport::abort_batch", {runtime});  // release the runtime if the request got that far
-    return std::string(e.what()).find(step.expect_error) != std::string::npos;
+    loader.run(inputs);
+  } catch (const std::exception&) {
+    return last_error(runtime).first == expected_code;
   }
   return false;
 }
 
+// A trace request the package must serve; a refusal is reported with the runtime's reason.
+at::Tensor run_step(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime, size_t index,
+                    const LoadedStep& step) {
+  try {
+    return loader.run(step.inputs).at(0);
+  } catch (const std::exception&) {
+    const auto [code, message] = last_error(runtime);
+    throw ReplayError(kMismatch, "step " + std::to_string(index) + " was refused (" + code + "): " + message);
+  }
+}
+
+std::vector<std::vector<at::Tensor>> load_hostile(const fs::path& path, const std::vector<std::string>& signature) {
+  std::vector<std::vector<at::Tensor>> requests;
+  for (const auto& request : load_request_list(path)) {
+    std::vector<at::Tensor> inputs;
+    for (const auto& name : signature) {
+      if (!request.count(name)) throw ReplayError(kUnusable, "a --hostile request lacks " + name);
+      inputs.push_back(request.at(name));
+    }
+    requests.push_back(std::move(inputs));
+  }
+  return requests;
+}
+
+struct Replay {
+  torch::inductor::AOTIModelPackageLoader& loader;
+  std::string runtime;
+  std::vector<LoadedStep> steps;
+  std::vector<std::vector<at::Tensor>> hostile;
+  double atol = 0, rtol = 0;
+};
+
+// Sends every hostile request; each must be refused as invalid. Returns how many were not.
+int send_hostile(const Replay& replay) {
+  int accepted = 0;
+  for (const auto& inputs : replay.hostile) {
+    accepted += !expect_failure(replay.loader, replay.runtime, inputs, "invalid_request");
+  }
+  return accepted;
+}
+
 // Replays the trace `repeat` times from an empty cache; every pass is compared.
-void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
-                 const std::vector<LoadedStep>& steps, double atol, double rtol, std::vector<StepResult>& results,
-                 bool count_cache) {
+void replay_pass(const Replay& replay, std::vector<StepResult>& results, bool count_cache) {
+  auto& loader = replay.loader;
+  const auto& runtime = replay.runtime;
+  const auto& steps = replay.steps;
+  const double atol = replay.atol, rtol = replay.rtol;
   for (size_t i = 0; i < steps.size(); ++i) {
+    const int hostile_accepted = send_hostile(replay);
     const auto before = count_cache ? runtime_stats(runtime) : std::map<std::string, int64_t>{};
     const auto started = std::chrono::steady_clock::now();
-    Comparison vs_cached, vs_full;
+    Comparison vs_cached, vs_full, vs_reference;
     if (steps[i].expect_error.empty()) {
-      const auto outputs = loader.run(steps[i].inputs);
-      vs_cached = compare(outputs.at(0), steps[i].expected_cached, atol, rtol);
-      vs_full = compare(outputs.at(0), steps[i].expected_full, atol, rtol);
+      const auto output = run_step(loader, runtime, i, steps[i]);
+      vs_cached = compare(output, steps[i].expected_cached, atol, rtol);
+      vs_full = compare(output, steps[i].expected_full, atol, rtol);
+      vs_reference = compare(output, steps[i].expected_reference, atol, rtol);
     } else {
-      vs_cached.passed = expect_failure(loader, runtime, steps[i]);
+      vs_cached.passed = expect_failure(loader, runtime, steps[i].inputs, steps[i].expect_error);
       vs_full = vs_cached;
     }
+    if (hostile_accepted) vs_cached.passed = vs_full.passed = false;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
     auto& r = results[i];
     r.latencies_ms.push_back(ms);
     r.batch_size = steps[i].inputs[0].size(0);
     merge_worst(r.vs_cached, vs_cached);
     merge_worst(r.vs_full, vs_full);
+    merge_worst(r.vs_reference, vs_reference);
     if (count_cache) {
       const auto after = runtime_stats(runtime);
       if (!steps[i].expect_error.empty() && after != before) {
@@ -228,17 +289,25 @@ void replay_pass(torch::inductor::AOTIModelPackageLoader& loader, const std::str
   }
 }
 
+// The table kvexport/trace/report.py prints too; the description column fits the longest one, so
+// no description is cut.
 void print_report(const nlohmann::json& report) {
-  std::printf("%4s %2s  %-46s %19s %21s %5s %5s %7s  ok\n", "step", "B", "description", "vs cached abs/rel",
-              "vs recompute abs/rel", "hit", "new", "ms");
+  int width = 11;
+  for (const auto& s : report["steps"]) {
+    width = std::max(width, static_cast<int>(s["description"].get<std::string>().size()));
+  }
+  std::printf("%4s %2s  %-*s %19s %21s %9s %5s %5s %7s  ok\n", "step", "B", width, "description", "vs cached abs/rel",
+              "vs recompute abs/rel", "vs fp32", "hit", "new", "ms");
   int passed = 0;
   for (const auto& s : report["steps"]) {
     const auto& c = s["vs_cached"];
     const auto& f = s["vs_full"];
+    const auto& r = s["vs_reference"];
     passed += s["passed"].get<bool>();
-    std::printf("%4d %2d  %-46.46s %9.1e/%-9.1e %10.1e/%-10.1e %5lld %5lld %7.2f  %s\n", s["index"].get<int>(),
-                s["batch_size"].get<int>(), s["description"].get<std::string>().c_str(), c["max_abs"].get<double>(),
-                c["max_rel"].get<double>(), f["max_abs"].get<double>(), f["max_rel"].get<double>(),
+    std::printf("%4d %2d  %-*s %9.1e/%-9.1e %10.1e/%-10.1e %9.1e %5lld %5lld %7.2f  %s\n", s["index"].get<int>(),
+                s["batch_size"].get<int>(), width, s["description"].get<std::string>().c_str(),
+                c["max_abs"].get<double>(), c["max_rel"].get<double>(), f["max_abs"].get<double>(),
+                f["max_rel"].get<double>(), r["max_abs"].get<double>(),
                 static_cast<long long>(s["hit_tokens"].get<int64_t>()),
                 static_cast<long long>(s["recomputed_tokens"].get<int64_t>()), s["latency_ms"].get<double>(),
                 s["passed"].get<bool>() ? "ok" : "FAIL");
@@ -289,16 +358,15 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Mani
 
 // Every thread replays the whole trace through the shared loader and runtime. Cache states
 // interleave, but cached == recompute holds for any state, so each output must still match.
-void replay_concurrently(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
-                         const std::vector<LoadedStep>& steps, double atol, double rtol, int num_threads,
-                         std::vector<StepResult>& results) {
+void replay_concurrently(const Replay& replay, int num_threads, std::vector<StepResult>& results) {
+  const auto& steps = replay.steps;
   std::vector<std::vector<StepResult>> per_thread(num_threads, std::vector<StepResult>(steps.size()));
   std::vector<std::thread> workers;
   std::vector<std::exception_ptr> errors(num_threads);
   for (int t = 0; t < num_threads; ++t) {
     workers.emplace_back([&, t] {
       try {
-        replay_pass(loader, runtime, steps, atol, rtol, per_thread[t], /*count_cache=*/false);
+        replay_pass(replay, per_thread[t], /*count_cache=*/false);
       } catch (...) {
         errors[t] = std::current_exception();
       }
@@ -315,6 +383,7 @@ void replay_concurrently(torch::inductor::AOTIModelPackageLoader& loader, const 
       r.batch_size = t.batch_size;
       merge_worst(r.vs_cached, t.vs_cached);
       merge_worst(r.vs_full, t.vs_full);
+      merge_worst(r.vs_reference, t.vs_reference);
       r.latencies_ms.insert(r.latencies_ms.end(), t.latencies_ms.begin(), t.latencies_ms.end());
     }
   }
@@ -328,11 +397,12 @@ nlohmann::json make_report(const Manifest& manifest, const Options& options, int
   bool all_passed = true;
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
-    const bool passed = r.vs_cached.passed && r.vs_full.passed;
+    const bool passed = r.vs_cached.passed && r.vs_full.passed && r.vs_reference.passed;
     all_passed = all_passed && passed;
     report["steps"].push_back({{"index", i}, {"description", manifest.steps[i].description},
                                {"batch_size", r.batch_size}, {"vs_cached", to_json(r.vs_cached)},
-                               {"vs_full", to_json(r.vs_full)}, {"hit_tokens", r.hit_tokens},
+                               {"vs_full", to_json(r.vs_full)}, {"vs_reference", to_json(r.vs_reference)},
+                               {"hit_tokens", r.hit_tokens},
                                {"recomputed_tokens", r.recomputed_tokens},
                                {"latency_ms", percentile(r.latencies_ms, 0.5)},
                                {"latency_p50_ms", percentile(r.latencies_ms, 0.5)},
@@ -358,15 +428,16 @@ int run(const Options& options) {
   const std::string runtime = metadata.at("kvexport.runtime_name");
   const auto signature = nlohmann::json::parse(metadata.at("kvexport.signature")).get<std::vector<std::string>>();
   call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), c10::Device(c10::kCPU)});
-  const auto steps = load_trace(manifest, signature);
+  Replay replay{*loader, runtime, load_trace(manifest, signature), {}, atol, rtol};
+  if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature);
 
-  std::vector<StepResult> results(steps.size());
+  std::vector<StepResult> results(replay.steps.size());
   for (int pass = 0; pass < options.repeat; ++pass) {
     call_op("kvexport::reset_runtime", {runtime});
     if (options.threads == 1) {
-      replay_pass(*loader, runtime, steps, atol, rtol, results, /*count_cache=*/pass == 0);
+      replay_pass(replay, results, /*count_cache=*/pass == 0);
     } else {
-      replay_concurrently(*loader, runtime, steps, atol, rtol, options.threads, results);
+      replay_concurrently(replay, options.threads, results);
     }
   }
   auto report = make_report(manifest, options, files_checked, atol, rtol, results);
@@ -386,7 +457,9 @@ int run(const Options& options) {
 int main(int argc, char** argv) {
   using namespace kvexport::replay;
   try {
-    return run(parse_options(argc, argv));
+    const auto options = parse_options(argc, argv);
+    StderrFilter quiet_aoti_errors;
+    return run(options);
   } catch (const ReplayError& e) {
     std::fprintf(e.code == kPass ? stdout : stderr, "%s%s\n", e.code == kPass ? "" : "error: ", e.what());
     return e.code;

@@ -39,6 +39,7 @@ RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
     throw std::invalid_argument("runtime config: missing string field dtype");
   }
   c.dtype = j.at("dtype").get<std::string>();
+  if (j.contains("stall_timeout_ms")) c.stall_timeout_ms = positive_field(j, "stall_timeout_ms");
   return c;
 }
 

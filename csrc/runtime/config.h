@@ -14,6 +14,8 @@ struct RuntimeConfig {
   int64_t device_pages = 0;
   int64_t host_pages = 0;
   std::string dtype;
+  // How long a batch in flight may make no progress before a waiting request takes the runtime.
+  int64_t stall_timeout_ms = 10000;
 
   // Throws std::invalid_argument naming the bad or missing field.
   static RuntimeConfig from_json(const std::string& json);

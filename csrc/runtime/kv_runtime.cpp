@@ -1,5 +1,7 @@
 #include "runtime/kv_runtime.h"
 
+#include "runtime/python_gil.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -18,6 +20,10 @@ at::ScalarType parse_dtype(const std::string& dtype) {
   throw std::invalid_argument("runtime config: unsupported dtype " + dtype);
 }
 
+RequestError invalid_request(const std::string& message) {
+  return RequestError(ErrorCode::kInvalidRequest, message);
+}
+
 int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t b_len) {
   const int64_t n = std::min(a_len, b_len);
   int64_t i = 0;
@@ -31,11 +37,19 @@ at::Tensor to_device(const std::vector<int64_t>& values, at::Device device) {
 
 }  // namespace
 
+const std::vector<std::string>& stat_names() {
+  static const std::vector<std::string> names = {
+      "lookups",         "hit_tokens",        "recomputed_tokens", "device_evictions", "offloads",
+      "onboards",        "host_evictions",    "prefix_truncations", "stalled_batches", "device_pages_used",
+      "device_users",    "host_pages_used",   "host_users"};
+  return names;
+}
+
 std::vector<int64_t> stats_vector(const Counters& c, int64_t device_pages_used, int64_t device_users,
                                   int64_t host_pages_used, int64_t host_users) {
-  return {c.lookups,     c.hit_tokens,      c.recomputed_tokens, c.device_evictions, c.offloads,
-          c.onboards,    c.host_evictions,  c.prefix_truncations, device_pages_used, device_users,
-          host_pages_used, host_users};
+  return {c.lookups,      c.hit_tokens,       c.recomputed_tokens,  c.device_evictions, c.offloads,
+          c.onboards,     c.host_evictions,   c.prefix_truncations, c.stalled_batches,  device_pages_used,
+          device_users,   host_pages_used,    host_users};
 }
 
 KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
@@ -49,7 +63,29 @@ KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
 
 void KVRuntime::acquire_batch(std::unique_lock<std::mutex>& lock) {
   const auto me = std::this_thread::get_id();
-  released_.wait(lock, [&] { return !owner_ || *owner_ == me; });
+  const auto free_for_me = [&] { return !owner_ || *owner_ == me; };
+  while (!free_for_me()) {
+    if (owner_stalled()) {
+      // The owner's request failed outside our ops or its host stopped calling: its state is
+      // consistent (nothing uncommitted counts as cached) and its later ops will fail.
+      ++counters_.stalled_batches;
+      owner_.reset();
+      break;
+    }
+    lock.unlock();
+    {
+      // GIL released first and taken back last, never while holding mutex_: a thread that
+      // holds the GIL may be waiting for mutex_.
+      ScopedGilRelease gil;
+      std::unique_lock<std::mutex> wait_lock(mutex_);
+      released_.wait_for(wait_lock, std::chrono::milliseconds(config_.stall_timeout_ms), free_for_me);
+    }
+    lock.lock();
+  }
+}
+
+bool KVRuntime::owner_stalled() const {
+  return std::chrono::steady_clock::now() - last_progress_ > std::chrono::milliseconds(config_.stall_timeout_ms);
 }
 
 void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
@@ -57,7 +93,7 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vec
                             const std::vector<int64_t>& num_candidates) const {
   const auto num_users = user_ids.size();
   if (token_lengths.size() != num_users || num_candidates.size() != num_users) {
-    throw std::invalid_argument("begin_batch: user_ids (" + std::to_string(num_users) + "), token_lengths (" +
+    throw invalid_request("begin_batch: user_ids (" + std::to_string(num_users) + "), token_lengths (" +
                                 std::to_string(token_lengths.size()) + ") and num_candidates (" +
                                 std::to_string(num_candidates.size()) + ") differ in length");
   }
@@ -65,26 +101,26 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vec
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   if (dup != sorted.end()) {
-    throw std::invalid_argument("user id " + std::to_string(*dup) + " appears twice in one batch");
+    throw invalid_request("user id " + std::to_string(*dup) + " appears twice in one batch");
   }
   int64_t total = 0;
   int64_t pages = 0;
   for (size_t b = 0; b < num_users; ++b) {
     if (token_lengths[b] < 0 || num_candidates[b] < 0) {
-      throw std::invalid_argument("begin_batch: negative length for user " + std::to_string(user_ids[b]));
+      throw invalid_request("begin_batch: negative length for user " + std::to_string(user_ids[b]));
     }
     total += token_lengths[b];
     pages += config_.pages_for(token_lengths[b]);
   }
   if (total != static_cast<int64_t>(token_ids.size())) {
-    throw std::invalid_argument("begin_batch: token_lengths sum to " + std::to_string(total) + " but there are " +
+    throw invalid_request("begin_batch: token_lengths sum to " + std::to_string(total) + " but there are " +
                                 std::to_string(token_ids.size()) + " tokens");
   }
   if (pages > config_.device_pages) {
     std::ostringstream msg;
     msg << "KV cache capacity exceeded: the batch of " << num_users << " users needs " << pages
         << " device pages but kv_cache.device_pages is " << config_.device_pages;
-    throw std::invalid_argument(msg.str());
+    throw RequestError(ErrorCode::kCapacityExceeded, msg.str());
   }
 }
 
@@ -134,6 +170,7 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
   }
   build_plan(token_lengths, num_candidates);
   owner_ = std::this_thread::get_id();
+  last_progress_ = std::chrono::steady_clock::now();
   return plan_;
 }
 
@@ -261,23 +298,24 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
   plan_.cached_lengths_tensor = to_device(plan_.cached_lengths, device);
 }
 
-const BatchPlan& KVRuntime::batch() const {
+const BatchPlan& KVRuntime::owned_batch() const {
   if (!owner_ || *owner_ != std::this_thread::get_id()) {
-    throw std::logic_error("kvexport bug: " + name_ + ": no batch in flight on this thread (begin_batch first)");
+    throw RequestError(ErrorCode::kInternal, name_ + ": this thread has no batch in flight (it was released after " +
+                                                 "stalling for " + std::to_string(config_.stall_timeout_ms) +
+                                                 " ms, or begin_batch never ran)");
   }
   return plan_;
 }
 
-void KVRuntime::write_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
-  const auto& plan = batch();
+void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v) {
   if (layer < 0 || layer >= config_.num_layers) {
-    throw std::invalid_argument("write_kv: layer " + std::to_string(layer) + " outside 0.." +
-                                std::to_string(config_.num_layers - 1));
+    throw RequestError(ErrorCode::kInternal, "layer " + std::to_string(layer) + " outside 0.." +
+                                                 std::to_string(config_.num_layers - 1));
   }
   const int64_t rows = plan.num_candidate_rows + plan.num_new_prefix_rows;
-  if (k.size(0) != rows || v.size(0) != rows) {
-    throw std::invalid_argument("write_kv: expected " + std::to_string(rows) + " rows, got k " +
-                                std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
+  if (k.dim() != 3 || v.dim() != 3 || k.size(0) != rows || v.size(0) != rows) {
+    throw RequestError(ErrorCode::kInternal, "expected k and v of " + std::to_string(rows) + " rows, got k " +
+                                                 std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
   }
   auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
   const auto new_k = k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
@@ -288,7 +326,7 @@ void KVRuntime::write_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v
 
 void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
   std::unique_lock<std::mutex> lock(mutex_);
-  const auto& plan = batch();
+  const auto& plan = owned_batch();
   if (user_ids != plan.user_ids) {
     throw std::logic_error("kvexport bug: end_batch for other users than begin_batch");
   }
@@ -365,7 +403,7 @@ at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
   acquire_batch(lock);
   auto it = users_.find(user_id);
   if (it == users_.end()) {
-    throw std::invalid_argument("user " + std::to_string(user_id) + " is not on the device tier of " + name_);
+    throw invalid_request("user " + std::to_string(user_id) + " is not on the device tier of " + name_);
   }
   const auto num_tokens = static_cast<int64_t>(it->second.token_ids.size());
   const int64_t num_pages = config_.pages_for(num_tokens);

@@ -2,12 +2,16 @@
 // tables and the token ids each user's cache was computed from. Knows nothing of HSTU.
 //
 // A request is one batch: begin_batch() plans it (prefix reuse, eviction, allocation),
-// write_kv() stores each layer's new k/v, end_batch() commits the new token ids.
-// Between begin and end the calling thread owns the runtime; other threads wait.
+// with_layer() stores each layer's new k/v and runs its attention, end_batch() commits the new
+// token ids.
+// Between begin and end the calling thread owns the runtime; other threads wait (without
+// Python's GIL). A batch whose owner makes no progress for config.stall_timeout_ms is released
+// to the next waiting request, and the stalled request's later ops fail: no wait is unbounded.
 #pragma once
 
 #include <ATen/Tensor.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -20,6 +24,7 @@
 
 #include "runtime/config.h"
 #include "runtime/host_tier.h"
+#include "runtime/request_error.h"
 
 namespace kvexport::runtime {
 
@@ -32,9 +37,12 @@ struct Counters {
   int64_t onboards = 0;            // users brought back from the offload tier
   int64_t host_evictions = 0;      // users dropped by the offload tier
   int64_t prefix_truncations = 0;  // users whose stored tokens diverged from the request
+  int64_t stalled_batches = 0;     // batches released to another request after stalling
 };
 
-// Gauges and counters in the order of the stats op's output.
+// The names of the stats op's values, in order: the one list every host reads (kvexport::stat_names).
+const std::vector<std::string>& stat_names();
+// Counters and gauges in stat_names() order.
 std::vector<int64_t> stats_vector(const Counters& c, int64_t device_pages_used, int64_t device_users,
                                   int64_t host_pages_used, int64_t host_users);
 
@@ -65,16 +73,23 @@ class KVRuntime {
   at::Device device() const { return cache_.device(); }
 
   // Plans a batch. token_ids is the jagged concatenation of each user's prefix tokens,
-  // token_lengths [B] their lengths. Throws std::invalid_argument (state unchanged) when the
-  // batch is malformed or cannot fit even after evicting every other user.
+  // token_lengths [B] their lengths. Throws RequestError (state unchanged) when the batch is
+  // malformed or cannot fit even after evicting every other user.
   const BatchPlan& begin_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
                                const std::vector<int64_t>& token_lengths,
                                const std::vector<int64_t>& num_candidates);
-  // Stores the new prefix rows of k, v [N, heads, head_dim] for one layer.
-  void write_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v);
-  // The batch in flight and the cache it reads ([layers, pages, 2, page_size, heads, head_dim]).
-  const BatchPlan& batch() const;
-  const at::Tensor& cache() const { return cache_; }
+  // One layer of this thread's batch in flight: stores the new prefix rows of k, v
+  // [N, heads, head_dim] in their pages, then returns attend(plan, layer_cache) with the layer's
+  // cache [pages, 2, page_size, heads, head_dim]. Holds the runtime throughout, so no other
+  // request changes pages meanwhile.
+  template <typename F>
+  auto with_layer(int64_t layer, const at::Tensor& k, const at::Tensor& v, F&& attend) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto& plan = owned_batch();
+    last_progress_ = std::chrono::steady_clock::now();
+    store_new_kv(plan, layer, k, v);
+    return attend(plan, cache_.select(0, layer));
+  }
   // Commits the batch's token ids and releases the runtime to other threads.
   void end_batch(const std::vector<int64_t>& user_ids);
   // Releases this thread's batch without committing (a request that failed midway); no-op
@@ -97,6 +112,9 @@ class KVRuntime {
   };
 
   void acquire_batch(std::unique_lock<std::mutex>& lock);
+  bool owner_stalled() const;
+  const BatchPlan& owned_batch() const;  // throws RequestError when this thread has no batch
+  void store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v);
   void check_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
                    const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) const;
   void truncate(UserEntry& entry, int64_t num_tokens);
@@ -123,6 +141,7 @@ class KVRuntime {
   std::mutex mutex_;
   std::condition_variable released_;
   std::optional<std::thread::id> owner_;
+  std::chrono::steady_clock::time_point last_progress_;  // of the batch in flight
 };
 
 // Per-process registry keyed by the model's name: two packages never share a cache.

@@ -1,4 +1,4 @@
-"""The measurements of `kvexport bench` (DESIGN.md §4 targets), each a function returning JSON rows."""
+"""The measurements of `kvexport bench` (docs/design.md §4 targets), each a function returning JSON rows."""
 
 from __future__ import annotations
 

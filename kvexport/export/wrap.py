@@ -1,4 +1,4 @@
-"""The exportable KV-cached module and its torch.export call (DESIGN.md §3)."""
+"""The exportable KV-cached module and its torch.export call (docs/design.md §3.3)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from kvexport.errors import UserError
+from kvexport.io import first_line
 
 # Input order of the exported module and of every recorded request.
 SIGNATURE = (
@@ -135,29 +136,12 @@ def check_batch(raw: object, config, index: int | None = None) -> Batch:
     if unknown:
         raise RequestError(f"{where}unknown field {unknown[0]}")
     t = {name: _check_tensor(name, raw[name], 2 if name == "context_ids" else 1, index) for name in SIGNATURE}
-    m, max_batch = config.model, config.serving.max_batch_size
-    num_users = t["user_ids"].shape[0]
-    if num_users == 0:
-        raise RequestError(f"{where}empty batch (no users)")
-    if num_users > max_batch:
-        raise RequestError(f"{where}{num_users} users exceed serving.max_batch_size ({max_batch})")
-    for name in ("history_lengths", "num_candidates", "context_ids"):
-        if t[name].shape[0] != num_users:
-            raise RequestError(f"{where}{name} has {t[name].shape[0]} rows for {num_users} users")
-    if t["context_ids"].shape[1] != m.num_contextual_features:
-        raise RequestError(f"{where}context_ids has {t['context_ids'].shape[1]} features, "
-                           f"the model has {m.num_contextual_features}")
-    if t["user_ids"].unique().numel() != num_users:
-        raise RequestError(f"{where}user_ids repeat a user within one batch")
-    _check_range(where, "history_lengths", t["history_lengths"], 0, m.max_history_length + 1, "events")
-    _check_range(where, "num_candidates", t["num_candidates"], 1, m.max_num_candidates + 1, "candidates")
-    for lengths, fields in (("history_lengths", ("item_ids", "action_ids")), ("num_candidates", ("candidate_ids",))):
-        total = int(t[lengths].sum())
-        for name in fields:
-            if t[name].shape[0] != total:
-                raise RequestError(f"{where}{lengths} sum to {total} but {name} has {t[name].shape[0]} entries")
-    _check_range(where, "item_ids", t["item_ids"], 0, m.item_vocab_size, "the item vocabulary")
-    _check_range(where, "candidate_ids", t["candidate_ids"], 0, m.item_vocab_size, "the item vocabulary")
-    _check_range(where, "action_ids", t["action_ids"], 0, m.action_vocab_size, "the action vocabulary")
-    _check_range(where, "context_ids", t["context_ids"], 0, m.context_vocab_size, "the context vocabulary")
-    return Batch(**{name: t[name].contiguous() for name in SIGNATURE})
+    # The value rules (limits, jagged sums, vocabularies, distinct users) have one owner: the
+    # check every package runs inside itself.
+    from kvexport.ops import wrappers as kv
+
+    try:
+        checked = kv.check_request("", config.request_limits_json(), *(t[name] for name in SIGNATURE))
+    except ValueError as exc:
+        raise RequestError(f"{where}{first_line(exc)}") from None
+    return Batch(*checked)

@@ -1,4 +1,4 @@
-"""HSTU ranking model (inference): the math of DESIGN.md §1, with a full-recompute path and a
+"""HSTU ranking model (inference): the math of docs/design.md §1, with a full-recompute path and a
 KV-cached path that computes only each user's uncached suffix plus its candidates.
 
 Token order of one user: [ctx_1..ctx_C][i_1, a_1, ..., i_h, a_h][cand_1..cand_T]. The first
@@ -83,7 +83,7 @@ class HSTULayer(nn.Module):
 
 
 def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int) -> torch.Tensor:
-    """[B, L, L] bool: query i may read key j (DESIGN.md §1 mask).
+    """[B, L, L] bool: query i may read key j (docs/design.md §1.4).
 
     Causal over the prefix; a candidate reads the whole prefix and itself; padding reads nothing.
     """
@@ -120,6 +120,7 @@ class HSTURanker(nn.Module):
         self.alpha = 1.0 / math.sqrt(m.head_dim)
         self.scaling_seqlen = m.scaling_seqlen
         self.runtime_config = config.runtime_json()
+        self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
         self.item_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
         self.action_embedding = nn.Embedding(m.action_vocab_size, m.hidden_size)
@@ -174,7 +175,8 @@ class HSTURanker(nn.Module):
     def forward_cached(self, batch: Batch, runtime: str | None = None) -> torch.Tensor:
         """KV-cached path through the runtime named `runtime` (default: the config's name).
 
-        A request that fails midway is aborted, so the runtime is not left held by this thread.
+        A request interrupted between two ops (KeyboardInterrupt) is aborted, so this thread does
+        not keep the runtime until kv_cache.stall_timeout_ms; failing ops release it themselves.
         """
         name = runtime or self.config.name
         try:
@@ -189,8 +191,12 @@ class HSTURanker(nn.Module):
         """Computes only each user's uncached prefix suffix plus its candidates.
 
         New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
-        cached tokens are neither re-embedded nor re-projected.
+        cached tokens are neither re-embedded nor re-projected. The request is checked inside the
+        op library first, and everything after reads the checked copies.
         """
+        (user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
+         candidate_ids) = kv.check_request(runtime, self.request_limits, user_ids, history_lengths, item_ids,
+                                           action_ids, context_ids, num_candidates, candidate_ids)
         token_ids, positions, token_lengths, token_user = prefix_tokens(history_lengths, item_ids, action_ids,
                                                                         context_ids)
         cached_lengths = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates)
@@ -201,11 +207,11 @@ class HSTURanker(nn.Module):
         x = torch.cat([candidates, new_tokens])  # [T + N_new, d]
         for i, layer in enumerate(self.layers):
             u, v, q, k = layer.project(x)
-            kv.append_kv(runtime, i, k, v)
             o = kv.paged_attention(runtime, i, q, k, v, self.alpha, 1.0 / self.scaling_seqlen)
             x = layer.finish(x, u, o)
-        kv.end_batch(runtime, user_ids)
-        return self.score(x[: candidate_ids.shape[0]])
+        candidate_states = x[: candidate_ids.shape[0]]
+        kv.end_batch(runtime, user_ids, candidate_states)
+        return self.score(candidate_states)
 
 
 def _user_major_rows(token_lengths: torch.Tensor, num_candidates: torch.Tensor):

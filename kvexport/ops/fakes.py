@@ -8,17 +8,24 @@ from __future__ import annotations
 import torch
 
 
+@torch.library.register_fake("kvexport::check_request")
+def _check_request(runtime, limits, user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
+                   candidate_ids):
+    # One batch size for every per-user input, and the jagged sizes the checks guarantee.
+    torch._check(history_lengths.shape[0] == user_ids.shape[0], lambda: "history_lengths must match user_ids")
+    torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must match user_ids")
+    torch._check(context_ids.shape[0] == user_ids.shape[0], lambda: "context_ids must match user_ids")
+    torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
+    return tuple(torch.empty_like(t) for t in (user_ids, history_lengths, item_ids, action_ids, context_ids,
+                                               num_candidates, candidate_ids))
+
+
 @torch.library.register_fake("kvexport::begin_batch")
 def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candidates):
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
     torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")
     return user_ids.new_empty(user_ids.shape)
-
-
-@torch.library.register_fake("kvexport::append_kv")
-def _append_kv(runtime, layer, k, v):
-    torch._check(k.shape == v.shape, lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
 
 
 @torch.library.register_fake("kvexport::paged_attention")
@@ -29,7 +36,7 @@ def _paged_attention(runtime, layer, q, k, v, alpha, inv_scaling_seqlen):
 
 
 @torch.library.register_fake("kvexport::end_batch")
-def _end_batch(runtime, user_ids):
+def _end_batch(runtime, user_ids, after):
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
 
 
@@ -43,7 +50,7 @@ def _hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_ca
 
 @torch.library.register_fake("kvexport::runtime_stats")
 def _runtime_stats(runtime):
-    return torch.empty(12, dtype=torch.int64)
+    return torch.empty(len(torch.ops.kvexport.stat_names()), dtype=torch.int64)
 
 
 @torch.library.register_fake("kvexport::device_users_lru")

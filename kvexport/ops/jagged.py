@@ -32,9 +32,11 @@ def fbgemm_library_path() -> Path | None:
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
-    """[B] lengths -> [B + 1] offsets starting at 0."""
-    if HAVE_FBGEMM:
-        return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    """[B] lengths -> [B + 1] offsets starting at 0.
+
+    Plain aten, never fbgemm: this runs inside exported packages, and a package that called
+    fbgemm for a cumsum of B values would make every host ship fbgemm for no measurable gain.
+    """
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
 
 

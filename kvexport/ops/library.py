@@ -3,8 +3,10 @@
 Loading does three things, always together and before any export or compile:
 the .so (schemas + kernels), the fakes (kvexport/ops/fakes.py), and an ORDERED effect on
 every op that touches runtime state — without it, export/AOTI drop ops whose outputs are
-unused and may reorder the rest (DESIGN.md §3). The effect flag is not saved with an
-ExportedProgram, so this module is also what a loader of a package must import.
+unused (docs/design.md §3.1). The effect flag is not saved with an ExportedProgram, so whatever
+exports or compiles (or re-exports a saved program) loads it through this module. The stateful
+ops are also chained by data, because Inductor has been seen to reorder effectful ops that were
+ordered by their effect alone. A host that only runs a compiled package needs the .so, nothing here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvexport.native import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
 # Ops that read or write runtime state and may appear in an exported graph.
-STATEFUL_OPS = ("begin_batch", "append_kv", "paged_attention", "end_batch")
+STATEFUL_OPS = ("begin_batch", "paged_attention", "end_batch")
 _lock = threading.Lock()
 _loaded: Path | None = None
 

@@ -2,7 +2,7 @@
 
 A *runtime* is named by a string (the model's config name); each process holds at most one
 runtime per name. The stateful ops of one request run in this order:
-begin_batch -> (append_kv, paged_attention) per layer -> end_batch.
+check_request -> begin_batch -> paged_attention per layer -> end_batch.
 """
 
 from __future__ import annotations
@@ -11,16 +11,37 @@ import torch
 
 from kvexport.ops import library
 
-# Order of the values returned by kvexport::runtime_stats.
-STATS_FIELDS = (
-    "lookups", "hit_tokens", "recomputed_tokens", "device_evictions", "offloads", "onboards",
-    "host_evictions", "prefix_truncations", "device_pages_used", "device_users", "host_pages_used", "host_users",
-)
-
-
 def _ops():
     library.load()
     return torch.ops.kvexport
+
+
+def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, history_lengths: torch.Tensor,
+                  item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,
+                  num_candidates: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Checks a request against the package's limits (Config.request_limits_json) inside the op library.
+
+    Returns copies of the seven tensors, in signature order, for the rest of the graph to read:
+    no kernel then sees an unchecked id. A refused request raises ValueError and records
+    ("invalid_request", message) for last_error(runtime); every request starts by clearing it.
+    """
+    return _ops().check_request(runtime, limits_json, user_ids, history_lengths, item_ids, action_ids,
+                                context_ids, num_candidates, candidate_ids)
+
+
+def last_error(runtime: str) -> tuple[str, str]:
+    """Why this thread's last request on `runtime` failed: (code, one-line message).
+
+    code is "ok", "invalid_request", "capacity_exceeded" or "internal". Hosts branch on the code,
+    never on exception text (torch versions differ in what of it they pass on).
+    """
+    code, message = _ops().last_error(runtime)
+    return code, message
+
+
+def stat_names() -> list[str]:
+    """Names of runtime_stats' values, in order, as the op library defines them."""
+    return list(_ops().stat_names())
 
 
 def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids: torch.Tensor,
@@ -31,36 +52,35 @@ def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_id
     num_candidates [B]. Creates the runtime from `config_json` on first use. Returns
     cached_lengths [B]: how many leading prefix tokens of each user are served from the cache.
     The model then computes new rows laid out as [all candidates][uncached prefix tokens,
-    users in order, positions ascending], which append_kv and paged_attention rely on.
+    users in order, positions ascending], which paged_attention relies on.
     """
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates)
 
 
-def append_kv(runtime: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Stores one layer's k, v [N, H, dh] of the new prefix rows (candidate rows are not cached)."""
-    _ops().append_kv(runtime, layer, k, v)
-
-
 def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
-    """HSTU attention of the new rows q [N, H, dh] over the cached and new k/v -> [N, H, dh].
+    """Stores the layer's new prefix rows of k, v [N, H, dh] in their pages (candidate rows are not
+    cached), then HSTU attention of the new rows q over the cached and new k/v -> [N, H, dh].
 
-    Call after append_kv for the same layer: prefix rows read the cache up to themselves,
-    candidates read the whole prefix and their own k, v.
+    Prefix rows read the cache up to themselves; candidates read the whole prefix and their own k, v.
     """
     return _ops().paged_attention(runtime, layer, q, k, v, alpha, inv_scaling_seqlen)
 
 
-def end_batch(runtime: str, user_ids: torch.Tensor) -> None:
-    """Commits the request: the users' caches now hold their whole prefix."""
-    _ops().end_batch(runtime, user_ids)
+def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None:
+    """Commits the request: the users' caches now hold their whole prefix.
+
+    `after` (the request's final states) is not read; it makes end_batch depend on every layer by data.
+    """
+    _ops().end_batch(runtime, user_ids, after)
 
 
 def abort_batch(runtime: str) -> None:
     """Releases this thread's unfinished request without committing it (no-op without one).
 
-    Call it when a request fails between begin_batch and end_batch: until then other threads
-    wait for the runtime. Users keep only the prefixes that were already cached.
+    Never required: a failing op releases its request's batch itself, and a request that stops
+    between ops loses the runtime after kv_cache.stall_timeout_ms. Users keep only the prefixes
+    that were already cached.
     """
     _ops().abort_batch(runtime)
 
@@ -83,9 +103,7 @@ def create_runtime(runtime: str, config_json: str, device: torch.device | str = 
 def runtime_stats(runtime: str) -> dict[str, int]:
     """Counters and occupancy of the named runtime."""
     values = _ops().runtime_stats(runtime).tolist()
-    if len(values) != len(STATS_FIELDS):
-        raise RuntimeError(f"kvexport bug: runtime_stats returned {len(values)} values for {len(STATS_FIELDS)} fields")
-    return dict(zip(STATS_FIELDS, values))
+    return dict(zip(stat_names(), values, strict=True))
 
 
 def reset_runtime(runtime: str) -> None:

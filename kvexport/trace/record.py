@@ -1,32 +1,40 @@
 """The recorded trace of `kvexport build`: a scripted request sequence and its expected outputs.
 
 Each step stores the request and two independent expectations: the eager model's cached path
-(a runtime of its own) and the eager full recompute. The script exercises cold users, appended
-events, zero new events, a rewritten history, a changed context, a user evicted to the host
-tier and onboarded back, and batch sizes 1 and max_batch_size.
+(a runtime of its own) and the eager full recompute. Beside it, the full recompute of a float32
+copy of the model is the reference both are measured against; that measurement sets the build's
+tolerance. The script exercises cold users, appended events, zero new events, a rewritten
+history, a changed context, a user evicted to the host tier and onboarded back, and batch sizes 1
+and max_batch_size.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
+from kvexport.artifact import TRACE_KEYS
 from kvexport.config import Config
 from kvexport.model import Batch
 from kvexport.model.hstu import HSTURanker
+from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
+from kvexport.progress import Progress
 from kvexport.trace.workload import Workload, WorkloadSpec
 
 log = logging.getLogger(__name__)
 
-EXPECTED_CACHED = "expected_cached"
-EXPECTED_FULL = "expected_full"
+# Tensor and step keys of the trace files, as kvexport/contract.json names them (the harness too).
+EXPECTED_CACHED = TRACE_KEYS["expected_cached"]
+EXPECTED_FULL = TRACE_KEYS["expected_full"]
+EXPECTED_REFERENCE = TRACE_KEYS["expected_reference"]
 
 
-CAPACITY_ERROR = "KV cache capacity exceeded"
+CAPACITY_ERROR = "capacity_exceeded"  # the runtime's error code (kvexport::last_error) the step must give
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,7 @@ class _Script:
         self.workload = _trace_workload(config)
         self.steps: list[tuple[TraceStep, torch.Tensor | None]] = []
         self.next_user = 0
+        self.progress = Progress("trace (eager cached path)", None, log)
 
     def run(self, description: str, users: list[int], new_events: int | None = None) -> None:
         requests = []
@@ -64,6 +73,7 @@ class _Script:
         with torch.no_grad():
             cached = self.model.forward_cached(batch, self.cache.name)
         self.steps.append((TraceStep(description, batch), cached))
+        self.progress.step()
 
     def run_expecting_error(self, description: str, users: list[int], error: str) -> None:
         """A request that must fail (and leave the cache untouched); recorded without outputs."""
@@ -77,8 +87,8 @@ class _Script:
         try:
             with torch.no_grad():
                 self.model.forward_cached(batch, self.cache.name)
-        except ValueError as exc:
-            if error not in str(exc):
+        except ValueError:
+            if kv.last_error(self.cache.name)[0] != error:
                 raise
         else:
             raise RuntimeError(f"kvexport bug: trace step '{description}' did not fail")
@@ -87,6 +97,7 @@ class _Script:
         for user_id in users:
             del self.workload.users[user_id]
         self.steps.append((TraceStep(description, batch, error), None))
+        self.progress.step()
 
     def fresh_users(self, count: int) -> list[int]:
         users = list(range(self.next_user, self.next_user + count))
@@ -141,8 +152,35 @@ def _over_capacity_users(config: Config) -> int:
     return needed if needed <= config.serving.max_batch_size else 0
 
 
-def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> list[dict]:
-    """Runs the script, writes trace_dir/step_NNNN.pt, returns the manifest's step list."""
+@dataclasses.dataclass(frozen=True)
+class RecordedTrace:
+    """What record_trace wrote: the manifest's step list, and the eager model's own error."""
+
+    steps: list[dict]
+    eager_error: float  # max |eager output - float32 reference| over the trace, cached and full path
+
+    def tolerance(self, dtype: str, margin: float, atol_floor: dict[str, float], rtol: float) -> dict[str, float]:
+        """The verify/replay tolerance: atol = margin * eager_error, never below the dtype's floor;
+        recorded with the measurement it came from."""
+        return {"atol": max(margin * self.eager_error, atol_floor[dtype]), "rtol": rtol,
+                "measured_max_abs_error": self.eager_error, "margin": margin, "atol_floor": atol_floor[dtype]}
+
+
+def reference_model(model: HSTURanker) -> HSTURanker:
+    """A float32 copy of the model: the reference every output is measured against."""
+    return copy.deepcopy(model).float()
+
+
+def max_abs_error(reference: torch.Tensor, *outputs: torch.Tensor) -> float:
+    """Largest |output - reference| of one step over the given outputs (0 for an empty step)."""
+    if reference.numel() == 0:
+        return 0.0
+    return max(float((out.float() - reference.float()).abs().max()) for out in outputs)
+
+
+def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> RecordedTrace:
+    """Runs the script, writes trace_dir/step_NNNN.pt and step_NNNN.reference.pt, returns the
+    manifest's step list and the eager model's error against its float32 copy."""
     cache = KVCacheManager(config, runtime_name=f"{config.name}@trace")
     cache.reset()
     try:
@@ -151,21 +189,29 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> list[dic
     finally:
         cache.close()
     trace_dir.mkdir(parents=True, exist_ok=True)
-    entries = []
+    reference = reference_model(model)
+    entries, worst = [], 0.0
+    progress = Progress("trace (full recompute, float32 reference)", len(steps), log)
     for i, (step, cached) in enumerate(steps):
-        name = f"step_{i:04d}.pt"
-        entry = {"file": f"{trace_dir.name}/{name}", "description": step.description,
+        name = f"step_{i:04d}"
+        entry = {TRACE_KEYS["file"]: f"{trace_dir.name}/{name}.pt", TRACE_KEYS["description"]: step.description,
                  "batch_size": step.batch.batch_size, "num_candidates": int(step.batch.num_candidates.sum())}
         tensors = step.batch.to_dict()
         if step.expect_error:
-            entry["expect_error"] = step.expect_error
+            entry[TRACE_KEYS["expect_error"]] = step.expect_error
         else:
             with torch.no_grad():
-                full = model(step.batch)
+                full, expected = model(step.batch), reference(step.batch)
+            worst = max(worst, max_abs_error(expected, cached, full))
             tensors.update({EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()})
-        torch.save(tensors, trace_dir / name)
+            # A file of its own: the step file's other keys are the request (kvexport.runner reads them so).
+            entry[TRACE_KEYS["reference_file"]] = f"{trace_dir.name}/{name}.reference.pt"
+            torch.save({EXPECTED_REFERENCE: expected.contiguous()}, trace_dir / f"{name}.reference.pt")
+        torch.save(tensors, trace_dir / f"{name}.pt")
         entries.append(entry)
-    log.info("  trace: %d steps; eager cache counters %s", len(entries),
-             {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads", "onboards",
-                                                      "prefix_truncations")})
-    return entries
+        progress.step()
+    progress.finish()
+    log.info("  trace: %d steps; eager cache counters %s; eager vs float32 reference: max abs error %.3g",
+             len(entries), {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads",
+                                                                   "onboards", "prefix_truncations")}, worst)
+    return RecordedTrace(entries, worst)

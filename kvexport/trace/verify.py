@@ -1,21 +1,26 @@
-"""`kvexport verify`: the package replays the recorded trace and must match both expectations.
+"""`kvexport verify`: the package replays the recorded trace and must match every expectation.
 
-Expected outputs come from the eager model (its cached path and its full recompute), never from
-the package itself.
+Expected outputs come from the eager model (its cached path and its full recompute) and from its
+float32 copy (the reference the build's tolerance was measured against), never from the package.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
 import torch
 
-from kvexport.errors import UserError
+from kvexport.errors import RequestFailed, UserError
 
-from kvexport.artifact import Artifact, check_files, check_manifest_against_package, open_artifact
+from kvexport.artifact import TRACE_KEYS, Artifact, check_files, check_manifest_against_package, open_artifact
 from kvexport.export.package import read_package
+from kvexport.io import load_tensor_file
+from kvexport.progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +48,14 @@ class StepResult:
     batch_size: int
     vs_cached: Comparison
     vs_full: Comparison
+    vs_reference: Comparison
     hit_tokens: int
     recomputed_tokens: int
     latency_ms: float
 
     @property
     def passed(self) -> bool:
-        return self.vs_cached.passed and self.vs_full.passed
+        return self.vs_cached.passed and self.vs_full.passed and self.vs_reference.passed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +88,25 @@ def check_integrity(artifact: Artifact) -> int:
     return files_checked
 
 
-def _expect_failure(runner, request, index: int, expected: str) -> Comparison:
-    """A step recorded as failing passes when the package refuses it with the expected message."""
+def _expect_failure(runner, request, index: int, expected_code: str) -> Comparison:
+    """A step recorded as failing passes when the package refuses it with the expected error code."""
     try:
         runner.score(request, index)
-    except UserError as exc:
-        return Comparison(0.0, 0.0, expected in str(exc))
+    except RequestFailed as exc:
+        return Comparison(0.0, 0.0, exc.code == expected_code)
     return Comparison(0.0, 0.0, False)
+
+
+def load_reference(artifact: Artifact, step: dict) -> torch.Tensor:
+    """The float32 reference output of a step, from the file its manifest entry names."""
+    key, field = TRACE_KEYS["expected_reference"], TRACE_KEYS["reference_file"]
+    if not step.get(field):
+        raise UserError(f"trace step {step[TRACE_KEYS['file']]} lacks its {field}")
+    path = artifact.root / step[field]
+    data = load_tensor_file(path, "trace file")
+    if not isinstance(data, dict) or not isinstance(data.get(key), torch.Tensor):
+        raise UserError(f"trace file {path} lacks {key}")
+    return data[key]
 
 
 def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | None = None) -> VerifyReport:
@@ -104,26 +122,30 @@ def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | N
     tol = {"atol": artifact.tolerance["atol"] if atol is None else atol,
            "rtol": artifact.tolerance["rtol"] if rtol is None else rtol}
     results = []
+    progress = Progress("verify", len(artifact.trace_steps), log)
     for index, step in enumerate(artifact.trace_steps):
-        expect_error = step.get("expect_error", "")
-        request, expected_cached, expected_full = load_trace_step(artifact.root / step["file"], not expect_error)
+        expect_error = step.get(TRACE_KEYS["expect_error"], "")
+        request, *expected = load_trace_step(artifact.root / step[TRACE_KEYS["file"]], not expect_error)
+        if not expect_error:
+            expected.append(load_reference(artifact, step))
         before = runner.stats()
         started = time.perf_counter()
         if expect_error:
-            vs_cached = vs_full = _expect_failure(runner, request, index, expect_error)
+            vs_cached = vs_full = vs_reference = _expect_failure(runner, request, index, expect_error)
         else:
             output = runner.score(request, index)
-            vs_cached = compare(output, expected_cached, tol["atol"], tol["rtol"])
-            vs_full = compare(output, expected_full, tol["atol"], tol["rtol"])
+            vs_cached, vs_full, vs_reference = (compare(output, e, tol["atol"], tol["rtol"]) for e in expected)
         latency_ms = (time.perf_counter() - started) * 1e3
         after = runner.stats()
-        if expect_error and after != before:
-            vs_cached = vs_full = Comparison(0.0, 0.0, False)  # a failed batch must leave the cache as it was
+        if expect_error and after != before:  # a failed batch must leave the cache as it was
+            vs_cached = vs_full = vs_reference = Comparison(0.0, 0.0, False)
         results.append(StepResult(
-            index=index, description=step["description"], batch_size=int(request["user_ids"].shape[0]),
-            vs_cached=vs_cached, vs_full=vs_full,
+            index=index, description=step[TRACE_KEYS["description"]], batch_size=int(request["user_ids"].shape[0]),
+            vs_cached=vs_cached, vs_full=vs_full, vs_reference=vs_reference,
             hit_tokens=after["hit_tokens"] - before["hit_tokens"],
             recomputed_tokens=after["recomputed_tokens"] - before["recomputed_tokens"],
             latency_ms=round(latency_ms, 3),
         ))
+        progress.step()
+    progress.finish()
     return VerifyReport(str(artifact.root), files_checked, tol["atol"], tol["rtol"], results, runner.stats())

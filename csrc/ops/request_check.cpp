@@ -1,0 +1,171 @@
+#include "ops/request_check.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/request_error.h"
+
+namespace kvexport::ops {
+
+namespace {
+
+using runtime::ErrorCode;
+using runtime::RequestError;
+
+struct RequestLimits {
+  int64_t max_batch_size = 0;
+  int64_t max_history_length = 0;
+  int64_t max_num_candidates = 0;
+  int64_t num_contextual_features = 0;
+  int64_t context_vocab_size = 0;
+  int64_t item_vocab_size = 0;
+  int64_t action_vocab_size = 0;
+};
+
+RequestLimits parse_limits(const std::string& json) {
+  const auto j = nlohmann::json::parse(json);
+  RequestLimits l;
+  l.max_batch_size = j.at("max_batch_size").get<int64_t>();
+  l.max_history_length = j.at("max_history_length").get<int64_t>();
+  l.max_num_candidates = j.at("max_num_candidates").get<int64_t>();
+  l.num_contextual_features = j.at("num_contextual_features").get<int64_t>();
+  l.context_vocab_size = j.at("context_vocab_size").get<int64_t>();
+  l.item_vocab_size = j.at("item_vocab_size").get<int64_t>();
+  l.action_vocab_size = j.at("action_vocab_size").get<int64_t>();
+  return l;
+}
+
+// A package checks every request against the same string: parse it once per process.
+const RequestLimits& limits_for(const std::string& json) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, RequestLimits> parsed;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = parsed.find(json);
+  if (it == parsed.end()) it = parsed.emplace(json, parse_limits(json)).first;
+  return it->second;
+}
+
+[[noreturn]] void refuse(const std::string& message) { throw RequestError(ErrorCode::kInvalidRequest, message); }
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+// Torch's Python names (int32, not Int), as users write them.
+std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(type);
+  }
+}
+
+// dtype and rank first: nothing else may read a tensor whose bytes are not int64.
+at::Tensor checked_cpu(const char* name, const at::Tensor& t, int64_t ndim) {
+  if (t.scalar_type() != at::kLong) {
+    refuse(std::string(name) + " must be int64, got " + dtype_name(t.scalar_type()));
+  }
+  if (t.dim() != ndim) refuse(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " + shape_of(t));
+  return t.to(at::kCPU).contiguous();
+}
+
+void check_range(const char* name, const at::Tensor& values, int64_t low, int64_t high, const char* what) {
+  const auto* data = values.const_data_ptr<int64_t>();
+  const auto* end = data + values.numel();
+  const auto* bad = std::find_if(data, end, [&](int64_t x) { return x < low || x >= high; });
+  if (bad != end) {
+    refuse(std::string(name) + " has " + std::to_string(*bad) + ", outside " + what + " [" + std::to_string(low) +
+           ", " + std::to_string(high - 1) + "]");
+  }
+}
+
+int64_t sum_of(const at::Tensor& values) {
+  const auto* data = values.const_data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < values.numel(); ++i) total += data[i];
+  return total;
+}
+
+void check_rows(const char* name, const at::Tensor& t, int64_t num_users) {
+  if (t.size(0) != num_users) {
+    refuse(std::string(name) + " has " + std::to_string(t.size(0)) + " rows for " + std::to_string(num_users) +
+           " users");
+  }
+}
+
+void check_jagged(const char* lengths_name, int64_t total, const char* name, const at::Tensor& values) {
+  if (values.size(0) != total) {
+    refuse(std::string(lengths_name) + " sum to " + std::to_string(total) + " but " + name + " has " +
+           std::to_string(values.size(0)) + " entries");
+  }
+}
+
+void check_distinct(const at::Tensor& user_ids) {
+  const auto* data = user_ids.const_data_ptr<int64_t>();
+  std::vector<int64_t> sorted(data, data + user_ids.numel());
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) refuse("user_ids repeat a user (" + std::to_string(*dup) + ") within one batch");
+}
+
+}  // namespace
+
+RequestTensors check_request(const std::string& limits_json, const at::Tensor& user_ids,
+                             const at::Tensor& history_lengths, const at::Tensor& item_ids,
+                             const at::Tensor& action_ids, const at::Tensor& context_ids,
+                             const at::Tensor& num_candidates, const at::Tensor& candidate_ids) {
+  const auto& l = limits_for(limits_json);
+  const auto users = checked_cpu("user_ids", user_ids, 1);
+  const auto history = checked_cpu("history_lengths", history_lengths, 1);
+  const auto items = checked_cpu("item_ids", item_ids, 1);
+  const auto actions = checked_cpu("action_ids", action_ids, 1);
+  const auto context = checked_cpu("context_ids", context_ids, 2);
+  const auto counts = checked_cpu("num_candidates", num_candidates, 1);
+  const auto candidates = checked_cpu("candidate_ids", candidate_ids, 1);
+
+  const int64_t num_users = users.size(0);
+  if (num_users == 0) refuse("empty batch (no users)");
+  if (num_users > l.max_batch_size) {
+    refuse(std::to_string(num_users) + " users exceed serving.max_batch_size (" + std::to_string(l.max_batch_size) +
+           ")");
+  }
+  check_rows("history_lengths", history, num_users);
+  check_rows("num_candidates", counts, num_users);
+  check_rows("context_ids", context, num_users);
+  if (context.size(1) != l.num_contextual_features) {
+    refuse("context_ids has " + std::to_string(context.size(1)) + " features, the model has " +
+           std::to_string(l.num_contextual_features));
+  }
+  check_distinct(users);
+  check_range("history_lengths", history, 0, l.max_history_length + 1, "events");
+  check_range("num_candidates", counts, 1, l.max_num_candidates + 1, "candidates");
+  // Lengths are bounded now, so their sums cannot overflow.
+  const int64_t num_events = sum_of(history);
+  check_jagged("history_lengths", num_events, "item_ids", items);
+  check_jagged("history_lengths", num_events, "action_ids", actions);
+  check_jagged("num_candidates", sum_of(counts), "candidate_ids", candidates);
+  check_range("item_ids", items, 0, l.item_vocab_size, "the item vocabulary");
+  check_range("candidate_ids", candidates, 0, l.item_vocab_size, "the item vocabulary");
+  check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
+  check_range("context_ids", context, 0, l.context_vocab_size, "the context vocabulary");
+
+  const auto device = user_ids.device();
+  const auto out = [&](const at::Tensor& cpu) { return cpu.to(device, /*non_blocking=*/false, /*copy=*/true); };
+  return {out(users), out(history), out(items), out(actions), out(context), out(counts), out(candidates)};
+}
+
+}  // namespace kvexport::ops

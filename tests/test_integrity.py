@@ -1,0 +1,167 @@
+"""One integrity contract (kvexport/contract.json), two checkers that follow it.
+
+Every artifact of one corpus of tampered copies must get the same exit code, for the same reason,
+from `kvexport verify` (Python), `kvexport replay` (the launcher, then the C++ harness) and the
+C++ harness run on its own (it has the contract compiled in). Expected codes are the documented
+ones: 0 pass, 1 a file or manifest that does not hold what was built, 2 an unusable artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvexport.artifact import MANIFEST, open_artifact
+from kvexport.cli import main
+from kvexport.replay import harness, library_flags
+from tests.conftest import rehash
+
+pytestmark = pytest.mark.slow
+
+
+def flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate(path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def edit_manifest(artifact, edit) -> None:
+    """Applies edit(manifest dict) and writes manifest.json back, as a hand edit would."""
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    edit(manifest)
+    (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def perturb_and_rehash(artifact, rel: str) -> None:
+    """Changes an expected output and records the file's new sha256: only the package's trace digest disagrees."""
+    data = torch.load(artifact / rel, weights_only=True)
+    data["expected_cached"] = data["expected_cached"] + 1e-2
+    torch.save(data, artifact / rel)
+    rehash(artifact, rel)
+
+
+def write(rel: str, content: bytes = b"extra"):
+    def tamper(artifact):
+        (artifact / rel).parent.mkdir(parents=True, exist_ok=True)
+        (artifact / rel).write_bytes(content)
+    return tamper
+
+
+def unlink(*rels: str):
+    def tamper(artifact):
+        for rel in rels:
+            (artifact / rel).unlink()
+    return tamper
+
+
+def delete_package_and_its_listing(artifact) -> None:
+    """Only the contract's required files catch this: nothing listed is missing."""
+    (artifact / "model.pt2").unlink()
+    edit_manifest(artifact, lambda m: m["files"].pop("model.pt2"))
+
+
+def set_field(*path, value):
+    """A manifest edit setting manifest[path[0]][path[1]]... to value."""
+    def edit(manifest):
+        node = manifest
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+    return lambda artifact: edit_manifest(artifact, edit)
+
+
+# name: (tamper(artifact_dir), expected exit code, text every runner's output must contain)
+CORPUS = {
+    "pristine": (lambda a: None, 0, "verdict: PASS"),
+    "reports directory (not hashed)": (write("reports/verify.json", b"{}"), 0, "verdict: PASS"),
+    "modified trace file": (lambda a: flip_byte(a / "trace/step_0003.pt"), 1,
+                            "trace/step_0003.pt does not match its sha256 in the manifest"),
+    "modified reference file": (lambda a: flip_byte(a / "trace/step_0003.reference.pt"), 1,
+                                "trace/step_0003.reference.pt does not match its sha256 in the manifest"),
+    "truncated model.pt2": (lambda a: truncate(a / "model.pt2"), 1, "model.pt2 does not match its sha256"),
+    "unlisted file at the top": (write("notes.txt"), 1, "notes.txt is not listed in the manifest"),
+    "unlisted trace file": (write("trace/step_9999.pt"), 1, "trace/step_9999.pt is not listed in the manifest"),
+    "unlisted library": (write("lib/libextra.so"), 1, "lib/libextra.so is not listed in the manifest"),
+    "unlisted hidden file": (write("trace/.hidden"), 1, "trace/.hidden is not listed in the manifest"),
+    "trace file deleted": (unlink("trace/step_0001.pt"), 2,
+                           "is incomplete: trace/step_0001.pt is listed in the manifest but missing"),
+    "reference file deleted": (unlink("trace/step_0001.reference.pt"), 2,
+                               "is incomplete: trace/step_0001.reference.pt is listed in the manifest but missing"),
+    "listed op library deleted": (unlink("lib/libkvexport_ops.so"), 2,
+                                  "is incomplete: lib/libkvexport_ops.so is listed in the manifest but missing"),
+    "package deleted": (unlink("model.pt2"), 2, "is incomplete: model.pt2 is listed in the manifest but missing"),
+    "package deleted and unlisted": (delete_package_and_its_listing, 2, "is incomplete: model.pt2 is missing"),
+    "manifest deleted": (unlink(MANIFEST), 2, "is not a kvexport artifact: manifest.json is missing"),
+    "manifest not JSON": (write(MANIFEST, b"{not json"), 2, "manifest.json is not valid JSON"),
+    "manifest lacks a field": (lambda a: edit_manifest(a, lambda m: m.pop("tolerance")), 2,
+                               "manifest.json lacks the field tolerance"),
+    "manifest of another format": (set_field("format_version", value=1), 2,
+                                   "has format_version 1, this kvexport reads 2"),
+    "manifest with malformed files": (set_field("files", value=[]), 2, "manifest.json has a malformed files"),
+    "edited tolerance": (set_field("tolerance", "atol", value=lambda atol: atol * 10), 1,
+                         "manifest.json was edited: its tolerance does not match model.pt2's metadata"),
+    "edited runtime_config": (set_field("runtime_config", "host_pages", value=lambda n: n + 16), 1,
+                              "its runtime_config does not match model.pt2's metadata"),
+    "edited config": (set_field("config", "trace", "seed", value=1), 1,
+                      "its config does not match model.pt2's metadata"),
+    "edited runtime_name": (set_field("runtime_name", value="hstu-tiny-000000000000"), 1,
+                            "its runtime_name does not match model.pt2's metadata"),
+    "edited weights": (set_field("weights", value={"source": "seed", "seed": 0}), 1,
+                       "its weights does not match model.pt2's metadata"),
+    "edited step description": (set_field("trace", "steps", 0, "description", value="anything"), 1,
+                                "its trace does not match model.pt2's metadata"),
+    "trace step removed": (set_field("trace", "steps", value=lambda steps: steps[:-1]), 1,
+                           "its trace does not match model.pt2's metadata"),
+    "trace file changed and rehashed": (lambda a: perturb_and_rehash(a, "trace/step_0002.pt"), 1,
+                                        "its trace does not match model.pt2's metadata"),
+}
+
+
+@pytest.fixture(scope="module")
+def harness_flags(tiny_artifact) -> list[str]:
+    """--library flags for the package's required libraries, taken from the untouched artifact
+    (a tampered manifest may not be readable)."""
+    return library_flags(open_artifact(tiny_artifact).required_libraries)
+
+
+def run_verify(artifact, capfd, flags) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["verify", str(artifact)])
+    return result.exit_code, result.output
+
+
+def run_replay(artifact, capfd, flags) -> tuple[int, str]:
+    """`kvexport replay`: its own output and the harness's (a child process writing to the real fds)."""
+    capfd.readouterr()
+    result = CliRunner().invoke(main, ["replay", str(artifact)])
+    captured = capfd.readouterr()
+    return result.exit_code, result.output + captured.out + captured.err
+
+
+def run_harness(artifact, capfd, flags) -> tuple[int, str]:
+    """The C++ harness on its own: the contract it follows is the one compiled into it."""
+    result = subprocess.run([str(harness()), "--artifact", str(artifact), *flags], capture_output=True, text=True)
+    return result.returncode, result.stdout + result.stderr
+
+
+RUNNERS = {"verify": run_verify, "replay": run_replay, "harness": run_harness}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("case", CORPUS)
+def test_corpus_outcome_is_the_same_in_python_and_cpp(tiny_artifact, tmp_path, capfd, harness_flags, case, runner):
+    artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
+    tamper, expected_exit, needle = CORPUS[case]
+    tamper(artifact)
+    exit_code, output = RUNNERS[runner](artifact, capfd, harness_flags)
+    assert exit_code == expected_exit, output
+    assert needle in output, output
+

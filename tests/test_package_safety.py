@@ -1,0 +1,91 @@
+"""A package is safe in hosts we don't write: it checks every request itself, never crashes,
+never hangs, and tells the host why a request failed through the runtime (docs/hosting.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvexport.replay import harness
+from tests.hostile import good_request, package_corpus
+from kvexport.model import build_model
+from kvexport.model.batch import Batch
+
+HERE = Path(__file__).resolve().parent
+HOST_TIMEOUT_S = 300  # a hang fails the test instead of the suite
+
+
+@pytest.fixture(scope="session")
+def host_corpus(tiny_artifact, tiny_config, tiny_checkpoint, tmp_path_factory) -> Path:
+    """Hostile requests plus valid ones with their eager full-recompute logits (no cache)."""
+    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
+    good = []
+    for first_user in (100, 200, 300, 400):
+        request = good_request(tiny_config, first_user)
+        with torch.no_grad():
+            good.append([request, model(Batch(**request))])
+    path = tmp_path_factory.mktemp("corpus") / "corpus.pt"
+    torch.save({"hostile": [list(entry) for entry in package_corpus(tiny_config)], "good": good}, path)
+    return path
+
+
+def run_plain_host(artifact: Path, corpus: Path, mode: str) -> dict:
+    result = subprocess.run([sys.executable, str(HERE / "plain_host.py"), str(artifact), str(corpus), mode],
+                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
+    assert result.returncode in (0, 1), f"host died with {result.returncode}: {result.stderr[-2000:]}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, summary["failures"]
+    return summary
+
+
+@pytest.mark.slow
+def test_plain_host_survives_every_hostile_request(tiny_artifact, host_corpus):
+    summary = run_plain_host(tiny_artifact, host_corpus, "sequential")
+    assert summary["hostile"] >= 20 and summary["failures"] == []
+
+
+@pytest.mark.slow
+def test_plain_host_eight_threads_mixing_valid_and_invalid(tiny_artifact, host_corpus):
+    summary = run_plain_host(tiny_artifact, host_corpus, "threads")
+    assert summary["failures"] == []
+
+
+@pytest.mark.slow
+def test_package_needs_only_the_op_library(tiny_artifact):
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert manifest["required_libraries"] == ["kvexport_ops"]
+    assert not any(op.startswith("fbgemm::") for op in manifest["package_ops"])
+    assert manifest["package_ops"]["kvexport::check_request"] == 1
+
+
+@pytest.mark.slow
+def test_cpp_harness_eight_threads_with_hostile_requests(tiny_artifact, tiny_config, tmp_path):
+    hostile = tmp_path / "hostile.pt"
+    torch.save([request for request, _ in package_corpus(tiny_config)], hostile)
+    report = tmp_path / "report.json"
+    result = subprocess.run([str(harness()), "--artifact", str(tiny_artifact), "--threads", "8",
+                             "--hostile", str(hostile), "--json", str(report)],
+                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert json.loads(report.read_text())["passed"] is True
+    assert "API call failed" not in result.stderr  # expected refusals print no raw AOTInductor lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["verify"], ["replay", "--repeat", "3", "--threads", "2"]])
+def test_expected_refusals_print_no_raw_aoti_lines(tiny_artifact, command):
+    """The trace's capacity-error step is refused as expected; AOTInductor's own error line (with
+    its build-host path) must not reach the user."""
+    result = subprocess.run([sys.executable, "-m", "kvexport", command[0], str(tiny_artifact), *command[1:]],
+                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "exceed device tier" in result.stdout  # the refused step ran
+    assert "API call failed" not in result.stdout + result.stderr
+    assert "Error: " not in result.stderr
