@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -86,12 +87,26 @@ class TraceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ToleranceConfig:
+    """How verify/replay tolerances follow from the error measured at build time (docs/design.md §5).
+
+    atol = margin * (eager output vs float32 full recompute), never below the dtype's floor; a
+    non-zero atol here replaces the derived one (the manifest still records the measurement).
+    """
+
+    margin: float = 4.0
+    rtol: float = 0.0
+    atol: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str
     model: ModelConfig
     kv_cache: KVCacheConfig
     serving: ServingConfig
     trace: TraceConfig = TraceConfig()
+    tolerance: ToleranceConfig = ToleranceConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,6 +150,7 @@ _SECTIONS = {
     "kv_cache": KVCacheConfig,
     "serving": ServingConfig,
     "trace": TraceConfig,
+    "tolerance": ToleranceConfig,
 }
 
 
@@ -154,7 +170,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
                 raise ConfigError(f"missing key {key}")
             continue
         value = raw[name]
-        expected = {"int": int, "str": str}[field.type]
+        expected = {"int": int, "str": str, "float": (int, float)}[field.type]
         if isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(f"{key} must be {field.type}, got {value!r}")
         values[name] = value
@@ -167,7 +183,17 @@ def _positive(where: str, **fields: int) -> None:
             raise ConfigError(f"{where}.{name} must be > 0, got {value}")
 
 
+def _check_tolerance(tol: ToleranceConfig) -> None:
+    if not (math.isfinite(tol.margin) and tol.margin >= 1):
+        raise ConfigError(f"tolerance.margin must be a finite number >= 1, got {tol.margin}")
+    for name in ("rtol", "atol"):
+        value = getattr(tol, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"tolerance.{name} must be a finite number >= 0, got {value}")
+
+
 def _check(config: Config) -> None:
+    _check_tolerance(config.tolerance)
     m, c, s, t = config.model, config.kv_cache, config.serving, config.trace
     if not config.name or not all(ch.isalnum() or ch in "-_." for ch in config.name):
         raise ConfigError(f"name must be non-empty and use only letters, digits, '-', '_' or '.', got {config.name!r}")
@@ -238,7 +264,7 @@ def config_from_dict(raw: Any) -> Config:
     sections = {}
     for section, cls in _SECTIONS.items():
         if section not in raw:
-            if section == "trace":
+            if section in ("trace", "tolerance"):
                 continue
             raise ConfigError(f"missing section {section}")
         sections[section] = _build(cls, raw[section], section)

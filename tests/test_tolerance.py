@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from kvexport.artifact import MANIFEST, TRACE_KEYS, open_artifact, sha256_of, trace_digest
 from kvexport.cli import main
 from kvexport.config import Config, load_config
-from kvexport.export.build import TOLERANCES
+from kvexport.export.build import _tolerance
 from kvexport.model import Batch, build_model
 from kvexport.ops import library
 from kvexport.replay import replay_command
@@ -44,7 +44,7 @@ class Recorded:
 
     @property
     def tolerance(self) -> dict[str, float]:
-        return self.trace.tolerance(self.config.model.dtype, **TOLERANCES)
+        return _tolerance(self.config, self.trace)
 
 
 def _tiny_config(dtype: str, directory) -> Config:
@@ -177,5 +177,27 @@ def test_replay_fails_a_package_ten_percent_off(artifact_copy, tmp_path):
 @pytest.mark.slow
 def test_artifact_records_its_tolerance_with_its_measurement(tiny_artifact):
     tolerance = open_artifact(tiny_artifact).tolerance
-    assert tolerance["margin"] == TOLERANCES["margin"] and tolerance["rtol"] == 0.0
+    assert tolerance["margin"] == 4.0 and tolerance["rtol"] == 0.0 and tolerance["atol_source"] == "measured"
     assert tolerance["atol"] >= tolerance["margin"] * tolerance["measured_max_abs_error"]
+
+
+def test_config_overrides_the_derived_tolerance(tmp_path):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["tolerance"] = {"margin": 8, "atol": 0.01}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+
+    class Measured:
+        eager_error = 1e-5
+
+        def tolerance(self, dtype, margin, atol_floor, rtol):
+            return RecordedTrace.tolerance(self, dtype, margin, atol_floor, rtol)
+
+    tolerance = _tolerance(config, Measured())
+    assert tolerance["atol"] == 0.01 and tolerance["atol_source"] == "config"
+    assert tolerance["measured_max_abs_error"] == 1e-5 and tolerance["margin"] == 8
+    raw["tolerance"] = {"margin": 0.5}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="tolerance.margin must be a finite number >= 1, got 0.5"):
+        load_config(path)

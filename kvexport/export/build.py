@@ -42,7 +42,17 @@ log = logging.getLogger(__name__)
 #   about two units in the last place at |logit| ~0.1 for the 16-bit types, and for float32 room
 #   for other CPUs' reduction orders (hstu-tiny: 1.5e-8), still 10^4 below a 10% error.
 # rtol 0: a relative term would loosen large logits by an amount nobody measured.
-TOLERANCES = {"margin": 4.0, "rtol": 0.0, "atol_floor": {"float32": 1e-6, "bfloat16": 1e-3, "float16": 1e-4}}
+# The smallest atol per dtype, so a measured error of 0 cannot make every comparison exact.
+ATOL_FLOORS = {"float32": 1e-6, "bfloat16": 1e-3, "float16": 1e-4}
+
+
+def _tolerance(config: Config, trace) -> dict[str, float | str]:
+    """Derived from the trace's measured error (config.tolerance.margin); a config atol replaces it."""
+    tol = config.tolerance
+    derived = trace.tolerance(config.model.dtype, margin=tol.margin, atol_floor=ATOL_FLOORS, rtol=tol.rtol)
+    if tol.atol:
+        return {**derived, "atol": tol.atol, "atol_source": "config"}
+    return {**derived, "atol_source": "measured"}
 
 
 def versions() -> dict[str, str]:
@@ -157,7 +167,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         steps = trace.steps
         trace_files = artifact.hash_files(staging)
     libraries = required_libraries(ops)
-    tolerance = trace.tolerance(config.model.dtype, **TOLERANCES)
+    tolerance = _tolerance(config, trace)
     weights = _weights(checkpoint)
     metadata = {
         "kvexport.version": kvexport.__version__,
