@@ -1,3 +1,45 @@
-"""kvexport: ship an HSTU ranking model with a user-history KV cache as an AOTInductor package."""
+"""kvexport: ship an HSTU ranking model with a user-history KV cache as an AOTInductor package.
+
+The Python API of a built package (README, *Python API*):
+
+    import kvexport
+
+    with kvexport.load("artifacts/hstu-tiny") as pkg:
+        logits = pkg.score(batch)
+
+`import kvexport` stays cheap: torch is imported by load().
+"""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
+
+TYPE_CHECKING = False  # typing is not imported here: `import kvexport` stays cheap
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from kvexport.artifact import Artifact
+    from kvexport.package_api import Package
+
+
+def load(out: "str | Path | Artifact", device: "torch.device | str | None" = None, *,
+         check_files: bool = True) -> "Package":
+    """Loads a built artifact directory (`kvexport build -o OUT`) and returns its `Package`.
+
+    device: None runs it on the device it was built for; any other device raises UserError.
+    check_files: check every file's sha256 and the manifest against the package first (as
+    `kvexport verify`). See kvexport.package_api.load.
+    """
+    from kvexport.package_api import load as _load
+
+    return _load(out, device, check_files=check_files)
+
+
+def __getattr__(name: str):
+    if name == "Package":  # the class, for annotations and isinstance; imports torch
+        from kvexport.package_api import Package
+
+        return Package
+    raise AttributeError(f"module 'kvexport' has no attribute {name!r}")

@@ -23,3 +23,11 @@ class RequestFailed(UserError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class RequestError(RequestFailed):
+    """A request that breaks the signature or the package's limits, refused before it reaches the
+    package (by the same check the package runs inside itself): code "invalid_request"."""
+
+    def __init__(self, message: str):
+        super().__init__("invalid_request", message)

@@ -29,12 +29,12 @@ def load_requests(path: Path, config) -> list:
     return [check_batch(batch, config, index) for index, batch in enumerate(raw)]
 
 
-def _score_batch(runner, batch: Batch, index: int) -> dict:
+def _score_batch(package, batch: Batch, index: int) -> dict:
     """One batch's entry of the output file; a refused batch (UserError) is recorded, not raised,
     so the batches before and after it keep their outputs (a refused batch leaves the cache as it was)."""
     rows = batch.user_ids.repeat_interleave(batch.num_candidates)
     try:
-        logits = runner.run(batch).contiguous()
+        logits = package.run(batch).contiguous()
     except UserError as exc:
         log.debug("batch %d refused", index, exc_info=True)
         return {"status": first_line(exc), "logits": None, "user_ids": rows}
@@ -47,14 +47,15 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path) -> lis
     Every batch is validated before any runs; a batch the package refuses gets its error as status
     and no logits, and the following batches still run. Returns the entries written.
     """
-    from kvexport.runner import PackageRunner
+    import kvexport
 
     artifact = open_artifact(out)
     batches = load_requests(requests_path, artifact.config)
     if not output_path.resolve().parent.is_dir():
         raise UserError(f"cannot write output {output_path}: its directory does not exist")
-    runner = PackageRunner(artifact)
-    results = [_score_batch(runner, batch, index) for index, batch in enumerate(batches)]
+    # Files are not hashed here (`kvexport verify` does); the shipped op library is still checked.
+    with kvexport.load(artifact, check_files=False) as package:
+        results = [_score_batch(package, batch, index) for index, batch in enumerate(batches)]
     write_atomically(output_path, lambda tmp: torch.save(results, tmp), "output")
     return results
 

@@ -66,14 +66,18 @@ def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
 
 
 def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None = None) -> SoakReport:
-    from kvexport.runner import PackageRunner
+    import kvexport
 
     if num_requests < 1 or num_users < 1:
         raise UserError("--requests and --users must be >= 1")
     artifact = open_artifact(out)
     check_integrity(artifact)
     model = eager_model_for(artifact, checkpoint)
-    runner = PackageRunner(artifact)
+    with kvexport.load(artifact, check_files=False) as runner:  # checked just above
+        return _soak(artifact, runner, model, num_requests, num_users, seed)
+
+
+def _soak(artifact: Artifact, runner, model, num_requests: int, num_users: int, seed: int) -> SoakReport:
     t = artifact.config.trace
     spec = WorkloadSpec.from_trace_config(t, num_users, rewrite_fraction=0.1)
     workload = Workload(artifact.config.model, spec, seed)

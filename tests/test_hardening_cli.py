@@ -160,10 +160,16 @@ def test_run_keeps_outputs_around_a_refused_batch(tiny_artifact, tiny_config, ti
 
 
 class _RefusingRunner:
-    """Stands in for PackageRunner: refuses users from 9000 on as the runtime refuses an over-capacity batch."""
+    """Stands in for a loaded Package: refuses users from 9000 on as the runtime refuses an over-capacity batch."""
 
     def __init__(self, artifact):
         self.num_tasks = artifact.config.model.num_tasks
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        pass
 
     def run(self, batch):
         if int(batch.user_ids[0]) >= 9000:
@@ -172,11 +178,11 @@ class _RefusingRunner:
 
 
 def test_run_records_each_batch_status_and_writes_the_file(tiny_config, tmp_path, monkeypatch):
-    import kvexport.runner
+    import kvexport
     import kvexport.serve
 
     monkeypatch.setattr(kvexport.serve, "open_artifact", lambda out: SimpleNamespace(config=tiny_config))
-    monkeypatch.setattr(kvexport.runner, "PackageRunner", _RefusingRunner)
+    monkeypatch.setattr(kvexport, "load", lambda artifact, **options: _RefusingRunner(artifact))
     m = tiny_config.model
     batches = [random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
                random_batch(m, seed=4, history_lengths=[8, 8], num_candidates=[1, 1], first_user_id=9000),

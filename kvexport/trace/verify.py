@@ -91,7 +91,7 @@ def check_integrity(artifact: Artifact) -> int:
 def _expect_failure(runner, request, index: int, expected_code: str) -> Comparison:
     """A step recorded as failing passes when the package refuses it with the expected error code."""
     try:
-        runner.score(request, index)
+        runner.score(request, index=index)
     except RequestFailed as exc:
         return Comparison(0.0, 0.0, exc.code == expected_code)
     return Comparison(0.0, 0.0, False)
@@ -114,11 +114,17 @@ def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | N
 
     atol/rtol override the manifest's tolerances (the manifest's own are checked against the package).
     """
-    from kvexport.runner import PackageRunner, load_trace_step
+    import kvexport
 
     artifact = open_artifact(root)
     files_checked = check_integrity(artifact)
-    runner = PackageRunner(artifact)
+    with kvexport.load(artifact, check_files=False) as runner:  # checked just above
+        return _replay(artifact, runner, files_checked, atol, rtol)
+
+
+def _replay(artifact: Artifact, runner, files_checked: int, atol: float | None, rtol: float | None) -> VerifyReport:
+    from kvexport.runner import load_trace_step
+
     tol = {"atol": artifact.tolerance["atol"] if atol is None else atol,
            "rtol": artifact.tolerance["rtol"] if rtol is None else rtol}
     results = []
@@ -133,7 +139,7 @@ def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | N
         if expect_error:
             vs_cached = vs_full = vs_reference = _expect_failure(runner, request, index, expect_error)
         else:
-            output = runner.score(request, index)
+            output = runner.score(request, index=index)
             vs_cached, vs_full, vs_reference = (compare(output, e, tol["atol"], tol["rtol"]) for e in expected)
         latency_ms = (time.perf_counter() - started) * 1e3
         after = runner.stats()

@@ -1,0 +1,286 @@
+"""The Python API of a built package: `kvexport.load(OUT)` returns a `Package`.
+
+    with kvexport.load("artifacts/hstu-tiny") as pkg:
+        logits = pkg.score(batch)                 # the README's seven int64 tensors
+        per_user = pkg.score_users([request, ...])  # one dict per user, merged into one batch
+        print(pkg.stats())
+
+The CLI's verify, run and soak score through the same class (`kvexport.runner.PackageRunner` is
+another name for it).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from kvexport.artifact import LIB_DIR, Artifact, check_files as check_artifact_files, \
+    check_manifest_against_package, open_artifact, sha256_of
+from kvexport.config import Config
+from kvexport.errors import RequestError, RequestFailed, UserError
+from kvexport.io import first_line
+from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_request
+from kvexport.native import OPS_LIBRARY_NAME
+from kvexport.ops import jagged, library
+from kvexport.ops import wrappers as kv
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_library_digest(loaded: Path) -> str:
+    return sha256_of(loaded)  # the loaded .so cannot change within a process
+
+
+def _check_shipped_library(artifact: Artifact, loaded: Path) -> None:
+    """Python runs the package with the op library loaded in this process; it must be the one
+    the artifact ships (lib/), or what runs would not be what is deployed."""
+    shipped = artifact.root / LIB_DIR / OPS_LIBRARY_NAME
+    if not shipped.is_file():
+        raise UserError(f"artifact {artifact.root} is incomplete: {LIB_DIR}/{OPS_LIBRARY_NAME} is missing")
+    if sha256_of(shipped) != _loaded_library_digest(loaded):
+        raise UserError(f"{shipped} differs from the op library loaded here ({loaded}); rebuild the artifact "
+                        "with this kvexport, or check it with `kvexport replay`, which uses the shipped one")
+
+
+def _package_device(artifact: Artifact) -> torch.device:
+    """The device the package was built for: the manifest's, else the config's serving.device."""
+    return torch.device(artifact.manifest.get("device") or artifact.config.serving.device)
+
+
+def _resolve_device(artifact: Artifact, device: torch.device | str | None) -> torch.device:
+    own = _package_device(artifact)
+    if device is None:
+        return own
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"device {device!r} is not a torch device") from None
+    if wanted.type != own.type:
+        raise UserError(f"{artifact.root} is a {own} package; it cannot run on device {wanted}")
+    return own if wanted.index is None or own.type == "cpu" else wanted
+
+
+class Package:
+    """A loaded model.pt2 with its cache runtime: the object `kvexport.load` returns.
+
+    Thread-safe: any number of threads may call score / score_users / stats at once; requests are
+    serialised inside the cache runtime (docs/hosting.md, *Threads*). close() waits for requests in
+    flight, then drops the runtime.
+
+    The runtime is named after the package's name, config and weights and is shared by every copy
+    of the same package in this process: loading one empties it, closing one drops it (a copy still
+    open keeps scoring correctly and starts from an empty cache).
+    """
+
+    def __init__(self, artifact: Artifact, device: torch.device | str | None = None, *,
+                 check_files: bool = False):
+        self.artifact = artifact
+        self._device = _resolve_device(artifact, device)
+        if check_files:
+            check_artifact_files(artifact)
+        _check_shipped_library(artifact, library.load())
+        if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
+            raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
+        kv.drop_runtime(artifact.runtime_name)
+        index = self._device.index if self._device.index is not None else -1
+        try:
+            self._compiled = torch._inductor.aoti_load_package(str(artifact.package), device_index=index)
+        except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
+            raise UserError(f"cannot load {artifact.package}: {first_line(exc)}") from exc
+        metadata = self._compiled.get_metadata()
+        if check_files:
+            check_manifest_against_package(artifact, metadata)
+        # The runtime config travels inside the package, as every host reads it.
+        kv.create_runtime(artifact.runtime_name, metadata["kvexport.runtime_config"], self._device)
+        self._state = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+
+    # -- what the package is ------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The model's name (the config's `name`)."""
+        return self.artifact.manifest.get("name") or self.config.name
+
+    @property
+    def runtime_name(self) -> str:
+        """The cache runtime's name: the argument of kvexport::last_error and the management ops."""
+        return self.artifact.runtime_name
+
+    @property
+    def config(self) -> Config:
+        """The build config (frozen)."""
+        return self.artifact.config
+
+    @property
+    def max_batch_size(self) -> int:
+        """Most users per request (serving.max_batch_size)."""
+        return self.config.serving.max_batch_size
+
+    @property
+    def num_tasks(self) -> int:
+        """Columns of the logits."""
+        return self.config.model.num_tasks
+
+    @property
+    def signature(self) -> dict[str, Any]:
+        """{"inputs": [{"name", "dtype", "shape"}, ...], "output": {...}} from the manifest (a copy)."""
+        return copy.deepcopy(self.artifact.manifest["signature"])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the package runs: the device it was built for."""
+        return self._device
+
+    @property
+    def path(self) -> Path:
+        """The artifact directory."""
+        return self.artifact.root
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score(self, batch: Batch | dict[str, torch.Tensor], index: int | None = None) -> torch.Tensor:
+        """Scores one request: a Batch or a dict of the seven int64 tensors of the README's
+        *Request format*. Returns float32 logits [sum(num_candidates), num_tasks], candidates in
+        input order. The cache carries over to the next call.
+
+        A refused request raises RequestFailed with the runtime's code: RequestError ("invalid_request",
+        found by the package's own check before the request runs) or "capacity_exceeded" /
+        "internal" from the package. The cache is left as it was and the next request is served.
+        `index`, when given, prefixes error messages with `batch {index}: `.
+        """
+        with self._request():
+            return self._score(batch, index)
+
+    def score_users(self, requests: Sequence[dict[str, Any] | UserRequest]) -> list[torch.Tensor]:
+        """Scores several users in one request; returns each user's logits [T, num_tasks], in input order.
+
+        Each request is a dict: user_id (int, or a one-element integer tensor), item_ids [h],
+        action_ids [h], context_ids [num_contextual_features], candidate_ids [T] (int64 tensors; a
+        UserRequest also does). Users must be distinct, 1 to max_batch_size of them, or RequestError.
+        The returned tensors are views of the batch's logits.
+        """
+        with self._request():
+            if not isinstance(requests, (list, tuple)):
+                raise RequestError(f"score_users takes a list of requests, got {type(requests).__name__}")
+            if not requests:
+                raise RequestError("score_users got no requests")
+            if len(requests) > self.max_batch_size:
+                raise RequestError(f"score_users got {len(requests)} requests; the package takes at most "
+                                   f"{self.max_batch_size} users per request (max_batch_size)")
+            users = [check_user_request(raw, self.config, i) for i, raw in enumerate(requests)]
+            first: dict[int, int] = {}
+            for i, user in enumerate(users):
+                if user.user_id in first:
+                    raise RequestError(f"requests {first[user.user_id]} and {i} are both user {user.user_id}; "
+                                       "each user may appear once per request")
+                first[user.user_id] = i
+            logits = self._score(Batch.concat(users))
+            return list(logits.split([len(u.candidate_ids) for u in users]))
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Scores a Batch already validated by check_batch (the package still checks it itself);
+        the low-level call of score, refusals as there."""
+        with self._request():
+            return self._run(batch)
+
+    def stats(self) -> dict[str, int]:
+        """The cache runtime's named counters and occupancy (kvexport::runtime_stats, names as stat_names)."""
+        with self._request():
+            return kv.runtime_stats(self.runtime_name)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for requests in flight, then drops the cache runtime and the loaded package.
+
+        Idempotent; afterwards score, score_users, run and stats raise UserError("package closed").
+        """
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._state.wait_for(lambda: self._in_flight == 0)
+        kv.drop_runtime(self.runtime_name)
+        self._compiled = None
+
+    def __enter__(self) -> "Package":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<kvexport.Package {self.name} at {self.path} on {self._device} ({state})>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _request(self):
+        return _InFlight(self)
+
+    def _score(self, batch: Batch | dict[str, torch.Tensor], index: int | None = None) -> torch.Tensor:
+        return self._run(check_batch(batch, self.config, index, runtime=self.runtime_name))
+
+    def _run(self, batch: Batch) -> torch.Tensor:
+        if self._device.type != "cpu":
+            batch = batch.to(self._device)
+        try:
+            return self._compiled(*batch.tensors())
+        except RuntimeError as exc:
+            # Why comes from the runtime, never from the exception's text (it differs between torch versions).
+            code, message = kv.last_error(self.runtime_name)
+            if code == "ok":
+                raise
+            raise RequestFailed(code, message) from exc
+
+
+class _InFlight:
+    """Counts a call in flight, so close() waits for it; refuses calls on a closed package."""
+
+    __slots__ = ("package",)
+
+    def __init__(self, package: Package):
+        self.package = package
+
+    def __enter__(self) -> None:
+        p = self.package
+        with p._state:
+            if p._closed:
+                raise UserError(f"package closed: {p.path} (load it again to score)")
+            p._in_flight += 1
+
+    def __exit__(self, *exc_info) -> None:
+        p = self.package
+        with p._state:
+            p._in_flight -= 1
+            if p._in_flight == 0:
+                p._state.notify_all()
+
+
+def load(out: str | Path | Artifact, device: torch.device | str | None = None, *,
+         check_files: bool = True) -> Package:
+    """Loads a built artifact directory (`kvexport build -o OUT`) into this process.
+
+    device: None runs the package on the device it was built for (the manifest's; this release
+    builds CPU packages only); another device raises UserError.
+    check_files: first check every file against the manifest's sha256 and the manifest against the
+    package's metadata, as `kvexport verify` does (UserError / VerificationError naming the file).
+    Always checked: the op library the artifact ships is the one loaded in this process.
+
+    Loading empties the cache runtime of any other copy of the same package in this process.
+    """
+    artifact = out if isinstance(out, Artifact) else open_artifact(out)
+    return Package(artifact, device, check_files=check_files)
