@@ -3,7 +3,7 @@
     with kvexport.load("artifacts/hstu-tiny") as pkg:
         logits = pkg.score(batch)                 # the README's seven int64 tensors
         per_user = pkg.score_users([request, ...])  # one dict per user, merged into one batch
-        print(pkg.stats())
+        counters = pkg.stats()                  # named cache counters
 
 The CLI's verify, run and soak score through the same class (`kvexport.runner.PackageRunner` is
 another name for it).

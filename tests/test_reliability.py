@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import threading
 
 import pytest
 import torch
@@ -80,36 +79,6 @@ def test_capacity_error_through_run_is_one_line(tiny_artifact, tiny_config, tmp_
     assert "Traceback" not in result.output
     [entry] = torch.load(tmp_path / "out.pt", weights_only=True)
     assert entry["status"].startswith("KV cache capacity exceeded") and entry["logits"] is None
-
-
-def test_threads_scoring_through_one_package(tiny_artifact, tiny_checkpoint, tiny_config):
-    m = tiny_config.model
-    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
-    runner = PackageRunner(open_artifact(tiny_artifact))
-    batches = [random_batch(m, seed=s, history_lengths=[5 + s, 20], num_candidates=[2, 3],
-                            first_user_id=7000 + 2 * (s % 5)) for s in range(12)]
-    with torch.no_grad():
-        expected = [model(b) for b in batches]
-    errors: list[BaseException] = []
-    worst = [0.0]
-
-    def work(offset: int) -> None:
-        try:
-            for i in range(len(batches)):
-                j = (i + offset) % len(batches)
-                diff = (runner.score(batches[j]) - expected[j]).abs().max().item()
-                worst[0] = max(worst[0], diff)
-        except BaseException as exc:  # noqa: BLE001 — reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert worst[0] <= 1e-4
-    assert runner.stats()["lookups"] >= 4 * 12 * 2
 
 
 class _Exploit:
