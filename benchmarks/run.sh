@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/RESULTS.md on this machine (about 6 minutes on 2 cores).
+# Reproduces benchmarks/RESULTS.md on this machine (about 10 minutes on 2 cores, more the first time:
+# the bench builds two portable op libraries to compare their attention kernel with the native one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kvexport=.venv/bin/kvexport

@@ -2,10 +2,17 @@
 
 Sources live in `csrc/` beside the package (a source checkout, installed with `pip install -e`);
 outputs go to `build/` there, and the op library is installed into `kvexport/_lib/`.
+
+The attention kernel is compiled for this host's CPU (`-march=native`) unless a portable baseline
+is asked for: `python -m kvexport.native --isa x86-64-v3` builds the op library into its own
+directory, `build/csrc-x86-64-v3/` (never installed over the native one), with the kernel's hot
+loops also compiled for x86-64-v4 and picked at load time (GCC function multiversioning;
+`--no-multiversion` leaves the baseline alone). kvexport/isa.py reads what a build was made for.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shutil
 import subprocess
@@ -25,6 +32,9 @@ BUILD_DIR = PACKAGE_DIR.parent / "build" / "csrc"
 OPS_LIBRARY_NAME = "libkvexport_ops.so"
 OPS_LIBRARY = PACKAGE_DIR / "_lib" / OPS_LIBRARY_NAME
 REPLAY_BINARY = BUILD_DIR / "replay" / "kvexport_replay"
+NATIVE_ISA = "native"
+# Portable baselines a build may ask for (the x86-64 psABI levels GCC and Clang accept in -march).
+PORTABLE_ISAS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 
 
 class NativeBuildError(UserError):
@@ -40,31 +50,69 @@ def _run(step: str, command: list[str], log_path: Path) -> None:
         raise NativeBuildError(f"{step} failed (exit {result.returncode}); full log: {log_path}")
 
 
-def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay")) -> None:
-    """Configures (once) and builds the given CMake targets; installs the op library."""
+def build_dir_for(isa: str = NATIVE_ISA, multiversion: bool = True) -> Path:
+    """Where the build for this kernel ISA lives: build/csrc for native, build/csrc-ISA[-nomv] otherwise."""
+    if isa == NATIVE_ISA:
+        return BUILD_DIR
+    if isa not in PORTABLE_ISAS:
+        raise NativeBuildError(f"--isa {isa}: expected {NATIVE_ISA} or one of {', '.join(PORTABLE_ISAS)}")
+    return BUILD_DIR.parent / f"csrc-{isa}{'' if multiversion else '-nomv'}"
+
+
+def ops_library_for(isa: str = NATIVE_ISA, multiversion: bool = True) -> Path:
+    """The op library a build for this kernel ISA produces (the installed one for native)."""
+    return OPS_LIBRARY if isa == NATIVE_ISA else build_dir_for(isa, multiversion) / OPS_LIBRARY_NAME
+
+
+def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"), isa: str = NATIVE_ISA,
+                 multiversion: bool = True) -> Path:
+    """Configures (once per build directory) and builds the given CMake targets.
+
+    isa: the attention kernel's -march (native, or a portable baseline built in its own directory).
+    Installs the native op library into kvexport/_lib; returns the op library's path for this isa.
+    """
     if not SOURCE_DIR.is_dir():
         raise NativeBuildError(f"C++ sources not found at {SOURCE_DIR}; install kvexport from a source checkout")
     if shutil.which("cmake") is None:
         raise NativeBuildError("cmake is not installed")
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    build_dir = build_dir_for(isa, multiversion)
+    build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    if not (BUILD_DIR / "CMakeCache.txt").exists():
+    if not (build_dir / "CMakeCache.txt").exists():
         _run("cmake configure", [
-            "cmake", "-S", str(SOURCE_DIR), "-B", str(BUILD_DIR), *generator,
+            "cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), *generator,
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DNLOHMANN_JSON_INCLUDE_DIR={Path(nlohmann_json.__file__).parent / 'include'}",
-        ], BUILD_DIR / "configure.log")
-    _run("C++ build", ["cmake", "--build", str(BUILD_DIR), "--target", *targets], BUILD_DIR / "build.log")
-    if "kvexport_ops" in targets:
+            f"-DKVEXPORT_KERNEL_ARCH={isa}",
+            f"-DKVEXPORT_KERNEL_MULTIVERSION={'ON' if multiversion else 'OFF'}",
+        ], build_dir / "configure.log")
+    _run("C++ build", ["cmake", "--build", str(build_dir), "--target", *targets], build_dir / "build.log")
+    if "kvexport_ops" in targets and isa == NATIVE_ISA:
         OPS_LIBRARY.parent.mkdir(exist_ok=True)
         shutil.copy2(BUILD_DIR / OPS_LIBRARY_NAME, OPS_LIBRARY)
-    log.debug("built %s in %.1f s", ", ".join(targets), time.perf_counter() - started)
+    log.debug("built %s (kernel ISA %s) in %.1f s", ", ".join(targets), isa, time.perf_counter() - started)
+    return ops_library_for(isa, multiversion)
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvexport.native", description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", default=NATIVE_ISA, choices=(NATIVE_ISA, *PORTABLE_ISAS),
+                        help="-march of the attention kernel; a portable build goes to build/csrc-ISA/ and "
+                             "builds the op library only")
+    parser.add_argument("--no-multiversion", dest="multiversion", action="store_false",
+                        help="portable builds: no x86-64-v4 clones of the kernel's hot loops")
+    return parser.parse_args()
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = _parse_args()
     started = time.perf_counter()
-    build_native()
-    log.info("native code (op library, replay harness) up to date in %.1f s", time.perf_counter() - started)
+    if args.isa == NATIVE_ISA:
+        build_native()
+        log.info("native code (op library, replay harness) up to date in %.1f s", time.perf_counter() - started)
+    else:
+        library = build_native(("kvexport_ops",), isa=args.isa, multiversion=args.multiversion)
+        log.info("op library for %s up to date in %.1f s: %s", args.isa, time.perf_counter() - started, library)

@@ -3,13 +3,17 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
-#include <type_traits>
-#include <cmath>
+#include <exception>
+#include <mutex>
 #include <vector>
+
+#include "ops/compiled_isa.h"
 
 namespace kvexport::ops {
 
@@ -37,20 +41,6 @@ inline float exp_approx(float x) {
   return p * std::bit_cast<float>(exponent);
 }
 
-template <typename scalar_t>
-inline float dot(const float* q, const scalar_t* k, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
-  return sum;
-}
-
-template <typename scalar_t>
-inline void accumulate(float* acc, float weight, const scalar_t* value, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += weight * static_cast<float>(value[d]);
-}
-
 // scores[j] <- SiLU(alpha * scores[j]) * inv_scaling_seqlen
 inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scaling_seqlen) {
 #pragma omp simd
@@ -60,24 +50,96 @@ inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scalin
   }
 }
 
-// Rows of one user are processed in tiles that share one gather of the user's keys and values:
-// the cache is read once per tile instead of once per row.
+// Rows of one user are processed in tiles of up to kTileRows rows, and the user's keys in blocks
+// of kBlockFloats / head_dim keys converted to float (keys transposed, values row by row). A block
+// is read from the cache once per tile and stays in L1/L2 while every row of the tile uses it: no
+// buffer of the whole history (megabytes allocated and zeroed per call) and no pass of each row
+// over megabytes of L3.
 constexpr int64_t kTileRows = 16;
+constexpr int64_t kBlockFloats = 8192;  // 32 KiB of keys and 32 KiB of values per block
 
-// Keys 0..n-1 of one user and head, as float: keys_t[d * n + j] (transposed) and
-// values[j * head_dim + d]. `head` points at the head's slice of page 0, slot 0.
+// One block for one tile, float only (the part worth compiling per ISA). keys_t[d * stride + j] and
+// values[j * head_dim + d] hold keys 0..count-1 of the block; row t reads the first limits[t] of
+// them (causal rows stop early). acc[t * head_dim + d] += sum_j SiLU(alpha q_t . k_j) * inv * v_j[d].
+// kHeadDim > 0 fixes the head size at compile time (unrolled inner loops); 0 = any size.
+template <int64_t kHeadDim>
+inline __attribute__((always_inline)) void attend_block_impl(const float* q, float* acc, const int64_t* limits,
+                                                             int64_t rows, const float* keys_t, int64_t stride,
+                                                             const float* values, int64_t runtime_head_dim,
+                                                             float alpha, float inv_scaling_seqlen, float* scores) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t count = limits[t];
+    if (count <= 0) continue;
+    const float* q_row = q + t * head_dim;
+    float* acc_row = acc + t * head_dim;
+    std::fill(scores, scores + count, 0.0f);
+    for (int64_t d = 0; d < head_dim; ++d) {  // vectorised over keys: no horizontal reductions
+      const float qd = q_row[d];
+      const float* column = keys_t + d * stride;
+#pragma omp simd
+      for (int64_t j = 0; j < count; ++j) scores[j] += qd * column[j];
+    }
+    silu_weights(scores, count, alpha, inv_scaling_seqlen);
+    int64_t j = 0;
+    for (; j + 4 <= count; j += 4) {  // four keys per step: independent products, one add chain
+      const float *v0 = values + j * head_dim, *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
+      const float w0 = scores[j], w1 = scores[j + 1], w2 = scores[j + 2], w3 = scores[j + 3];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc_row[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+    }
+    for (; j < count; ++j) {
+      const float w = scores[j];
+      const float* value = values + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc_row[d] += w * value[d];
+    }
+  }
+}
+
+using AttendBlock = void (*)(const float*, float*, const int64_t*, int64_t, const float*, int64_t, const float*,
+                             int64_t, float, float, float*);
+
+#define KVEXPORT_ATTEND_BLOCK(name, head_dim)                                                                   \
+  KVEXPORT_KERNEL_CLONES void name(const float* q, float* acc, const int64_t* limits, int64_t rows,            \
+                                   const float* keys_t, int64_t stride, const float* values, int64_t dh,       \
+                                   float alpha, float inv_scaling_seqlen, float* scores) {                     \
+    attend_block_impl<head_dim>(q, acc, limits, rows, keys_t, stride, values, dh, alpha, inv_scaling_seqlen,   \
+                                scores);                                                                        \
+  }
+KVEXPORT_ATTEND_BLOCK(attend_block_32, 32)
+KVEXPORT_ATTEND_BLOCK(attend_block_64, 64)
+KVEXPORT_ATTEND_BLOCK(attend_block_128, 128)
+KVEXPORT_ATTEND_BLOCK(attend_block_any, 0)
+#undef KVEXPORT_ATTEND_BLOCK
+
+AttendBlock attend_block_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend_block_32;
+    case 64: return attend_block_64;
+    case 128: return attend_block_128;
+    default: return attend_block_any;
+  }
+}
+
+// Keys first..first+count-1 of one user and head as float: keys_t[d * stride + j], values[j * head_dim + d].
+// `head` points at the head's slice of page 0, slot 0; v follows k within a page. Multiversioned
+// like attend_block: the conversions vectorise too.
 template <typename scalar_t>
-void gather_keys_values(const scalar_t* head, const int64_t* user_pages, int64_t n, int64_t page_size,
-                        int64_t page_stride, int64_t row_stride, int64_t head_dim, float* keys_t, float* values) {
-  const int64_t value_offset = page_size * row_stride;  // v follows k within a page
-  for (int64_t first = 0, p = 0; first < n; first += page_size, ++p) {  // page by page: no division per key
-    const scalar_t* page = head + user_pages[p] * page_stride;
-    const int64_t count = std::min(page_size, n - first);
-    for (int64_t s = 0; s < count; ++s) {
-      const scalar_t* key = page + s * row_stride;
+KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* user_pages, int64_t first,
+                                         int64_t count, int64_t page_size, int64_t page_stride,
+                                         int64_t row_stride, int64_t head_dim, int64_t stride, float* keys_t,
+                                         float* values) {
+  const int64_t value_offset = page_size * row_stride;
+  for (int64_t j = 0; j < count;) {  // page by page: one division per page, not per key
+    const int64_t position = first + j;
+    const int64_t slot = position % page_size;
+    const int64_t in_page = std::min(page_size - slot, count - j);
+    const scalar_t* key = head + user_pages[position / page_size] * page_stride + slot * row_stride;
+    for (int64_t s = 0; s < in_page; ++s, ++j, key += row_stride) {
       for (int64_t d = 0; d < head_dim; ++d) {
-        keys_t[d * n + first + s] = static_cast<float>(key[d]);
-        values[(first + s) * head_dim + d] = static_cast<float>(key[value_offset + d]);
+        keys_t[d * stride + j] = static_cast<float>(key[d]);
+        values[j * head_dim + d] = static_cast<float>(key[value_offset + d]);
       }
     }
   }
@@ -98,76 +160,169 @@ std::vector<Tile> user_tiles(const int64_t* users, int64_t num_rows) {
   return tiles;
 }
 
-// kHeadDim > 0 fixes the head size at compile time (fully unrolled dot products); 0 = any size.
-template <typename scalar_t, int64_t kHeadDim>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
-            const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
-            const at::Tensor& row_candidate, float alpha, float inv_scaling_seqlen, at::Tensor& out) {
-  const int64_t num_rows = q.size(0), num_heads = q.size(1);
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
-  const int64_t page_size = cache.size(2);
-  const int64_t row_stride = num_heads * head_dim;  // between rows of q/k/v/out and slots of a page
-  const int64_t page_stride = 2 * page_size * row_stride;
-  const int64_t max_pages = page_table.size(1);
-  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v.data_ptr<scalar_t>();
-  const scalar_t* cache_ptr = cache.data_ptr<scalar_t>();
-  const int64_t* pages = page_table.data_ptr<int64_t>();
-  const int64_t* users = row_user.data_ptr<int64_t>();
-  const int64_t* keys = row_keys.data_ptr<int64_t>();
-  const bool* candidate = row_candidate.data_ptr<bool>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t max_keys = num_rows ? *std::max_element(keys, keys + num_rows) : 0;
-  const auto tiles = user_tiles(users, num_rows);
+// Per-thread scratch, kept between calls (one block's keys and values, one tile's rows).
+struct Scratch {
+  std::vector<float> keys_t, values, scores, q, acc;
+  std::vector<int64_t> limits;
+};
 
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per tile and head, the user's keys are gathered transposed (keys_t[d * n + j]) and its values
-    // row by row (values[j * dh + d]), as float. Scores then vectorise over keys and outputs over
-    // head_dim, with no horizontal reductions and no per-key latency chain.
-    std::vector<float> keys_t(head_dim * max_keys), values(max_keys * head_dim);
-    std::vector<float> scores(max_keys), acc(head_dim), q_row(head_dim), k_row(head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const Tile tile = tiles[item / num_heads];
-      const int64_t h = item % num_heads;
-      const int64_t* user_pages = pages + users[tile.first_row] * max_pages;
-      const int64_t n = *std::max_element(keys + tile.first_row, keys + tile.first_row + tile.num_rows);
-      gather_keys_values(cache_ptr + h * head_dim, user_pages, n, page_size, page_stride, row_stride, head_dim,
-                         keys_t.data(), values.data());
-      for (int64_t t = 0; t < tile.num_rows; ++t) {
-        const int64_t r = tile.first_row + t, num_keys = keys[r];
-        const int64_t head = r * row_stride + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q_row[d] = static_cast<float>(q_ptr[head + d]);
-        std::fill(scores.begin(), scores.begin() + num_keys, 0.0f);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          const float qd = q_row[d];
-          const float* column = &keys_t[d * n];
-#pragma omp simd
-          for (int64_t j = 0; j < num_keys; ++j) scores[j] += qd * column[j];
-        }
-        silu_weights(scores.data(), num_keys, alpha, inv_scaling_seqlen);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        int64_t j = 0;
-        for (; j + 4 <= num_keys; j += 4) {  // four keys per step: independent products, one add chain
-          const float *v0 = &values[j * head_dim], *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
-          const float w0 = scores[j], w1 = scores[j + 1], w2 = scores[j + 2], w3 = scores[j + 3];
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
-        }
-        for (; j < num_keys; ++j) accumulate(acc.data(), scores[j], &values[j * head_dim], head_dim);
-        if (candidate[r]) {  // a candidate also reads its own k/v, which is not in the cache
-          for (int64_t d = 0; d < head_dim; ++d) k_row[d] = static_cast<float>(k_ptr[head + d]);
-          float self = dot(q_row.data(), k_row.data(), head_dim);
-          silu_weights(&self, 1, alpha, inv_scaling_seqlen);
-          accumulate(acc.data(), self, v_ptr + head, head_dim);
-        }
-        for (int64_t d = 0; d < head_dim; ++d) out_ptr[head + d] = static_cast<scalar_t>(acc[d]);
-      }
-    }
-  });
+Scratch& scratch(int64_t block_keys, int64_t head_dim) {
+  thread_local Scratch s;
+  const auto fit = [](auto& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  };
+  fit(s.keys_t, block_keys * head_dim);
+  fit(s.values, block_keys * head_dim);
+  fit(s.scores, block_keys);
+  fit(s.q, kTileRows * head_dim);
+  fit(s.acc, kTileRows * head_dim);
+  fit(s.limits, kTileRows);
+  return s;
 }
 
+// The OpenMP thread count the calling thread had before begin_request_threads; 0 outside a request.
+thread_local int request_threads = 0;
+
+// Requests with fewer new rows than this (a returning user's few new events and candidates) run
+// the package's other kernels on the calling thread. Each of them is tiny at this size, and on a
+// busy host every OpenMP region of a two-thread team waits for both threads to be scheduled: a
+// time slice per region, dozens of regions per request.
+constexpr int64_t kSerialRows = 1024;
+
+// The attention kernel's thread budget: the request's original one, not the serial one above.
+int kernel_threads() { return request_threads > 0 ? request_threads : at::get_num_threads(); }
+
+// Below this many (row, key, head) triples a call runs on the calling thread: waking helpers
+// costs more than it saves, and on a busy host each parallel region can cost a time slice.
+constexpr int64_t kInlineWork = 1 << 16;
+
+// Runs body(i) for i in [0, total) on the calling thread plus up to kernel_threads() - 1 OpenMP
+// threads. Items are claimed one by one from a shared counter rather than split in fixed halves,
+// so a thread that the OS does not schedule (a busy host) delays the call by at most the item it
+// holds, not by its whole share, and causal users' unequal tiles balance. Items are claimed from
+// the end, where a user's costliest tiles are, so the last ones claimed are the cheap ones.
+template <typename F>
+void for_each_item(int64_t total, int64_t work, const F& body) {
+  const int64_t threads = std::min<int64_t>(kernel_threads(), total);
+  if (threads <= 1 || work < kInlineWork || at::in_parallel_region()) {
+    for (int64_t i = total - 1; i >= 0; --i) body(i);
+    return;
+  }
+  std::atomic<int64_t> next{total};
+  std::exception_ptr error;  // an exception must not leave the parallel region
+  std::mutex error_mutex;
+#pragma omp parallel num_threads(threads)
+  {
+    try {
+      for (int64_t i; (i = next.fetch_sub(1, std::memory_order_relaxed) - 1) >= 0;) body(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      next.store(0, std::memory_order_relaxed);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// One call of the kernel: (tile, head) pairs as items, each over all the keys its rows read.
+template <typename scalar_t>
+class Attention {
+ public:
+  Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
+            const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
+            const at::Tensor& row_candidate, float alpha, float inv_scaling_seqlen, at::Tensor& out)
+      : num_heads_(q.size(1)), head_dim_(q.size(2)), page_size_(cache.size(2)), row_stride_(num_heads_ * head_dim_),
+        page_stride_(2 * page_size_ * row_stride_), max_pages_(page_table.size(1)),
+        block_keys_(std::max<int64_t>(16, kBlockFloats / head_dim_)), alpha_(alpha), inv_scaling_(inv_scaling_seqlen),
+        q_(q.data_ptr<scalar_t>()), k_(k.data_ptr<scalar_t>()), v_(v.data_ptr<scalar_t>()),
+        cache_(cache.data_ptr<scalar_t>()), pages_(page_table.data_ptr<int64_t>()),
+        users_(row_user.data_ptr<int64_t>()), keys_(row_keys.data_ptr<int64_t>()),
+        candidate_(row_candidate.data_ptr<bool>()), out_(out.data_ptr<scalar_t>()),
+        attend_block_(attend_block_for(head_dim_)), tiles_(user_tiles(users_, q.size(0))) {}
+
+  void run() const {
+    int64_t work = 0;
+    for (const Tile& tile : tiles_) {
+      for (int64_t r = tile.first_row; r < tile.first_row + tile.num_rows; ++r) work += (keys_[r] + 1) * num_heads_;
+    }
+    for_each_item(static_cast<int64_t>(tiles_.size()) * num_heads_, work, [&](int64_t pair) { attend(pair); });
+  }
+
+ private:
+  void attend(int64_t pair) const {
+    const Tile& tile = tiles_[pair / num_heads_];
+    const int64_t h = pair % num_heads_;
+    Scratch& s = scratch(block_keys_, head_dim_);
+    const int64_t n = load_q(tile, h, s.q.data());
+    std::fill(s.acc.begin(), s.acc.begin() + tile.num_rows * head_dim_, 0.0f);
+    accumulate(tile, h, n, s);
+    finish(tile, h, s.q.data(), s.acc.data());
+  }
+
+  // The tile's rows of head h as float into q (kTileRows x head_dim); returns the most keys a row reads.
+  int64_t load_q(const Tile& tile, int64_t h, float* q) const {
+    int64_t n = 0;
+    for (int64_t t = 0; t < tile.num_rows; ++t) {
+      const scalar_t* row = q_ + (tile.first_row + t) * row_stride_ + h * head_dim_;
+      for (int64_t d = 0; d < head_dim_; ++d) q[t * head_dim_ + d] = static_cast<float>(row[d]);
+      n = std::max(n, keys_[tile.first_row + t]);
+    }
+    return n;
+  }
+
+  // s.acc (tile rows x head_dim) += the tile's attention over the first n keys of head h, block by block.
+  void accumulate(const Tile& tile, int64_t h, int64_t n, Scratch& s) const {
+    const int64_t* user_pages = pages_ + users_[tile.first_row] * max_pages_;
+    for (int64_t first = 0; first < n; first += block_keys_) {
+      const int64_t count = std::min(block_keys_, n - first);
+      gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_, head_dim_,
+                   block_keys_, s.keys_t.data(), s.values.data());
+      for (int64_t t = 0; t < tile.num_rows; ++t) {
+        s.limits[t] = std::clamp<int64_t>(keys_[tile.first_row + t] - first, 0, count);
+      }
+      attend_block_(s.q.data(), s.acc.data(), s.limits.data(), tile.num_rows, s.keys_t.data(), block_keys_,
+                    s.values.data(), head_dim_, alpha_, inv_scaling_, s.scores.data());
+    }
+  }
+
+  // Adds each candidate row's attention to its own k/v, then writes the tile's rows of head h.
+  void finish(const Tile& tile, int64_t h, const float* q, float* acc) const {
+    for (int64_t t = 0; t < tile.num_rows; ++t) {
+      const int64_t r = tile.first_row + t, head = r * row_stride_ + h * head_dim_;
+      float* acc_row = acc + t * head_dim_;
+      if (candidate_[r]) {  // a candidate also reads its own k/v, which is not in the cache
+        const float* q_row = q + t * head_dim_;
+        float self = 0.0f;
+        for (int64_t d = 0; d < head_dim_; ++d) self += q_row[d] * static_cast<float>(k_[head + d]);
+        silu_weights(&self, 1, alpha_, inv_scaling_);
+        for (int64_t d = 0; d < head_dim_; ++d) acc_row[d] += self * static_cast<float>(v_[head + d]);
+      }
+      for (int64_t d = 0; d < head_dim_; ++d) out_[head + d] = static_cast<scalar_t>(acc_row[d]);
+    }
+  }
+
+  const int64_t num_heads_, head_dim_, page_size_, row_stride_, page_stride_, max_pages_, block_keys_;
+  const float alpha_, inv_scaling_;
+  const scalar_t *q_, *k_, *v_, *cache_;
+  const int64_t *pages_, *users_, *keys_;
+  const bool* candidate_;
+  scalar_t* out_;
+  const AttendBlock attend_block_;
+  const std::vector<Tile> tiles_;
+};
+
 }  // namespace
+
+void begin_request_threads(int64_t new_rows) {
+  if (request_threads == 0) request_threads = at::get_num_threads();  // kept if a request was never ended
+  omp_set_num_threads(new_rows < kSerialRows ? 1 : request_threads);
+}
+
+void end_request_threads() {
+  if (request_threads == 0) return;
+  omp_set_num_threads(request_threads);
+  request_threads = 0;
+}
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
                                const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
@@ -202,19 +357,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   }
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    const auto run = [&](auto head_dim) {
-      attend<scalar_t, decltype(head_dim)::value>(qc, kc, vc, cc, pt, users, keys, candidate,
-                                                  static_cast<float>(alpha), static_cast<float>(inv_scaling_seqlen),
-                                                  out);
-    };
-    switch (q.size(2)) {
-      case 32: run(std::integral_constant<int64_t, 32>{}); break;
-      case 64: run(std::integral_constant<int64_t, 64>{}); break;
-      case 128: run(std::integral_constant<int64_t, 128>{}); break;
-      default: run(std::integral_constant<int64_t, 0>{});
-    }
+    Attention<scalar_t>(qc, kc, vc, cc, pt, users, keys, candidate, static_cast<float>(alpha),
+                        static_cast<float>(inv_scaling_seqlen), out)
+        .run();
   });
   return out;
 }
 
 }  // namespace kvexport::ops
+
+namespace {
+constexpr auto kIsaDescription = kvexport::ops::isa::describe();
+}  // namespace
+
+// What this library was compiled for (compiled_isa.h); also found in the .so file by its marker.
+extern "C" __attribute__((visibility("default"))) const char* kvexport_ops_isa() { return kIsaDescription.data(); }

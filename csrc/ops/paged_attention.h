@@ -1,7 +1,10 @@
-// HSTU attention (docs/design.md §1.3 step 3) of new rows over a paged k/v cache.
+// HSTU attention (docs/design.md §1.3 step 3) of new rows over a paged k/v cache, and the threading
+// of a request's kernels.
 #pragma once
 
 #include <ATen/Tensor.h>
+
+#include <cstdint>
 
 namespace kvexport::ops {
 
@@ -12,5 +15,13 @@ namespace kvexport::ops {
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
                                const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
                                const at::Tensor& row_candidate, double alpha, double inv_scaling_seqlen);
+
+// A request's threads, set on the thread that runs it (begin_batch) and restored when it ends
+// (end_batch, abort_batch). A request with few new rows runs every other OpenMP region of the
+// package (Inductor's kernels, ATen's parallel ops) on the calling thread; paged_attention_cpu
+// keeps the thread's original budget. Under CPU contention a region of a two-thread team costs a
+// scheduler round trip, and a cached request has dozens of tiny ones (benchmarks/RESULTS.md).
+void begin_request_threads(int64_t new_rows);
+void end_request_threads();
 
 }  // namespace kvexport::ops

@@ -7,8 +7,9 @@ import tempfile
 from pathlib import Path
 
 from kvexport.artifact import open_artifact
-from kvexport.bench import suite
+from kvexport.bench import contention, kernel, suite
 from kvexport.errors import UserError
+from kvexport.native import OPS_LIBRARY, build_native
 from kvexport.runner import PackageRunner
 from kvexport.soak import eager_model_for
 
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 # in the same attention op, so the comparison is made on the shorter histories of the sweep.
 EAGER_MAX_LENGTH = 256
 CHEAP_REPEATS = 25
+PORTABLE_FMV = f"{kernel.PORTABLE_ISA}+fmv"  # the portable build with its multiversioned kernel loop
 
 
 def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
@@ -48,6 +50,9 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
                                             max(repeats, CHEAP_REPEATS))
         cpp = suite.cpp_vs_python(runner, max(repeats, 3), workdir)
         memory = suite.cache_memory(runner)
+        contended = contention.contention(runner, max(lengths), warmup, repeats)
+    kernel_rows = kernel.kernel_builds(kernel_libraries(), kernel.KernelShape.of(config, max(lengths)), warmup,
+                                       repeats)
     headline_cache = next(r for r in cache_rows if r["batch_size"] == 1 and r["cached_events"] == max(lengths))
     headline_eager = next(r for r in eager_rows if r["batch_size"] == 1 and r["cached_events"] == eager_lengths[0])
     return {
@@ -57,6 +62,10 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         "build_seconds_cold": build["seconds_cold"] if build else None,
         "build_seconds_warm": build["seconds_warm"] if build else None,
         "bytes_per_cached_token": memory["bytes_per_cached_token"],
+        "contention_cached_slowdown": contended["other_sessions"]["cached_slowdown"]["median"],
+        "contention_full_slowdown": contended["other_sessions"]["full_slowdown"]["median"],
+        "portable_kernel_over_native": kernel_rows["builds"][PORTABLE_FMV]["over_native"]["median"],
+        "portable_kernel_no_fmv_over_native": kernel_rows["builds"][kernel.PORTABLE_ISA]["over_native"]["median"],
         "config": config.name,
         "machine": suite.machine(),
         "settings": {"warmup": warmup, "repeats": repeats, "lengths": lengths, "new_events": suite.NEW_EVENTS,
@@ -66,6 +75,19 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         "cpp_vs_python": cpp,
         "build": build,
         "cache_memory": memory,
+        "contention": contended,
+        "kernel_builds": kernel_rows,
+    }
+
+
+def kernel_libraries() -> dict[str, Path]:
+    """The op library builds whose kernels are compared: this host's (native), the portable
+    baseline with the x86-64-v4 clone (what a portable deployment would ship) and without it.
+    Portable builds live in their own build directories; the first bench builds them."""
+    return {
+        "native": OPS_LIBRARY,
+        PORTABLE_FMV: build_native(("kvexport_ops",), isa=kernel.PORTABLE_ISA, multiversion=True),
+        kernel.PORTABLE_ISA: build_native(("kvexport_ops",), isa=kernel.PORTABLE_ISA, multiversion=False),
     }
 
 

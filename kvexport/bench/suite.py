@@ -43,9 +43,22 @@ def _run_quietly(command: list[str], env: dict[str, str] | None = None) -> None:
 
 
 def machine() -> dict:
+    """Where the numbers were taken: CPU, cores, versions, and what the op library was built for."""
+    from kvexport.isa import library_isa
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version()}
+            "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "op_library_march": library_isa()["march"]}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name as Linux reports it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 class SweepRequests:

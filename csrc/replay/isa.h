@@ -1,0 +1,16 @@
+// The host-CPU check of the replay harness: the twin of kvexport/isa.py's check_host.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace kvexport::replay {
+
+// `required` is the manifest's "isa" object ({"op_library": {"march", "cpu_features": [...]},
+// "package": {...}}, as kvexport.isa.artifact_isa() writes it). Returns "" when this CPU has every
+// feature listed, else one line: "this host lacks AVX512F required by the op library (compiled
+// with -march=native)". Call it before loading the op library or the package: code built for
+// features the CPU lacks can fail with SIGILL as soon as it is loaded.
+std::string missing_cpu_feature(const nlohmann::json& required);
+
+}  // namespace kvexport::replay
