@@ -5,7 +5,7 @@ Layout of a config file::
     name: hstu-tiny
     model:    {num_layers, hidden_size, num_heads, head_dim, ...}
     kv_cache: {page_size, device_pages, host_pages}
-    serving:  {max_batch_size, device}
+    serving:  {max_batch_size, device, cpu_isa}
     trace:    {seed, num_users, ...}
 
 Every rule is checked once, here, with a one-line message naming the field and value.
@@ -25,6 +25,9 @@ from kvexport.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
+# The CPU a package's machine code is compiled for: this host's ("native"), or a portable
+# x86-64 baseline that any newer CPU runs (kvexport/isa.py).
+CPU_ISAS = ("native", "x86-64-v2", "x86-64-v3")
 
 
 class ConfigError(UserError):
@@ -72,6 +75,7 @@ class KVCacheConfig:
 class ServingConfig:
     max_batch_size: int
     device: str = "cpu"
+    cpu_isa: str = "native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +240,8 @@ def _check(config: Config) -> None:
         raise ConfigError(f"serving.max_batch_size must be >= 1, got {s.max_batch_size}")
     if s.device not in DEVICES:
         raise ConfigError(f"serving.device must be one of {', '.join(DEVICES)}, got {s.device!r}")
+    if s.cpu_isa not in CPU_ISAS:
+        raise ConfigError(f"serving.cpu_isa must be one of {', '.join(CPU_ISAS)}, got {s.cpu_isa!r}")
     _positive("trace", num_users=t.num_users, min_history_length=t.min_history_length,
               max_new_events=t.max_new_events, num_candidates=t.num_candidates)
     if not t.min_history_length <= t.max_trace_history_length <= m.max_history_length:

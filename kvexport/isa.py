@@ -9,8 +9,10 @@ Two parts of an artifact carry machine code built for a CPU:
 - the package (`model.pt2`): AOTInductor compiles its kernels with `-march=native` (inductor config
   `cpp.march`) plus the vector ISA it picked (`AOTI_CPU_ISA` in its metadata).
 
-`artifact_isa()` describes both for the manifest; `check_host()` refuses, in one line, a host
-that lacks a feature they require (csrc/replay/isa.cpp is the C++ harness's twin).
+A config's `serving.cpu_isa` picks both: `native` (the default), or a portable x86-64 baseline for
+which `inductor_configs()` sets the march and a vector width within it. `artifact_isa()` describes
+what was built for the manifest; `check_host()` refuses, in one line, a host that lacks a feature
+either part requires (csrc/replay/isa.cpp is the C++ harness's twin).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 from kvexport.errors import UserError
-from kvexport.native import OPS_LIBRARY
+from kvexport.native import NATIVE_ISA, OPS_LIBRARY
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "VPCLMULQDQ": ("__VPCLMULQDQ__", ("vpclmulqdq",)),
 }
 MARKER = b"kvexport-ops-isa:"
+# Portable baseline -> the widest vector width (bits) Inductor may use within it: AVX2's 256 for
+# x86-64-v3; x86-64-v2 has no vector ISA Inductor generates, so its kernels are scalar (width 1
+# matches none). A width, not a named ISA, is all Inductor's config takes.
+BASELINE_SIMD_BITS = {"x86-64-v2": 1, "x86-64-v3": 256}
 # What each part is called in check_host's message.
 PARTS = {"op_library": "the op library", "package": "the package"}
 
@@ -96,21 +102,45 @@ def compiler_features(flags: list[str]) -> list[str]:
     return [name for name, (macro, _) in FEATURES.items() if macro in defined]
 
 
+def inductor_configs(cpu_isa: str) -> dict[str, object]:
+    """AOTInductor settings that compile a package's CPU code for `cpu_isa` ("native": none).
+
+    Torch before 2.13 has no `cpp.march` and always compiles for the build host: a portable
+    baseline is refused there (UserError) rather than recorded for code that does not honour it.
+    """
+    if cpu_isa == NATIVE_ISA:
+        return {}
+    from torch._inductor import config
+
+    if not hasattr(config.cpp, "march"):
+        import torch
+
+        raise UserError(f"serving.cpu_isa {cpu_isa} needs torch 2.13 or later: torch {torch.__version__} "
+                        "compiles a package's CPU code for the build host only")
+    return {"cpp.march": cpu_isa, "cpp.simdlen": BASELINE_SIMD_BITS[cpu_isa]}
+
+
 def package_isa() -> dict:
     """What AOTInductor compiles the package's kernels for under the inductor config in effect now:
     {"march", "vec_isa" (AOTI_CPU_ISA), "cpu_features"}. Call it where the package is compiled."""
     from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    march = "native" if config.cpp.march is None else config.cpp.march
+    march = getattr(config.cpp, "march", None)  # torch < 2.13 has no such option: -march=native
+    march = "native" if march is None else march
     vec_isa = pick_vec_isa()
     flags = ([f"-march={march}"] if march else []) + vec_isa.build_arch_flags().split()
     return {"march": march, "vec_isa": str(vec_isa).upper(), "cpu_features": compiler_features(flags)}
 
 
-def artifact_isa(library: Path = OPS_LIBRARY) -> dict:
-    """The manifest's record of what the artifact's machine code requires of a host's CPU."""
-    return {"op_library": library_isa(library), "package": package_isa()}
+def artifact_isa(cpu_isa: str = NATIVE_ISA, library: Path = OPS_LIBRARY) -> dict:
+    """The manifest's record of what the artifact's machine code requires of a host's CPU, for a
+    package compiled with inductor_configs(cpu_isa) and the op library at `library`."""
+    from torch._inductor import config
+
+    with config.patch(inductor_configs(cpu_isa)):
+        package = package_isa()
+    return {"op_library": library_isa(library), "package": package}
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,7 +19,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import nlohmann_json
 import torch
 
 from kvexport.errors import UserError
@@ -75,6 +74,8 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
         raise NativeBuildError(f"C++ sources not found at {SOURCE_DIR}; install kvexport from a source checkout")
     if shutil.which("cmake") is None:
         raise NativeBuildError("cmake is not installed")
+    import nlohmann_json  # a build-time header package: loading an op library must not need it
+
     build_dir = build_dir_for(isa, multiversion)
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

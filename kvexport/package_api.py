@@ -25,6 +25,7 @@ from kvexport.artifact import LIB_DIR, Artifact, check_files as check_artifact_f
 from kvexport.config import Config
 from kvexport.errors import RequestError, RequestFailed, UserError
 from kvexport.io import first_line
+from kvexport.isa import check_host
 from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_request
 from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
@@ -38,12 +39,14 @@ def _loaded_library_digest(loaded: Path) -> str:
     return sha256_of(loaded)  # the loaded .so cannot change within a process
 
 
-def _check_shipped_library(artifact: Artifact, loaded: Path) -> None:
-    """Python runs the package with the op library loaded in this process; it must be the one
-    the artifact ships (lib/), or what runs would not be what is deployed."""
+def _load_shipped_library(artifact: Artifact) -> None:
+    """Python runs the package with the op library loaded in this process: the artifact's own
+    (lib/) when the process has none yet, else one identical to it, or what runs would not be what
+    is deployed (an artifact built for a portable baseline ships a library of its own)."""
     shipped = artifact.root / LIB_DIR / OPS_LIBRARY_NAME
     if not shipped.is_file():
         raise UserError(f"artifact {artifact.root} is incomplete: {LIB_DIR}/{OPS_LIBRARY_NAME} is missing")
+    loaded = library.load(shipped)
     if sha256_of(shipped) != _loaded_library_digest(loaded):
         raise UserError(f"{shipped} differs from the op library loaded here ({loaded}); rebuild the artifact "
                         "with this kvexport, or check it with `kvexport replay`, which uses the shipped one")
@@ -85,7 +88,8 @@ class Package:
         self._device = _resolve_device(artifact, device)
         if check_files:
             check_artifact_files(artifact)
-        _check_shipped_library(artifact, library.load())
+        check_host(artifact.manifest.get("isa", {}))  # before any of its machine code is loaded
+        _load_shipped_library(artifact)
         if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
             raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
         kv.drop_runtime(artifact.runtime_name)

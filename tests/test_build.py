@@ -167,7 +167,7 @@ def test_interrupted_or_failed_build_leaves_nothing(tmp_path, monkeypatch, inter
         raise interrupt
 
     monkeypatch.setattr(build, "record_trace", fail)
-    monkeypatch.setattr(build, "compile_package", lambda ep, path, metadata: path.write_bytes(b"partial") or path)
+    monkeypatch.setattr(build, "compile_package", lambda ep, path, metadata, configs=None: path.write_bytes(b"partial") or path)
     monkeypatch.setattr(build, "check_package_ops", lambda path, ops: ops)
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["build", str(TINY), "-o", str(out)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 
 import nlohmann_json
 import pytest
@@ -150,3 +151,130 @@ def test_artifact_isa_describes_both_parts():
         assert {"AVX512F", "AVX512BW", "AVX512DQ", "AVX512VL"} <= set(package["cpu_features"])
     isa.check_host(recorded)
     json.dumps(recorded)  # goes into manifest.json as is
+
+
+# -- artifacts: the record in the manifest, the refusal, the portable build --------------------------
+
+LACKING = "this host lacks NOT_A_FEATURE required by the op library (compiled with -march={march})"
+
+
+def _require_missing_feature(artifact) -> str:
+    """Makes the artifact's manifest ask for a CPU feature no host has; returns the expected line."""
+    path = artifact / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["isa"]["op_library"]["cpu_features"].append("NOT_A_FEATURE")
+    path.write_text(json.dumps(manifest))
+    return LACKING.format(march=manifest["isa"]["op_library"]["march"])
+
+
+def _package_disassembly(package) -> str:
+    """objdump of the compiled model's shared object(s) inside model.pt2."""
+    import tempfile
+    import zipfile
+
+    with zipfile.ZipFile(package) as archive, tempfile.TemporaryDirectory() as tmp:
+        text = []
+        for name in archive.namelist():
+            if name.endswith(".so"):
+                path = archive.extract(name, tmp)
+                text.append(subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], check=True,
+                                           capture_output=True, text=True).stdout)
+        assert text, f"no shared object in {package}"
+        return "\n".join(text)
+
+
+@pytest.mark.slow
+def test_the_manifest_records_what_the_artifact_was_built_for(tiny_artifact):
+    from kvexport.package_api import Package
+    from kvexport.artifact import open_artifact
+
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    recorded = manifest["isa"]
+    assert recorded["op_library"] == isa.library_isa(tiny_artifact / "lib" / "libkvexport_ops.so")
+    assert recorded["package"]["march"] == "native"
+    isa.check_host(recorded)
+    with Package(open_artifact(tiny_artifact), check_files=True) as package:  # the metadata agrees
+        assert json.loads(package._compiled.get_metadata()["kvexport.isa"]) == recorded
+
+
+@pytest.mark.slow
+def test_every_command_refuses_a_host_lacking_a_feature_in_one_line(artifact_copy, tmp_path):
+    from kvexport.replay import replay_command
+
+    expected = _require_missing_feature(artifact_copy)
+    commands = {
+        "verify": [sys.executable, "-m", "kvexport", "verify", str(artifact_copy)],
+        "soak": [sys.executable, "-m", "kvexport", "soak", str(artifact_copy), "--requests", "5"],
+        "replay": replay_command(artifact_copy, tmp_path / "replay.json"),
+    }
+    for name, command in commands.items():
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, (name, result.stdout, result.stderr)
+        assert result.stderr.strip().splitlines() == [f"error: {expected}"], (name, result.stderr)
+    import kvexport
+
+    with pytest.raises(UserError, match=re.escape(expected)):
+        kvexport.load(artifact_copy, check_files=False)
+
+
+@pytest.mark.slow
+def test_run_refuses_a_host_lacking_a_feature(artifact_copy, tmp_path):
+    import torch
+    from kvexport.artifact import open_artifact
+    from kvexport.runner import load_trace_step
+
+    artifact = open_artifact(artifact_copy)
+    requests = tmp_path / "requests.pt"
+    torch.save([load_trace_step(artifact.root / artifact.trace_steps[0]["file"])[0]], requests)
+    expected = _require_missing_feature(artifact_copy)
+    output = tmp_path / "out.pt"
+    result = subprocess.run([sys.executable, "-m", "kvexport", "run", str(artifact_copy), "--requests", str(requests),
+                             "--output", str(output)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {expected}"], result.stderr
+    assert not output.exists()
+
+
+@pytest.fixture(scope="module")
+def portable_artifact(tmp_path_factory, tiny_checkpoint):
+    """hstu-tiny built with serving.cpu_isa: x86-64-v3 (the op library and the package's CPU code)."""
+    import yaml
+
+    from kvexport.export.build import build_artifact
+    from tests.conftest import TINY
+
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.cpp, "march"):
+        pytest.skip("this torch compiles package code for the build host only (no inductor cpp.march)")
+    workdir = tmp_path_factory.mktemp("portable")
+    config = yaml.safe_load(TINY.read_text())
+    config["serving"]["cpu_isa"] = "x86-64-v3"
+    path = workdir / "hstu-tiny-v3.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return build_artifact(path, workdir / "out", checkpoint=tiny_checkpoint)
+
+
+@pytest.mark.slow
+def test_a_portable_artifact_needs_only_its_baseline(portable_artifact, tiny_artifact, tmp_path):
+    from kvexport.replay import replay_command
+
+    baseline = set(isa.compiler_features(["-march=x86-64-v3"]))
+    recorded = json.loads((portable_artifact / "manifest.json").read_text())["isa"]
+    assert recorded["op_library"]["march"] == recorded["package"]["march"] == "x86-64-v3"
+    assert recorded["package"]["vec_isa"] == "AVX2"
+    for part in ("op_library", "package"):
+        assert set(recorded[part]["cpu_features"]) <= baseline, part
+    # The machine code itself: no AVX-512 instruction in the portable package, while the native
+    # one on an AVX-512 host has them (so the check can see them).
+    assert "zmm" not in _package_disassembly(portable_artifact / "model.pt2")
+    if "avx512f" in isa.host_flags():
+        assert "zmm" in _package_disassembly(tiny_artifact / "model.pt2")
+    shipped = portable_artifact / "lib" / "libkvexport_ops.so"
+    assert shipped.read_bytes() != OPS_LIBRARY.read_bytes()
+    # A fresh process loads the artifact's own op library and verifies the trace.
+    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(portable_artifact)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run(replay_command(portable_artifact, tmp_path / "replay.json"), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -31,6 +31,7 @@ std::vector<int64_t> to_vector(const at::Tensor& t, const char* what) {
 // Releases the calling thread's batch on `runtime`, if there is one: a request that failed
 // midway never keeps the runtime from other requests.
 void release_batch(const std::string& runtime) {
+  end_request_threads();
   try {
     runtime::find_runtime(runtime)->abort_batch();
   } catch (const std::exception&) {
@@ -91,6 +92,7 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
     const auto& plan = rt->begin_batch(to_vector(user_ids, "user_ids"), to_vector(token_ids, "token_ids"),
                                        to_vector(token_lengths, "token_lengths"),
                                        to_vector(num_candidates, "num_candidates"));
+    if (plan.cached_lengths_tensor.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
     return plan.cached_lengths_tensor.clone();
   });
 }
@@ -106,12 +108,13 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
   });
 }
 
-// `after` is never read: it is the request's final hidden states, so that end_batch depends on
-// every layer's output by data and no compiler can schedule it earlier. (Inductor on torch 2.13
+// `after` is never read: it is the request's logits, so that end_batch depends on every layer's
+// output by data and no compiler can schedule it earlier. (Inductor on torch 2.13
 // moved an end_batch ordered only by its ORDERED effect before begin_batch.)
 void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Tensor& after) {
   request_op(name, [&] {
     runtime::find_runtime(name)->end_batch(to_vector(user_ids, "user_ids"));
+    end_request_threads();
     return 0;
   });
 }
@@ -173,7 +176,7 @@ TORCH_LIBRARY(kvexport, m) {
   // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py). Each also depends on
   // the previous one by data: begin_batch's cached lengths select the rows every layer computes,
   // each layer's paged_attention (which stores the layer's new k/v, then attends) feeds the next
-  // layer, and end_batch takes the final states.
+  // layer, and end_batch takes the logits.
   m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
         "Tensor num_candidates) -> Tensor");
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "

@@ -27,6 +27,7 @@
 #include <thread>
 
 #include "replay/artifact.h"
+#include "replay/isa.h"
 #include "replay/requests.h"
 #include "replay/stderr_filter.h"
 
@@ -415,6 +416,12 @@ nlohmann::json make_report(const Manifest& manifest, const Options& options, int
 int run(const Options& options) {
   const auto manifest = read_manifest(options.artifact);
   const int files_checked = check_files(manifest);
+  // Before any of the artifact's machine code is loaded: code built for a feature this CPU lacks
+  // can die of SIGILL as soon as it runs.
+  if (const auto missing = missing_cpu_feature(manifest.json.value("isa", nlohmann::json::object()));
+      !missing.empty()) {
+    throw ReplayError(kUnusable, missing);
+  }
   load_libraries(manifest, options);
   const double atol = options.atol.value_or(manifest.atol), rtol = options.rtol.value_or(manifest.rtol);
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import kvexport
-from kvexport import artifact
+from kvexport import artifact, isa
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
 from kvexport.export.package import (check_package_ops, compile_package, graph_custom_ops,
@@ -27,7 +27,7 @@ from kvexport.export.package import (check_package_ops, compile_package, graph_c
 from kvexport.export.wrap import CachedRanker, export_cached
 from kvexport.io import exclusive_lock, remove_stale_staging, rename_no_replace
 from kvexport.model import SIGNATURE, build_model
-from kvexport.native import OPS_LIBRARY, OPS_LIBRARY_NAME
+from kvexport.native import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, build_native
 from kvexport.ops import library
 from kvexport.trace.record import record_trace
 
@@ -154,7 +154,13 @@ def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
 
 
 def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str) -> None:
-    stages = _Stages(total=5)
+    cpu_isa = config.serving.cpu_isa
+    package_configs = isa.inductor_configs(cpu_isa)  # refuses a baseline this torch cannot honour
+    stages = _Stages(total=5 if cpu_isa == NATIVE_ISA else 6)
+    shipped_library = OPS_LIBRARY
+    if cpu_isa != NATIVE_ISA:
+        with stages.stage("op library", f"the op library for {cpu_isa} (serving.cpu_isa; minutes the first time)"):
+            shipped_library = build_native(("kvexport_ops",), isa=cpu_isa)
     with stages.stage("model", f"{config.name} ({'checkpoint ' + str(checkpoint) if checkpoint else 'seeded init'})"):
         model = build_model(config, checkpoint)
         runtime_name = runtime_name_for(config, model)
@@ -169,6 +175,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     libraries = required_libraries(ops)
     tolerance = _tolerance(config, trace)
     weights = _weights(checkpoint)
+    cpu = isa.artifact_isa(cpu_isa, shipped_library)
     metadata = {
         "kvexport.version": kvexport.__version__,
         "kvexport.runtime_name": runtime_name,
@@ -180,18 +187,20 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         "kvexport.weights": json.dumps(weights),
         "kvexport.trace_digest": artifact.trace_digest(steps, trace_files),
         "kvexport.torch_version": torch.__version__,
+        "kvexport.isa": json.dumps(cpu),
     }
-    with stages.stage("compile", "AOTInductor compile and package"):
-        package = compile_package(program, staging / artifact.PACKAGE, metadata)
+    with stages.stage("compile", f"AOTInductor compile and package (CPU code for {cpu_isa})"):
+        package = compile_package(program, staging / artifact.PACKAGE, metadata, package_configs)
         package_ops = check_package_ops(package, ops)
     with stages.stage("manifest", "op library copy, sha256 of every file"):
         (staging / artifact.LIB_DIR).mkdir()
-        shutil.copy2(OPS_LIBRARY, staging / artifact.LIB_DIR / OPS_LIBRARY_NAME)
+        shutil.copy2(shipped_library, staging / artifact.LIB_DIR / OPS_LIBRARY_NAME)
         manifest = {
             "format_version": artifact.FORMAT_VERSION,
             "name": config.name,
             "runtime_name": runtime_name,
             "device": device,
+            "isa": cpu,
             "config": config.to_dict(),
             "runtime_config": json.loads(config.runtime_json()),
             "weights": weights,

@@ -33,11 +33,13 @@ def required_libraries(ops: Counter[str]) -> list[str]:
     return sorted({LIBRARIES[name.split("::")[0]] for name in ops})
 
 
-def compile_package(ep: ExportedProgram, path: Path, metadata: dict[str, str]) -> Path:
-    """aoti_compile_and_package with string metadata (read back by get_metadata in Python and C++)."""
+def compile_package(ep: ExportedProgram, path: Path, metadata: dict[str, str],
+                    inductor_configs: dict[str, object] | None = None) -> Path:
+    """aoti_compile_and_package with string metadata (read back by get_metadata in Python and C++)
+    and further inductor settings (kvexport.isa.inductor_configs)."""
     library.load()  # effects must be declared before compile too
     return Path(torch._inductor.aoti_compile_and_package(
-        ep, package_path=str(path), inductor_configs={"aot_inductor.metadata": metadata}
+        ep, package_path=str(path), inductor_configs={**(inductor_configs or {}), "aot_inductor.metadata": metadata}
     ))
 
 

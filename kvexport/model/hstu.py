@@ -209,9 +209,9 @@ class HSTURanker(nn.Module):
             u, v, q, k = layer.project(x)
             o = kv.paged_attention(runtime, i, q, k, v, self.alpha, 1.0 / self.scaling_seqlen)
             x = layer.finish(x, u, o)
-        candidate_states = x[: candidate_ids.shape[0]]
-        kv.end_batch(runtime, user_ids, candidate_states)
-        return self.score(candidate_states)
+        logits = self.score(x[: candidate_ids.shape[0]])
+        kv.end_batch(runtime, user_ids, logits)
+        return logits
 
 
 def _user_major_rows(token_lengths: torch.Tensor, num_candidates: torch.Tensor):

@@ -70,7 +70,7 @@ def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, 
 def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None:
     """Commits the request: the users' caches now hold their whole prefix.
 
-    `after` (the request's final states) is not read; it makes end_batch depend on every layer by data.
+    `after` (the request's logits) is not read; it makes end_batch depend on every layer by data.
     """
     _ops().end_batch(runtime, user_ids, after)
 

@@ -18,6 +18,7 @@ from kvexport.errors import RequestFailed, UserError
 from kvexport.artifact import TRACE_KEYS, Artifact, check_files, check_manifest_against_package, open_artifact
 from kvexport.export.package import read_package
 from kvexport.io import load_tensor_file
+from kvexport.isa import check_host
 from kvexport.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,14 @@ class VerifyReport:
 
 
 def check_integrity(artifact: Artifact) -> int:
-    """Every file against its manifest sha256, then the manifest against the package's metadata.
+    """Every file against its manifest sha256, this CPU against what the artifact requires, then the
+    manifest against the package's metadata (the C++ harness's order).
 
-    Returns how many files were checked; raises as check_files / check_manifest_against_package.
+    Returns how many files were checked; raises as check_files / check_host /
+    check_manifest_against_package.
     """
     files_checked = check_files(artifact)
+    check_host(artifact.manifest.get("isa", {}))
     check_manifest_against_package(artifact, read_package(artifact.package)[0])
     return files_checked
 
