@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "ops/paged_attention.h"
+#ifdef KVEXPORT_WITH_CUDA
+#include "ops/paged_attention_cuda.h"
+#endif
 #include "ops/request_check.h"
 #include "runtime/kv_runtime.h"
 
@@ -102,6 +105,12 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
   return request_op(name, [&] {
     return runtime::find_runtime(name)->with_layer(
         layer, k, v, [&](const runtime::BatchPlan& plan, const at::Tensor& layer_cache) {
+#ifdef KVEXPORT_WITH_CUDA
+          if (q.is_cuda()) {
+            return paged_attention_cuda(q, k, v, layer_cache, plan.page_table, plan.row_keys, plan.row_candidate,
+                                        plan.row_order, plan.tiles, plan.max_row_keys, alpha, inv_scaling_seqlen);
+          }
+#endif
           return paged_attention_cpu(q, k, v, layer_cache, plan.page_table, plan.row_user, plan.row_keys,
                                      plan.row_candidate, alpha, inv_scaling_seqlen);
         });
@@ -207,6 +216,18 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
   m.impl("end_batch", &end_batch);
   m.impl("hstu_paged_attention", &paged_attention_cpu);
 }
+
+#ifdef KVEXPORT_WITH_CUDA
+// The request ops are device-generic (the runtime lives on the device of the request's tensors);
+// only the attention kernel differs. hstu_paged_attention's CUDA kernel registers itself
+// (paged_attention_cuda.cu).
+TORCH_LIBRARY_IMPL(kvexport, CUDA, m) {
+  m.impl("check_request", &check_request_op);
+  m.impl("begin_batch", &begin_batch);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("end_batch", &end_batch);
+}
+#endif
 
 // Management ops take no tensors; CompositeExplicitAutograd makes them callable anywhere and
 // leaves room for their fakes.

@@ -137,7 +137,7 @@ struct Comparison {
 
 Comparison compare(const at::Tensor& output, const at::Tensor& expected, double atol, double rtol) {
   if (output.sizes() != expected.sizes()) return {INFINITY, INFINITY, false};
-  const auto diff = (output.to(at::kFloat) - expected.to(at::kFloat)).abs();
+  const auto diff = (output.to(at::kCPU).to(at::kFloat) - expected.to(at::kFloat)).abs();
   const auto scale = expected.to(at::kFloat).abs();
   Comparison c;
   c.passed = (diff <= atol + rtol * scale).all().item<bool>();
@@ -171,14 +171,15 @@ double percentile(std::vector<double> values, double q) {
   return values[std::min(index, values.size() - 1)];
 }
 
-// Loads every trace step once; inputs in the package's signature order.
+// Loads every trace step once; inputs in the package's signature order, on its device.
 struct LoadedStep {
   std::vector<at::Tensor> inputs;
   at::Tensor expected_cached, expected_full, expected_reference;
   std::string expect_error;
 };
 
-std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature) {
+std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature,
+                                   const c10::Device& device) {
   std::vector<LoadedStep> steps;
   for (const auto& step : manifest.steps) {
     auto tensors = load_step(manifest, step);
@@ -186,7 +187,7 @@ std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<s
     loaded.expect_error = step.expect_error;
     for (const auto& name : signature) {
       if (!tensors.count(name)) throw ReplayError(kUnusable, "trace file " + step.file + " lacks " + name);
-      loaded.inputs.push_back(tensors.at(name));
+      loaded.inputs.push_back(tensors.at(name).to(device));
     }
     if (loaded.expect_error.empty()) {
       loaded.expected_cached = tensors.at(trace_keys().expected_cached);
@@ -221,13 +222,14 @@ at::Tensor run_step(torch::inductor::AOTIModelPackageLoader& loader, const std::
   }
 }
 
-std::vector<std::vector<at::Tensor>> load_hostile(const fs::path& path, const std::vector<std::string>& signature) {
+std::vector<std::vector<at::Tensor>> load_hostile(const fs::path& path, const std::vector<std::string>& signature,
+                                                  const c10::Device& device) {
   std::vector<std::vector<at::Tensor>> requests;
   for (const auto& request : load_request_list(path)) {
     std::vector<at::Tensor> inputs;
     for (const auto& name : signature) {
       if (!request.count(name)) throw ReplayError(kUnusable, "a --hostile request lacks " + name);
-      inputs.push_back(request.at(name));
+      inputs.push_back(request.at(name).to(device));
     }
     requests.push_back(std::move(inputs));
   }
@@ -428,15 +430,17 @@ int run(const Options& options) {
   PrivateTempDir temp_dir;
   const auto loader = load_package(manifest, options.threads);
   auto metadata = loader->get_metadata();
-  for (const char* key : {"kvexport.runtime_name", "kvexport.signature", "kvexport.runtime_config"}) {
+  for (const char* key : {"kvexport.runtime_name", "kvexport.signature", "kvexport.runtime_config", "kvexport.device"}) {
     if (!metadata.count(key)) throw ReplayError(kUnusable, std::string("model.pt2 lacks the metadata ") + key);
   }
   check_manifest_against_package(manifest, metadata);
   const std::string runtime = metadata.at("kvexport.runtime_name");
   const auto signature = nlohmann::json::parse(metadata.at("kvexport.signature")).get<std::vector<std::string>>();
-  call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), c10::Device(c10::kCPU)});
-  Replay replay{*loader, runtime, load_trace(manifest, signature), {}, atol, rtol};
-  if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature);
+  // The package names its device; the runtime lives there and every request goes there.
+  const c10::Device device(metadata.at("kvexport.device"));
+  call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), device});
+  Replay replay{*loader, runtime, load_trace(manifest, signature, device), {}, atol, rtol};
+  if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature, device);
 
   std::vector<StepResult> results(replay.steps.size());
   for (int pass = 0; pass < options.repeat; ++pass) {

@@ -31,11 +31,27 @@ int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t
   return i;
 }
 
-at::Tensor to_device(const std::vector<int64_t>& values, at::Device device) {
-  return at::tensor(values, at::kLong).to(device);
-}
-
 }  // namespace
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vector<int64_t>& row_user,
+                                                                 int64_t tile_rows) {
+  std::vector<int64_t> row_order(row_user.size());
+  std::iota(row_order.begin(), row_order.end(), 0);
+  std::stable_sort(row_order.begin(), row_order.end(),
+                   [&](int64_t a, int64_t b) { return row_user[a] < row_user[b]; });
+  std::vector<int64_t> tiles;
+  for (size_t first = 0; first < row_order.size();) {
+    const int64_t user = row_user[row_order[first]];
+    size_t end = first;
+    while (end < row_order.size() && row_user[row_order[end]] == user &&
+           static_cast<int64_t>(end - first) < tile_rows) {
+      ++end;
+    }
+    tiles.insert(tiles.end(), {user, static_cast<int64_t>(first), static_cast<int64_t>(end - first)});
+    first = end;
+  }
+  return {std::move(row_order), std::move(tiles)};
+}
 
 const std::vector<std::string>& stat_names() {
   static const std::vector<std::string> names = {
@@ -287,15 +303,34 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
     }
   }
   plan_.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
+  plan_.max_row_keys = row_keys.empty() ? 0 : *std::max_element(row_keys.begin(), row_keys.end());
+  const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
+  // One host-to-device copy per request: every per-request tensor is a view of one buffer (pinned
+  // on CUDA, so the copy is asynchronous on the current stream).
+  const std::vector<const std::vector<int64_t>*> parts = {
+      &page_table, &row_user, &row_keys, &write_slots, &plan_.cached_lengths, &row_order, &tiles};
+  int64_t total = static_cast<int64_t>(row_candidate.size());
+  for (const auto* part : parts) total += static_cast<int64_t>(part->size());
   const auto device = cache_.device();
-  plan_.page_table = at::tensor(page_table, at::kLong).view({num_users, max_pages}).to(device);
-  plan_.row_user = to_device(row_user, device);
-  plan_.row_keys = to_device(row_keys, device);
-  plan_.row_candidate = at::tensor(std::vector<int64_t>(row_candidate.begin(), row_candidate.end()), at::kLong)
-                            .to(at::kBool)
-                            .to(device);
-  plan_.write_slots = to_device(write_slots, device);
-  plan_.cached_lengths_tensor = to_device(plan_.cached_lengths, device);
+  auto host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  int64_t* cursor = host.data_ptr<int64_t>();
+  for (const auto* part : parts) cursor = std::copy(part->begin(), part->end(), cursor);
+  std::copy(row_candidate.begin(), row_candidate.end(), cursor);
+  const auto uploaded = host.to(device, /*non_blocking=*/true);
+  int64_t offset = 0;
+  const auto next = [&](size_t count) {
+    auto view = uploaded.narrow(0, offset, static_cast<int64_t>(count));
+    offset += static_cast<int64_t>(count);
+    return view;
+  };
+  plan_.page_table = next(page_table.size()).view({num_users, max_pages});
+  plan_.row_user = next(row_user.size());
+  plan_.row_keys = next(row_keys.size());
+  plan_.write_slots = next(write_slots.size());
+  plan_.cached_lengths_tensor = next(plan_.cached_lengths.size());
+  plan_.row_order = next(row_order.size());
+  plan_.tiles = next(tiles.size()).view({-1, 3});
+  plan_.row_candidate = next(row_candidate.size()).ne(0);
 }
 
 const BatchPlan& KVRuntime::owned_batch() const {

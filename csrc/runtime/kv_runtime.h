@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "runtime/config.h"
@@ -62,7 +63,20 @@ struct BatchPlan {
   at::Tensor write_slots;    // [num_new_prefix_rows] int64, slot of each new prefix row in a layer's
                              // cache viewed as [pages * 2 * page_size, heads, head_dim] (k; v is +page_size)
   at::Tensor cached_lengths_tensor;  // [B] int64
+  // For kernels that work on tiles of one user's rows (CUDA): rows grouped by user, and tiles
+  // [T, 3] int64 of (user, first index into row_order, row count <= kAttentionTileRows).
+  at::Tensor row_order;  // [N] int64
+  at::Tensor tiles;      // [T, 3] int64
+  int64_t max_row_keys = 0;  // the most cached keys any row reads
 };
+
+// Rows per attention tile (one user's rows; the CUDA kernel's block).
+constexpr int64_t kAttentionTileRows = 64;
+
+// Rows grouped by user (stable) and cut into tiles of at most tile_rows rows of one user:
+// (row_order, tiles as flat (user, first index into row_order, count) triples).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vector<int64_t>& row_user,
+                                                                 int64_t tile_rows);
 
 class KVRuntime {
  public:

@@ -129,11 +129,14 @@ def _prepare_output(output: Path, force: bool):
 
 
 def _check_device(device: str, source: str) -> None:
-    """Refuses devices this release cannot serve, naming where the device came from."""
+    """Refuses devices this host cannot build for, naming where the device came from."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError(f"device cuda (from {source}): no CUDA device is visible to torch")
-        raise UserError(f"device cuda (from {source}): the op library has CPU kernels only in this version")
+        if not library.has_kernels_for("cuda"):
+            raise UserError(f"device cuda (from {source}): the op library was built without CUDA kernels "
+                            f"(its torch {torch.__version__} has no CUDA, or nvcc was missing); rebuild it with "
+                            "`python -m kvexport.native` where both are present")
 
 
 def _weights(checkpoint: Path | None) -> dict[str, str | int]:
@@ -149,7 +152,7 @@ def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
     digest = hashlib.sha256(config.runtime_json().encode())
     for key, tensor in model.state_dict().items():
         digest.update(key.encode())
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return f"{config.name}-{digest.hexdigest()[:12]}"
 
 
@@ -164,9 +167,10 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     with stages.stage("model", f"{config.name} ({'checkpoint ' + str(checkpoint) if checkpoint else 'seeded init'})"):
         model = build_model(config, checkpoint)
         runtime_name = runtime_name_for(config, model)
+        model = model.to(device)
         library.load()
-    with stages.stage("export", "torch.export of the KV-cached module"):
-        program = export_cached(CachedRanker(model, runtime_name), config)
+    with stages.stage("export", f"torch.export of the KV-cached module on {device}"):
+        program = export_cached(CachedRanker(model, runtime_name), config, device)
         ops = graph_custom_ops(program)
     with stages.stage("trace", "recording requests with eager cached, full-recompute and float32 reference outputs"):
         trace = record_trace(config, model, staging / artifact.TRACE_DIR)
@@ -179,6 +183,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     metadata = {
         "kvexport.version": kvexport.__version__,
         "kvexport.runtime_name": runtime_name,
+        "kvexport.device": device,
         "kvexport.runtime_config": config.runtime_json(),
         "kvexport.config": json.dumps(config.to_dict(), sort_keys=True),
         "kvexport.signature": json.dumps(list(SIGNATURE)),

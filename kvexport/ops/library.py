@@ -44,6 +44,12 @@ def load(path: Path = OPS_LIBRARY) -> Path:
         return path
 
 
+def has_kernels_for(device_type: str) -> bool:
+    """Whether the loaded op library has kernels for this device type ("cpu", "cuda")."""
+    load()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::paged_attention", device_type.upper())
+
+
 def stateful_op_names() -> list[str]:
     """Qualified names of the ops a cached-model graph must contain."""
     return [f"{NAMESPACE}::{name}" for name in STATEFUL_OPS]

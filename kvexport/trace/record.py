@@ -50,11 +50,17 @@ def _trace_workload(config: Config) -> Workload:
     return Workload(config.model, spec, seed=t.seed)
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 class _Script:
-    """Builds the step list while running the eager cached path, so eviction can be observed."""
+    """Builds the step list while running the eager cached path, so eviction can be observed.
+    Requests and outputs are kept on the CPU; the model runs on its own device."""
 
     def __init__(self, config: Config, model: HSTURanker, cache: KVCacheManager):
         self.config, self.model, self.cache = config, model, cache
+        self.device = model_device(model)
         self.workload = _trace_workload(config)
         self.steps: list[tuple[TraceStep, torch.Tensor | None]] = []
         self.next_user = 0
@@ -71,7 +77,7 @@ class _Script:
             requests.append(self.workload.request(user, self.config.trace.num_candidates))
         batch = Batch.concat(requests)
         with torch.no_grad():
-            cached = self.model.forward_cached(batch, self.cache.name)
+            cached = self.model.forward_cached(batch.to(self.device), self.cache.name).cpu()
         self.steps.append((TraceStep(description, batch), cached))
         self.progress.step()
 
@@ -86,7 +92,7 @@ class _Script:
         before = self.cache.stats()
         try:
             with torch.no_grad():
-                self.model.forward_cached(batch, self.cache.name)
+                self.model.forward_cached(batch.to(self.device), self.cache.name)
         except ValueError:
             if kv.last_error(self.cache.name)[0] != error:
                 raise
@@ -181,7 +187,8 @@ def max_abs_error(reference: torch.Tensor, *outputs: torch.Tensor) -> float:
 def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> RecordedTrace:
     """Runs the script, writes trace_dir/step_NNNN.pt and step_NNNN.reference.pt, returns the
     manifest's step list and the eager model's error against its float32 copy."""
-    cache = KVCacheManager(config, runtime_name=f"{config.name}@trace")
+    device = model_device(model)
+    cache = KVCacheManager(config, runtime_name=f"{config.name}@trace", device=device)
     cache.reset()
     try:
         steps = script_steps(config, model, cache)
@@ -201,7 +208,8 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
             entry[TRACE_KEYS["expect_error"]] = step.expect_error
         else:
             with torch.no_grad():
-                full, expected = model(step.batch), reference(step.batch)
+                request = step.batch.to(device)
+                full, expected = model(request).cpu(), reference(request).cpu()
             worst = max(worst, max_abs_error(expected, cached, full))
             tensors.update({EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()})
             # A file of its own: the step file's other keys are the request (kvexport.runner reads them so).
