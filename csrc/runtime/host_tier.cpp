@@ -18,7 +18,7 @@ int64_t HostTier::put(int64_t user_id, OffloadedUser user) {
     lru_.pop_front();
     ++evicted;
   }
-  if (pin_memory_ && user.pages.defined()) {
+  if (pin_memory_ && user.pages.defined() && !user.pages.is_pinned()) {
     user.pages = user.pages.pin_memory();
   }
   used_pages_ += pages;

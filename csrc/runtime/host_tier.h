@@ -3,9 +3,11 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <cstdint>
 #include <list>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -16,6 +18,9 @@ namespace kvexport::runtime {
 struct OffloadedUser {
   std::vector<int64_t> token_ids;  // tokens the k/v were computed from
   at::Tensor pages;                // [layers, num_pages, 2, page_size, heads, head_dim] on the host
+  // Set while `pages` may still be arriving from a CUDA device: recorded on the copy stream after
+  // the device-to-host copy. A stream that reads `pages` waits for it first.
+  std::shared_ptr<c10::Event> ready;
   int64_t num_pages() const { return pages.defined() ? pages.size(1) : 0; }
 };
 

@@ -3,6 +3,8 @@
 #include "runtime/python_gil.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <numeric>
@@ -74,6 +76,9 @@ KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
   cache_ = at::zeros({c.num_layers, c.device_pages, 2, c.page_size, c.num_heads, c.head_dim},
                      at::TensorOptions().dtype(parse_dtype(c.dtype)).device(device));
   offload_tier_ = std::make_unique<HostTier>(c.host_pages, device.is_cuda());
+  if (cache_.is_cuda()) {
+    copy_stream_ = c10::impl::VirtualGuardImpl(cache_.device().type()).getStreamFromGlobalPool(cache_.device());
+  }
   reset();
 }
 
@@ -258,9 +263,28 @@ at::Tensor KVRuntime::cached_pages(const UserEntry& entry) const {
   return cache_.index_select(1, index);  // [layers, num_pages, 2, page_size, H, dh]
 }
 
+at::Tensor KVRuntime::pages_to_host(const UserEntry& entry, std::shared_ptr<c10::Event>& ready) {
+  const auto pages = cached_pages(entry);  // a copy on the compute stream: the pages may be reused at once
+  if (!copy_stream_) return pages.to(at::kCPU);
+  const auto type = cache_.device().type();
+  c10::Event gathered(type);
+  gathered.record(c10::impl::VirtualGuardImpl(type).getStream(cache_.device()));
+  gathered.block(*copy_stream_);
+  auto host = at::empty(pages.sizes(), pages.options().device(at::kCPU).pinned_memory(true));
+  {
+    c10::StreamGuard on_copy_stream(*copy_stream_);
+    host.copy_(pages, /*non_blocking=*/true);
+  }
+  pages.record_stream(*copy_stream_);  // kept from reuse until the copy stream is done with it
+  ready = std::make_shared<c10::Event>(type);
+  ready->record(*copy_stream_);
+  return host;
+}
+
 void KVRuntime::offload(int64_t user_id, UserEntry entry) {
   if (!entry.token_ids.empty()) {
-    OffloadedUser user{entry.token_ids, cached_pages(entry).to(at::kCPU)};
+    OffloadedUser user{entry.token_ids, {}, nullptr};
+    user.pages = pages_to_host(entry, user.ready);
     const int64_t dropped = offload_tier_->put(user_id, std::move(user));
     counters_.host_evictions += dropped;
     if (offload_tier_->num_tokens(user_id)) ++counters_.offloads;
@@ -271,7 +295,26 @@ void KVRuntime::offload(int64_t user_id, UserEntry entry) {
 void KVRuntime::onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens) {
   const int64_t num_pages = config_.pages_for(num_tokens);
   auto index = at::tensor(entry.pages, at::kLong).to(cache_.device());
-  cache_.index_copy_(1, index, offloaded.pages.narrow(1, 0, num_pages).to(cache_.device(), /*non_blocking=*/true));
+  const auto source = offloaded.pages.narrow(1, 0, num_pages);
+  if (!copy_stream_) {
+    cache_.index_copy_(1, index, source.to(cache_.device()));
+  } else {
+    // Host to device on the copy stream (after the offload's own copy into host memory), then
+    // the compute stream waits for it before writing the pages.
+    const auto type = cache_.device().type();
+    const auto compute = c10::impl::VirtualGuardImpl(type).getStream(cache_.device());
+    if (offloaded.ready) offloaded.ready->block(*copy_stream_);
+    at::Tensor staged;
+    {
+      c10::StreamGuard on_copy_stream(*copy_stream_);
+      staged = source.to(cache_.device(), /*non_blocking=*/true);
+    }
+    staged.record_stream(compute);
+    c10::Event arrived(type);
+    arrived.record(*copy_stream_);
+    arrived.block(compute);
+    cache_.index_copy_(1, index, staged);
+  }
   entry.token_ids.assign(offloaded.token_ids.begin(), offloaded.token_ids.begin() + num_tokens);
   ++counters_.onboards;
 }
@@ -307,8 +350,10 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
   const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
   // One host-to-device copy per request: every per-request tensor is a view of one buffer (pinned
   // on CUDA, so the copy is asynchronous on the current stream).
+  std::vector<int64_t> value_slots(write_slots);
+  for (auto& slot : value_slots) slot += config_.page_size;  // a page holds its k rows, then its v rows
   const std::vector<const std::vector<int64_t>*> parts = {
-      &page_table, &row_user, &row_keys, &write_slots, &plan_.cached_lengths, &row_order, &tiles};
+      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &plan_.cached_lengths, &row_order, &tiles};
   int64_t total = static_cast<int64_t>(row_candidate.size());
   for (const auto* part : parts) total += static_cast<int64_t>(part->size());
   const auto device = cache_.device();
@@ -327,6 +372,7 @@ void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std:
   plan_.row_user = next(row_user.size());
   plan_.row_keys = next(row_keys.size());
   plan_.write_slots = next(write_slots.size());
+  plan_.value_slots = next(value_slots.size());
   plan_.cached_lengths_tensor = next(plan_.cached_lengths.size());
   plan_.row_order = next(row_order.size());
   plan_.tiles = next(tiles.size()).view({-1, 3});
@@ -356,7 +402,7 @@ void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Ten
   const auto new_k = k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
   const auto new_v = v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
   slots.index_copy_(0, plan.write_slots, new_k);
-  slots.index_copy_(0, plan.write_slots + config_.page_size, new_v);
+  slots.index_copy_(0, plan.value_slots, new_v);
 }
 
 void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -62,6 +63,7 @@ struct BatchPlan {
   at::Tensor row_candidate;  // [N] bool, true for candidate rows (they also read themselves)
   at::Tensor write_slots;    // [num_new_prefix_rows] int64, slot of each new prefix row in a layer's
                              // cache viewed as [pages * 2 * page_size, heads, head_dim] (k; v is +page_size)
+  at::Tensor value_slots;    // [num_new_prefix_rows] int64, write_slots + page_size: where the v rows go
   at::Tensor cached_lengths_tensor;  // [B] int64
   // For kernels that work on tiles of one user's rows (CUDA): rows grouped by user, and tiles
   // [T, 3] int64 of (user, first index into row_order, row count <= kAttentionTileRows).
@@ -138,6 +140,9 @@ class KVRuntime {
   void evict_lru_user(const std::unordered_map<int64_t, bool>& in_batch);
   void evict(std::unordered_map<int64_t, UserEntry>::iterator user);  // device tier -> offload tier
   at::Tensor cached_pages(const UserEntry& entry) const;  // the pages holding the entry's tokens
+  // The same, copied to host memory; on CUDA asynchronously, with `ready` set to the event that
+  // marks the copy done.
+  at::Tensor pages_to_host(const UserEntry& entry, std::shared_ptr<c10::Event>& ready);
   void offload(int64_t user_id, UserEntry entry);
   void onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens);
   void build_plan(const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates);
@@ -146,6 +151,8 @@ class KVRuntime {
   RuntimeConfig config_;
   at::Tensor cache_;
   std::unique_ptr<OffloadTier> offload_tier_;
+  // CUDA: offloads and onboards copy on this stream, ordered with the compute stream by events.
+  std::optional<c10::Stream> copy_stream_;
   std::vector<int64_t> free_pages_;
   std::unordered_map<int64_t, UserEntry> users_;
   Counters counters_;

@@ -35,8 +35,8 @@ def compare(output: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     """Elementwise |out - exp| <= atol + rtol * |exp|; max_rel is |out - exp| / (|exp| + atol)."""
     if output.shape != expected.shape:
         return Comparison(float("inf"), float("inf"), False)
-    diff = (output.float() - expected.float()).abs()
-    scale = expected.float().abs()
+    diff = (output.float().cpu() - expected.float().cpu()).abs()
+    scale = expected.float().cpu().abs()
     passed = bool((diff <= atol + rtol * scale).all())
     return Comparison(float(diff.max()) if diff.numel() else 0.0,
                       float((diff / (scale + atol)).max()) if diff.numel() else 0.0, passed)

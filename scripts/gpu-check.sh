@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One command for a GPU host: builds the native code with its CUDA kernels, runs the CUDA tests,
+# times the attention kernel, then builds, verifies, replays and soaks the tiny and the
+# kuairand-1k configs on the GPU and benchmarks them. Every step runs even if an earlier one
+# failed (unless it needs that one's artifact); each writes OUT/STEP.log, the JSON reports go to
+# OUT/, packages to OUT/artifacts/, and OUT/summary.txt says how each step ended.
+#   scripts/gpu-check.sh OUT [PYTHON] [--quick]
+# PYTHON: the interpreter that has torch with CUDA and kvexport importable (default python3).
+# --quick: the tiny config only (no kuairand-1k build, which takes minutes).
+# Exit 0 when every step passed, 1 otherwise, 2 on bad usage.
+set -uo pipefail
+if [[ $# -lt 1 || $# -gt 3 ]]; then
+  echo "usage: scripts/gpu-check.sh OUT [PYTHON] [--quick]" >&2
+  exit 2
+fi
+out=$1
+python=python3
+quick=0
+for arg in "${@:2}"; do
+  if [[ $arg == --quick ]]; then quick=1; else python=$arg; fi
+done
+cd "$(dirname "$0")/.."
+mkdir -p "$out/artifacts"
+: > "$out/summary.txt"
+failed=0
+
+# step NAME COMMAND...: runs COMMAND with its output in OUT/NAME.log and records how it ended.
+step() {
+  local name=$1 started status
+  shift
+  started=$(date +%s)
+  echo "[$(date +%H:%M:%S)] $name: $*"
+  if "$@" > "$out/$name.log" 2>&1; then
+    status=passed
+  else
+    status="FAILED (exit $?; see $name.log)"
+    failed=1
+  fi
+  echo "$name: $status in $(( $(date +%s) - started )) s" | tee -a "$out/summary.txt"
+  [[ $status == passed ]]
+}
+
+kvexport() { "$python" -m kvexport "$@"; }
+
+# package NAME CONFIG SOAK_REQUESTS: build, verify, replay and soak one config on the GPU.
+package() {
+  local name=$1 config=$2 requests=$3 artifact="$out/artifacts/$1"
+  step "build-$name" kvexport build "$config" -o "$artifact" --device cuda --force || return
+  step "verify-$name" kvexport verify "$artifact" --json "$out/verify-$name.json"
+  step "replay-$name" kvexport replay "$artifact" --json "$out/replay-$name.json"
+  step "soak-$name" kvexport soak "$artifact" --requests "$requests" --json "$out/soak-$name.json"
+}
+
+step native "$python" -m kvexport.native || exit 1
+"$python" - > "$out/environment.txt" 2>&1 <<'EOF'
+import platform, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())
+print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+EOF
+step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
+step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
+package tiny configs/hstu-tiny.yaml 500
+if [[ $quick == 0 ]]; then
+  package kuairand configs/hstu-kuairand-1k.yaml 500
+  step bench-kuairand kvexport bench "$out/artifacts/kuairand" --json "$out/bench-kuairand.json"
+fi
+exit $failed
