@@ -1,0 +1,740 @@
+// HSTU attention over the paged k/v cache on CUDA devices. Same function as paged_attention_cpu:
+// out[r] = sum_j SiLU(alpha q_r . k_j) * inv_scaling_seqlen * v_j over the row's cached keys (and
+// its own k/v for candidates), accumulated in fp32.
+//
+// Two kernels compute it:
+// - attention_mma_kernel (bf16/fp16, head_dim 32/64/128): a block is one tile of up to 64 rows of
+//   one user (4 warps x 16 rows) x one head x one chunk of keys. Blocks of 64 keys are copied from
+//   the user's pages into shared memory (cp.async, double-buffered) and multiplied on the tensor
+//   cores (mma.sync m16n8k16, fp32 accumulation), 32 keys at a time: S = Q K^T stays in registers,
+//   P = SiLU(alpha S) is rounded to bf16/fp16 and O += P V. Without softmax, key chunks are
+//   independent: when tiles x heads alone would not fill the GPU, the grid's third dimension
+//   splits each user's keys into chunks, each chunk writes fp32 partial sums, and combine_kernel
+//   adds them in chunk order (deterministic) with the candidates' self term and casts.
+// - attention_generic_kernel (everything else: float32, other head sizes): one warp per
+//   (row, head), lanes over head_dim, keys one by one, exact fp32.
+#include "ops/paged_attention_cuda.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "paged_attention_cuda.cu needs sm_80 or newer (cp.async, ldmatrix, bf16 mma.sync)"
+#endif
+
+namespace kvexport::ops {
+
+namespace {
+
+// row_order and tiles come as int32 (attention_tiles) or int64 (the runtime's plan).
+struct Indices {
+  const void* data;
+  bool wide;
+  __device__ int64_t operator[](int64_t i) const {
+    return wide ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
+  }
+};
+
+struct Params {
+  const void *q, *k, *v;
+  int64_t q_stride, k_stride, v_stride;  // elements between consecutive rows
+  const void* cache;                     // [pages, 2, page_size, heads, head_dim], contiguous
+  const int64_t* page_table;             // [users, max_pages]
+  const int64_t* row_keys;
+  const bool* row_candidate;
+  Indices row_order, tiles;
+  void* out;       // [rows, heads, head_dim], q's dtype
+  float* partial;  // [chunks, rows, heads, head_dim]; only when chunks > 1
+  int64_t rows, max_pages;
+  int heads, head_dim, page_size;
+  int chunks, chunk_keys;  // chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys); the last one all the rest
+  float alpha, inv_scaling;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Exact SiLU (expf, IEEE division; no fast math): the reference comparison of float32 and the
+// fp32 self term.
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// SiLU of the score tiles, whose result is rounded to bf16/fp16 (relative error 2^-9 / 2^-12)
+// right after: __expf (ex2.approx, at most 2 + 1.2 |x| ulp: about 1e-6 relative at |x| = 7) and
+// an approximate division are far inside that rounding, and the exact versions would cost more
+// issue slots than the tensor-core work of the tile.
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core path.
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTileRows = 16 * kWarps;  // rows of one block: 16 per warp (the mma's M)
+constexpr int kBlockKeys = 64;          // keys per shared-memory stage
+constexpr int kSubKeys = 32;            // keys per score tile in registers
+constexpr int64_t kMaxRowKeys = INT_MAX - kBlockKeys;  // key indices stay in int
+
+template <int kDim>
+struct MmaShape {
+  // Shared-memory rows are padded by 16 bytes: the 8 row addresses of one ldmatrix then fall in
+  // 8 different 16-byte bank groups (no conflicts).
+  static constexpr int kPitch = kDim + 8;
+  static constexpr int kStage = 2 * kBlockKeys * kPitch;  // K block then V block, in elements
+  static constexpr int kSmemBytes = 2 * kStage * 2;       // two stages of 16-bit elements
+};
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p))
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p))
+               : "memory");
+}
+
+// d += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as one register of two 16-bit values (lo in the low half: the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t bits);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t bits) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t bits) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+__device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_cast<const uint32_t*>(p); }
+
+// Grid (tiles, heads, chunks). Fragment layouts are those of mma.m16n8k16 (PTX ISA): lane = 4 g + t
+// holds rows g and g + 8, columns 2t and 2t + 1 of each 8-column accumulator tile.
+template <typename T, int kDim>
+__global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p) {
+  using Shape = MmaShape<kDim>;
+  constexpr int kPitch = Shape::kPitch;
+  constexpr int kSteps = kDim / 16;        // k-steps of Q K^T, pairs of 8-wide tiles of P V
+  constexpr int kPieces = kDim / 8;        // 16-byte pieces of one token's head slice
+  constexpr int kKeysPerPass = kThreads / kPieces;
+  static_assert(kDim % 16 == 0 && kThreads % kPieces == 0 && kBlockKeys % kKeysPerPass == 0);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const smem = reinterpret_cast<T*>(smem_raw);
+  __shared__ int64_t tile_row[kTileRows];
+  __shared__ int tile_keys[kTileRows];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y, chunk = blockIdx.z;
+  const int64_t user = p.tiles[3 * int64_t(blockIdx.x)];
+  const int64_t first = p.tiles[3 * int64_t(blockIdx.x) + 1];
+  const int64_t count = p.tiles[3 * int64_t(blockIdx.x) + 2];
+  const int64_t* pages = p.page_table + user * p.max_pages;
+  const int64_t token_stride = int64_t(p.heads) * kDim;  // between slots of a page
+  const int64_t page_stride = 2 * p.page_size * token_stride;
+  const int64_t value_offset = p.page_size * token_stride;
+  const T* const cache = static_cast<const T*>(p.cache) + h * kDim;
+  const T* const q = static_cast<const T*>(p.q);
+  const T* const k = static_cast<const T*>(p.k);
+  const T* const v = static_cast<const T*>(p.v);
+
+  for (int64_t base = 0; base < count; base += kTileRows) {
+    if (threadIdx.x < kTileRows) {
+      const int64_t i = base + threadIdx.x;
+      const int64_t row = i < count ? p.row_order[first + i] : -1;
+      tile_row[threadIdx.x] = row;
+      tile_keys[threadIdx.x] =
+          row < 0 ? 0 : int(p.row_keys[row] < kMaxRowKeys ? p.row_keys[row] : kMaxRowKeys);
+    }
+    __syncthreads();
+    const int tile_max = __reduce_max_sync(0xffffffffu, max(tile_keys[lane], tile_keys[lane + 32]));
+    const int warp_max = __reduce_max_sync(0xffffffffu, tile_keys[16 * warp + lane % 16]);
+    const int start = chunk * p.chunk_keys;
+    const int end = chunk == p.chunks - 1 ? tile_max : min(tile_max, start + p.chunk_keys);
+    // With one chunk every block writes its rows' output (rows without keys included); with
+    // several, combine_kernel reads only the chunks that hold some of a row's keys.
+    if (p.chunks == 1 || start < end) {
+      const int64_t row0 = tile_row[16 * warp + g], row1 = tile_row[16 * warp + g + 8];
+      const int limit0 = min(tile_keys[16 * warp + g], end), limit1 = min(tile_keys[16 * warp + g + 8], end);
+      const int warp_end = min(warp_max, end);
+
+      // This warp's 16 rows of Q as A fragments, kept in registers for the whole chunk.
+      uint32_t qf[kSteps][4];
+      const T* const q0 = q + (row0 < 0 ? 0 : row0 * p.q_stride) + h * kDim + 2 * t;
+      const T* const q1 = q + (row1 < 0 ? 0 : row1 * p.q_stride) + h * kDim + 2 * t;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        qf[s][0] = row0 >= 0 ? load_pair(q0 + 16 * s) : 0u;
+        qf[s][1] = row1 >= 0 ? load_pair(q1 + 16 * s) : 0u;
+        qf[s][2] = row0 >= 0 ? load_pair(q0 + 16 * s + 8) : 0u;
+        qf[s][3] = row1 >= 0 ? load_pair(q1 + 16 * s + 8) : 0u;
+      }
+      float acc[2 * kSteps][4];
+#pragma unroll
+      for (int n = 0; n < 2 * kSteps; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+      // Keys [first_key, first_key + kBlockKeys) of the user's pages into stage `stage`; keys at
+      // or past `end` are zero-filled, so that P = 0 never meets a stale (possibly NaN) value.
+      const int piece = threadIdx.x % kPieces;
+      const auto load_block = [&](int stage, int first_key) {
+        T* const k_s = smem + stage * Shape::kStage;
+        T* const v_s = k_s + kBlockKeys * kPitch;
+#pragma unroll
+        for (int pass = 0; pass < kBlockKeys / kKeysPerPass; ++pass) {
+          const int key = threadIdx.x / kPieces + pass * kKeysPerPass;
+          const int j = first_key + key;
+          const bool valid = j < end;
+          const T* src = cache;
+          if (valid) src = cache + pages[j / p.page_size] * page_stride + (j % p.page_size) * token_stride + 8 * piece;
+          cp_async_16(k_s + key * kPitch + 8 * piece, src, valid);
+          cp_async_16(v_s + key * kPitch + 8 * piece, valid ? src + value_offset : cache, valid);
+        }
+      };
+
+      const int num_blocks = start < end ? (end - start + kBlockKeys - 1) / kBlockKeys : 0;
+      if (num_blocks > 0) load_block(0, start);
+      cp_async_commit();
+      for (int b = 0; b < num_blocks; ++b) {
+        const int first_key = start + b * kBlockKeys;
+        if (b + 1 < num_blocks) load_block((b + 1) % 2, first_key + kBlockKeys);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (first_key < warp_end) {
+          const T* const k_s = smem + (b % 2) * Shape::kStage;
+          const T* const v_s = k_s + kBlockKeys * kPitch;
+          // 32 keys at a time: fewer score registers live at once.
+#pragma unroll
+          for (int sub = 0; sub < kBlockKeys / kSubKeys; ++sub) {
+            const int key0 = kSubKeys * sub;
+            // S = Q K^T: 16 rows x 32 keys, as 4 accumulator tiles of 8 keys.
+            float s[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+              for (int pair = 0; pair < 2; ++pair) {
+                // Matrices: keys +0..7 / +8..15 x dims +0..7 / +8..15 of this step: B of two key tiles.
+                uint32_t kb[4];
+                ldmatrix_x4(kb, k_s + (key0 + 16 * pair + (lane & 7) + ((lane >> 4) << 3)) * kPitch + 16 * step +
+                                    ((lane >> 3) & 1) * 8);
+                mma_16816<T>(s[2 * pair], qf[step], kb[0], kb[1]);
+                mma_16816<T>(s[2 * pair + 1], qf[step], kb[2], kb[3]);
+              }
+            }
+            // P = SiLU(alpha S), masked per row, as A fragments (16 rows x 16 keys each) of P V.
+            // inv_scaling_seqlen is applied to O once at the end: P stays O(1), clear of fp16's
+            // subnormal range.
+            uint32_t pf[2][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+              const int j = first_key + key0 + 8 * n + 2 * t;
+              const float w0 = j < limit0 ? silu_fast(p.alpha * s[n][0]) : 0.0f;
+              const float w1 = j + 1 < limit0 ? silu_fast(p.alpha * s[n][1]) : 0.0f;
+              const float w2 = j < limit1 ? silu_fast(p.alpha * s[n][2]) : 0.0f;
+              const float w3 = j + 1 < limit1 ? silu_fast(p.alpha * s[n][3]) : 0.0f;
+              pf[n / 2][2 * (n % 2)] = pack2<T>(w0, w1);
+              pf[n / 2][2 * (n % 2) + 1] = pack2<T>(w2, w3);
+            }
+            // O += P V: V's rows are keys, so its B fragments come transposed (ldmatrix .trans).
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+              for (int pair = 0; pair < kSteps; ++pair) {
+                uint32_t vb[4];
+                ldmatrix_x4_trans(vb, v_s + (key0 + 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kPitch +
+                                          16 * pair + (lane >> 4) * 8);
+                mma_16816<T>(acc[2 * pair], pf[kk], vb[0], vb[1]);
+                mma_16816<T>(acc[2 * pair + 1], pf[kk], vb[2], vb[3]);
+              }
+            }
+          }
+        }
+        __syncthreads();  // the stage just read is refilled by the next iteration
+      }
+
+      // Epilogue. Thread (g, t) holds dims 8 n + 2 t, +1 of rows g (acc[n][0..1]) and g + 8
+      // (acc[n][2..3]); its Q fragments hold q at exactly those dims.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = half == 0 ? row0 : row1;
+        if (p.chunks == 1) {
+          // The candidate's own key, in fp32 from the inputs: a dot product over the 4 lanes of the row.
+          const bool self = row >= 0 && p.row_candidate[row];
+          const T* const k_row = k + (self ? row * p.k_stride : 0) + h * kDim + 2 * t;
+          const T* const v_row = v + (self ? row * p.v_stride : 0) + h * kDim + 2 * t;
+          float dot = 0.0f;
+          if (self) {
+#pragma unroll
+            for (int n = 0; n < 2 * kSteps; ++n) {
+              const float2 qv = unpack2<T>(qf[n / 2][2 * (n % 2) + half]);
+              const float2 kv = unpack2<T>(load_pair(k_row + 8 * n));
+              dot += qv.x * kv.x + qv.y * kv.y;
+            }
+          }
+          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+          if (row >= 0) {
+            const float w = self ? silu(p.alpha * dot) * p.inv_scaling : 0.0f;
+            T* const o = static_cast<T*>(p.out) + (row * p.heads + h) * kDim + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 2 * kSteps; ++n) {
+              float o0 = acc[n][2 * half] * p.inv_scaling, o1 = acc[n][2 * half + 1] * p.inv_scaling;
+              if (self) {
+                const float2 vv = unpack2<T>(load_pair(v_row + 8 * n));
+                o0 += w * vv.x;
+                o1 += w * vv.y;
+              }
+              *reinterpret_cast<uint32_t*>(o + 8 * n) = pack2<T>(o0, o1);
+            }
+          }
+        } else if (row >= 0) {
+          float* const o = p.partial + ((chunk * p.rows + row) * p.heads + h) * kDim + 2 * t;
+#pragma unroll
+          for (int n = 0; n < 2 * kSteps; ++n) {
+            *reinterpret_cast<float2*>(o + 8 * n) =
+                make_float2(acc[n][2 * half] * p.inv_scaling, acc[n][2 * half + 1] * p.inv_scaling);
+          }
+        }
+      }
+    }
+    __syncthreads();  // tile_row and tile_keys are rewritten for the next 64 rows
+  }
+}
+
+// Adds the key chunks' partial sums in chunk order and the candidates' self term; one warp per
+// (row, head).
+template <typename T>
+__global__ void combine_kernel(const Params p) {
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= p.rows * p.heads) return;
+  const int64_t row = item / p.heads;
+  const int h = int(item % p.heads);
+  const int dim = p.head_dim;
+  const int64_t keys = p.row_keys[row];
+  const int64_t chunks_read = (keys + p.chunk_keys - 1) / p.chunk_keys;
+  const int used = keys <= 0 ? 0 : int(chunks_read < p.chunks ? chunks_read : p.chunks);
+  const T* const v_row = static_cast<const T*>(p.v) + row * p.v_stride + h * dim;
+  const bool self = p.row_candidate[row];
+  float w = 0.0f;
+  if (self) {
+    const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * dim;
+    const T* const k_row = static_cast<const T*>(p.k) + row * p.k_stride + h * dim;
+    float dot = 0.0f;
+    for (int d = lane; d < dim; d += 32) dot += to_float(q_row[d]) * to_float(k_row[d]);
+    w = silu(p.alpha * warp_sum(dot)) * p.inv_scaling;
+  }
+  const int64_t chunk_stride = p.rows * p.heads * dim;
+  const float* const partial = p.partial + item * dim;
+  T* const o = static_cast<T*>(p.out) + item * dim;
+  for (int d = lane; d < dim; d += 32) {
+    float sum = 0.0f;
+    for (int c = 0; c < used; ++c) sum += partial[c * chunk_stride + d];
+    if (self) sum += w * to_float(v_row[d]);
+    o[d] = from_float<T>(sum);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generic path: one warp per (row, head), lanes over head_dim; the row's q and accumulator live
+// in shared memory, each lane touching only its own dims.
+
+constexpr int kGenericWarps = 8;
+constexpr int kGenericRowGroups = 8;  // grid.z: rows of a tile spread over 8 blocks of 8 warps
+
+template <typename T>
+__device__ __forceinline__ void attend_key(const float* q_s, float* acc_s, const T* key, const T* value, int dim,
+                                           int lane, float alpha, float inv_scaling) {
+  float dot = 0.0f;
+  for (int d = lane; d < dim; d += 32) dot += q_s[d] * to_float(key[d]);
+  const float w = silu(alpha * warp_sum(dot)) * inv_scaling;
+  for (int d = lane; d < dim; d += 32) acc_s[d] += w * to_float(value[d]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(const Params p) {
+  extern __shared__ float generic_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dim = p.head_dim, h = blockIdx.y;
+  float* const q_s = generic_smem + 2 * warp * dim;
+  float* const acc_s = q_s + dim;
+  const int64_t user = p.tiles[3 * int64_t(blockIdx.x)];
+  const int64_t first = p.tiles[3 * int64_t(blockIdx.x) + 1];
+  const int64_t count = p.tiles[3 * int64_t(blockIdx.x) + 2];
+  const int64_t* pages = p.page_table + user * p.max_pages;
+  const int64_t token_stride = int64_t(p.heads) * dim;
+  const int64_t page_stride = 2 * p.page_size * token_stride;
+  const int64_t value_offset = p.page_size * token_stride;
+  const T* const cache = static_cast<const T*>(p.cache) + h * dim;
+  for (int64_t i = int64_t(blockIdx.z) * kGenericWarps + warp; i < count; i += int64_t(gridDim.z) * kGenericWarps) {
+    const int64_t row = p.row_order[first + i];
+    const int64_t keys = p.row_keys[row];
+    const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * dim;
+    for (int d = lane; d < dim; d += 32) {
+      q_s[d] = to_float(q_row[d]);
+      acc_s[d] = 0.0f;
+    }
+    for (int64_t page_first = 0; page_first < keys; page_first += p.page_size) {  // page by page
+      const T* const page = cache + pages[page_first / p.page_size] * page_stride;
+      const int64_t in_page = keys - page_first < p.page_size ? keys - page_first : p.page_size;
+      for (int64_t slot = 0; slot < in_page; ++slot) {
+        const T* const key = page + slot * token_stride;
+        attend_key(q_s, acc_s, key, key + value_offset, dim, lane, p.alpha, p.inv_scaling);
+      }
+    }
+    if (p.row_candidate[row]) {
+      attend_key(q_s, acc_s, static_cast<const T*>(p.k) + row * p.k_stride + h * dim,
+                 static_cast<const T*>(p.v) + row * p.v_stride + h * dim, dim, lane, p.alpha, p.inv_scaling);
+    }
+    T* const o = static_cast<T*>(p.out) + (row * p.heads + h) * dim;
+    for (int d = lane; d < dim; d += 32) o[d] = from_float<T>(acc_s[d]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+constexpr int64_t kMinChunkKeys = 512;  // a chunk streams at least 8 key blocks: Q loads and the epilogue amortise
+constexpr int kMaxDevices = 64;
+
+// Blocks of attention_mma_kernel<T, kDim> resident on the whole device at once, cached per
+// device (the queries are driver calls; neither synchronises).
+template <typename T, int kDim>
+int64_t resident_blocks(int device) {
+  static std::array<std::atomic<int64_t>, kMaxDevices> cached{};
+  if (device < kMaxDevices) {
+    if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
+  }
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_mma_kernel<T, kDim>, kThreads,
+                                                               MmaShape<kDim>::kSmemBytes));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t blocks = std::max<int64_t>(int64_t(per_sm) * sms, 1);
+  if (device < kMaxDevices) cached[device].store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
+template <typename T, int kDim>
+void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
+  const auto kernel = attention_mma_kernel<T, kDim>;
+  constexpr int smem = MmaShape<kDim>::kSmemBytes;
+  // Set on every launch: the attribute belongs to the device current at the time.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t slots = resident_blocks<T, kDim>(q.get_device());
+  // Split the keys so that (tiles x heads x chunks) blocks fill one wave of resident blocks
+  // (a partial second wave would cost a whole block's time), with chunks of at least
+  // kMinChunkKeys keys. Enough tiles alone (large batches) need no split and no workspace.
+  const int64_t work = num_tiles * p.heads;
+  int64_t chunks = std::clamp<int64_t>(slots / work, 1, std::max<int64_t>(1, max_keys / kMinChunkKeys));
+  const int64_t per_chunk = (std::max<int64_t>(max_keys, 1) + chunks - 1) / chunks;
+  const int64_t chunk_keys = (per_chunk + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
+  chunks = std::max<int64_t>(1, (max_keys + chunk_keys - 1) / chunk_keys);
+  TORCH_CHECK(chunks <= 65535 && chunk_keys <= std::numeric_limits<int>::max() / 2,
+              "paged_attention: ", max_keys, " keys are too many");
+  p.chunks = int(chunks);
+  p.chunk_keys = int(chunk_keys);
+  at::Tensor partial;
+  if (chunks > 1) {
+    partial = at::empty({chunks, p.rows, p.heads, kDim}, q.options().dtype(at::kFloat));
+    p.partial = partial.data_ptr<float>();
+  }
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), unsigned(chunks)), kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (chunks > 1) {
+    constexpr int kCombineThreads = 256;
+    const int64_t warps = p.rows * p.heads;
+    const int64_t blocks = (warps * 32 + kCombineThreads - 1) / kCombineThreads;
+    combine_kernel<T><<<unsigned(blocks), kCombineThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename T>
+void launch_generic(const Params& p, int64_t num_tiles, cudaStream_t stream) {
+  const auto kernel = attention_generic_kernel<T>;
+  const int64_t smem = int64_t(2) * kGenericWarps * p.head_dim * sizeof(float);
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  }
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), kGenericRowGroups), 32 * kGenericWarps, size_t(smem),
+           stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+bool try_launch_mma(const Params& p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 32: launch_mma<T, 32>(p, num_tiles, max_keys, q, stream); return true;
+    case 64: launch_mma<T, 64>(p, num_tiles, max_keys, q, stream); return true;
+    case 128: launch_mma<T, 128>(p, num_tiles, max_keys, q, stream); return true;
+    default: return false;
+  }
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// q, k, v may be row slices of a wider tensor (the model's fused projection): rows strided, each
+// row's [H, dh] dense. Any other layout is copied.
+at::Tensor dense_rows(const at::Tensor& t) {
+  const bool dense = (t.size(2) <= 1 || t.stride(2) == 1) && (t.size(1) <= 1 || t.stride(1) == t.size(2));
+  return dense ? t : t.contiguous();
+}
+
+}  // namespace
+
+AttentionTiles attention_tiles(const std::vector<int64_t>& row_user, int64_t tile_rows, at::Device device) {
+  TORCH_CHECK(tile_rows > 0, "paged_attention: tile_rows must be positive, got ", tile_rows);
+  const int64_t rows = static_cast<int64_t>(row_user.size());
+  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), "paged_attention: ", rows, " rows are too many");
+  std::vector<int32_t> order(rows);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return row_user[a] < row_user[b]; });
+  std::vector<int32_t> tiles;
+  for (int64_t first = 0; first < rows;) {
+    const int64_t user = row_user[order[first]];
+    int64_t end = first + 1;
+    while (end < rows && end - first < tile_rows && row_user[order[end]] == user) ++end;
+    TORCH_CHECK(user >= 0 && user <= std::numeric_limits<int32_t>::max(), "paged_attention: user ", user,
+                " out of range");
+    tiles.insert(tiles.end(), {int32_t(user), int32_t(first), int32_t(end - first)});
+    first = end;
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
+  auto host = at::empty({rows + 3 * num_tiles}, at::TensorOptions().dtype(at::kInt).pinned_memory(device.is_cuda()));
+  int32_t* out = host.data_ptr<int32_t>();
+  std::copy(tiles.begin(), tiles.end(), std::copy(order.begin(), order.end(), out));
+  const auto uploaded = device.is_cpu() ? host : host.to(device, /*non_blocking=*/true);
+  return {uploaded.narrow(0, 0, rows), uploaded.narrow(0, rows, 3 * num_tiles).view({num_tiles, 3})};
+}
+
+at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& row_keys,
+                                const at::Tensor& row_candidate, const at::Tensor& row_order, const at::Tensor& tiles,
+                                int64_t max_keys, double alpha, double inv_scaling_seqlen) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.sizes() == k_in.sizes() && q_in.sizes() == v_in.sizes(), "paged_attention: q ",
+              q_in.sizes(), ", k ", k_in.sizes(), ", v ", v_in.sizes(), " must be equal [N, H, dh]");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(3) == q_in.size(1) &&
+                  cache.size(4) == q_in.size(2) && cache.size(2) > 0,
+              "paged_attention: cache ", cache.sizes(), " does not fit q ", q_in.sizes());
+  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type() &&
+                  cache.scalar_type() == q_in.scalar_type(),
+              "paged_attention: q, k, v and cache must have one dtype, got ", q_in.scalar_type(), ", ",
+              k_in.scalar_type(), ", ", v_in.scalar_type(), ", ", cache.scalar_type());
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "paged_attention: dtype must be float32, bfloat16 or float16, got ", dtype);
+  const int64_t rows = q_in.size(0);
+  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong,
+              "paged_attention: page_table must be [B, max_pages] int64, got ", page_table.sizes(), " ",
+              page_table.scalar_type());
+  TORCH_CHECK(row_keys.dim() == 1 && row_keys.size(0) == rows && row_keys.scalar_type() == at::kLong,
+              "paged_attention: row_keys must be [N] int64, got ", row_keys.sizes(), " ", row_keys.scalar_type());
+  TORCH_CHECK(row_candidate.dim() == 1 && row_candidate.size(0) == rows && row_candidate.scalar_type() == at::kBool,
+              "paged_attention: row_candidate must be [N] bool, got ", row_candidate.sizes(), " ",
+              row_candidate.scalar_type());
+  TORCH_CHECK(row_order.dim() == 1 && row_order.size(0) == rows && tiles.dim() == 2 && tiles.size(1) == 3,
+              "paged_attention: row_order ", row_order.sizes(), " and tiles ", tiles.sizes(),
+              " must be [N] and [T, 3]");
+  TORCH_CHECK((row_order.scalar_type() == at::kInt || row_order.scalar_type() == at::kLong) &&
+                  tiles.scalar_type() == row_order.scalar_type(),
+              "paged_attention: row_order and tiles must both be int32 or both int64, got ", row_order.scalar_type(),
+              " and ", tiles.scalar_type());
+  TORCH_CHECK(rows == 0 || tiles.size(0) > 0, "paged_attention: no tiles for ", rows, " rows");
+  TORCH_CHECK(q_in.is_cuda(), "paged_attention: this kernel runs on CUDA, got ", q_in.device());
+  for (const at::Tensor* t : {&k_in, &v_in, &cache, &page_table, &row_keys, &row_candidate, &row_order, &tiles}) {
+    TORCH_CHECK(t->device() == q_in.device(), "paged_attention: every input must be on ", q_in.device(), ", got ",
+                t->device());
+  }
+  for (const at::Tensor* t : {&cache, &page_table, &row_keys, &row_candidate, &row_order, &tiles}) {
+    TORCH_CHECK(t->is_contiguous(), "paged_attention: cache, page_table and the row tensors must be contiguous");
+  }
+  TORCH_CHECK(q_in.size(1) <= 65535 && tiles.size(0) <= std::numeric_limits<int32_t>::max(),
+              "paged_attention: too many heads or tiles");
+  TORCH_CHECK(max_keys >= 0, "paged_attention: max_keys must be >= 0, got ", max_keys);
+
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
+  auto out = at::empty({rows, q.size(1), q.size(2)}, q.options());
+  if (out.numel() == 0) return out;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  Params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_stride = q.stride(0);
+  p.k_stride = k.stride(0);
+  p.v_stride = v.stride(0);
+  p.cache = cache.data_ptr();
+  p.page_table = page_table.data_ptr<int64_t>();
+  p.row_keys = row_keys.data_ptr<int64_t>();
+  p.row_candidate = row_candidate.data_ptr<bool>();
+  const bool wide = row_order.scalar_type() == at::kLong;
+  p.row_order = {row_order.data_ptr(), wide};
+  p.tiles = {tiles.data_ptr(), wide};
+  p.out = out.data_ptr();
+  p.rows = rows;
+  p.max_pages = page_table.size(1);
+  p.heads = int(q.size(1));
+  p.head_dim = int(q.size(2));
+  p.page_size = int(cache.size(2));
+  p.chunks = 1;
+  p.chunk_keys = 1;
+  p.alpha = float(alpha);
+  p.inv_scaling = float(inv_scaling_seqlen);
+  const int64_t num_tiles = tiles.size(0);
+
+  // The tensor-core kernel reads q/k/v in pairs (4-byte aligned rows) and the cache in 16-byte pieces.
+  const bool pairs_aligned = aligned(p.q, 4) && aligned(p.k, 4) && aligned(p.v, 4) && p.q_stride % 2 == 0 &&
+                             p.k_stride % 2 == 0 && p.v_stride % 2 == 0;
+  const bool mma_ok = pairs_aligned && aligned(p.cache, 16);
+  switch (dtype) {
+    case at::kBFloat16:
+      if (!(mma_ok && try_launch_mma<__nv_bfloat16>(p, num_tiles, max_keys, q, stream))) {
+        launch_generic<__nv_bfloat16>(p, num_tiles, stream);
+      }
+      break;
+    case at::kHalf:
+      if (!(mma_ok && try_launch_mma<__half>(p, num_tiles, max_keys, q, stream))) {
+        launch_generic<__half>(p, num_tiles, stream);
+      }
+      break;
+    default:
+      launch_generic<float>(p, num_tiles, stream);
+      break;
+  }
+  return out;
+}
+
+namespace {
+
+constexpr int64_t kOpTileRows = 64;
+
+// kvexport::hstu_paged_attention on CUDA: the pure op, for tests and benchmarks. Unlike the
+// runtime's path it reads the row metadata on the host (a synchronising copy) to build the tiles
+// and to check every index, as the CPU kernel does.
+at::Tensor hstu_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cache, const at::Tensor& page_table,
+                                     const at::Tensor& row_user, const at::Tensor& row_keys,
+                                     const at::Tensor& row_candidate, double alpha, double inv_scaling_seqlen) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "paged_attention: q must be [N, H, dh] and cache 5-D, got ",
+              q.sizes(), " and ", cache.sizes());
+  TORCH_CHECK(row_user.dim() == 1 && row_user.size(0) == q.size(0) && row_keys.dim() == 1 &&
+                  row_keys.size(0) == q.size(0) && row_candidate.dim() == 1 && row_candidate.size(0) == q.size(0),
+              "paged_attention: row metadata has ", row_user.sizes(), ", ", row_keys.sizes(), ", ",
+              row_candidate.sizes(), " rows, q has ", q.size(0));
+  TORCH_CHECK(page_table.dim() == 2, "paged_attention: page_table must be [B, max_pages], got ", page_table.sizes());
+  const auto users = row_user.to(at::kCPU, at::kLong).contiguous();
+  const auto keys = row_keys.to(at::kCPU, at::kLong).contiguous();
+  const auto pages = page_table.to(at::kCPU, at::kLong).contiguous();
+  const int64_t num_pages = cache.size(0), capacity = page_table.size(1) * cache.size(2);
+  for (int64_t i = 0; i < pages.numel(); ++i) {
+    const int64_t page = pages.data_ptr<int64_t>()[i];
+    TORCH_CHECK(page >= 0 && page < num_pages, "paged_attention: page ", page, " outside 0..", num_pages - 1);
+  }
+  int64_t max_keys = 0;
+  for (int64_t r = 0; r < q.size(0); ++r) {
+    const int64_t user = users.data_ptr<int64_t>()[r], num_keys = keys.data_ptr<int64_t>()[r];
+    TORCH_CHECK(user >= 0 && user < page_table.size(0), "paged_attention: row ", r, " user ", user, " outside 0..",
+                page_table.size(0) - 1);
+    TORCH_CHECK(num_keys >= 0 && num_keys <= capacity, "paged_attention: row ", r, " reads ", num_keys,
+                " keys, the page table holds ", capacity);
+    max_keys = std::max(max_keys, num_keys);
+  }
+  const std::vector<int64_t> user_list(users.data_ptr<int64_t>(), users.data_ptr<int64_t>() + users.numel());
+  const auto tiles = attention_tiles(user_list, kOpTileRows, q.device());
+  return paged_attention_cuda(q, k, v, cache.contiguous(), page_table.to(at::kLong).contiguous(),
+                              row_keys.to(at::kLong).contiguous(), row_candidate.to(at::kBool).contiguous(),
+                              tiles.row_order, tiles.tiles, max_keys, alpha, inv_scaling_seqlen);
+}
+
+}  // namespace
+
+}  // namespace kvexport::ops
+
+TORCH_LIBRARY_IMPL(kvexport, CUDA, m) { m.impl("hstu_paged_attention", &kvexport::ops::hstu_paged_attention_cuda); }
