@@ -498,9 +498,17 @@ at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
 namespace {
 
 std::mutex registry_mutex;
+// Never destroyed: a runtime still registered when the host process exits would otherwise be
+// destroyed by a static destructor, after the CUDA runtime and torch's allocators it frees into
+// are gone (a host that exits without dropping its runtime then crashes on the way out).
 std::unordered_map<std::string, std::shared_ptr<KVRuntime>>& registry() {
-  static std::unordered_map<std::string, std::shared_ptr<KVRuntime>> runtimes;
-  return runtimes;
+  static auto* runtimes = new std::unordered_map<std::string, std::shared_ptr<KVRuntime>>();
+  return *runtimes;
+}
+
+// `wanted` without an index (plain "cuda") matches the runtime's device of that type.
+bool same_device(const at::Device& runtime, const at::Device& wanted) {
+  return runtime.type() == wanted.type() && (!wanted.has_index() || runtime.index() == wanted.index());
 }
 
 }  // namespace
@@ -512,7 +520,7 @@ std::shared_ptr<KVRuntime> get_or_create_runtime(const std::string& name, const 
   auto& slot = registry()[name];
   if (!slot) {
     slot = std::make_shared<KVRuntime>(name, config, device);
-  } else if (!(slot->config() == config) || slot->device() != device) {
+  } else if (!(slot->config() == config) || !same_device(slot->device(), device)) {
     throw std::invalid_argument("KV runtime '" + name +
                                 "' already exists in this process with a different config or device");
   }
