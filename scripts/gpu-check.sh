@@ -60,8 +60,14 @@ EOF
 step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
 step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
 package tiny configs/hstu-tiny.yaml 500
+step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 256 \
+  --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
 if [[ $quick == 0 ]]; then
   package kuairand configs/hstu-kuairand-1k.yaml 500
-  step bench-kuairand kvexport bench "$out/artifacts/kuairand" --json "$out/bench-kuairand.json"
+  # The H200 workload: 4096 cached events, 32 new events, 100 candidates, batch 1, 8 and 32.
+  step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \
+    --json "$out/request-bench-kuairand.json"
+  step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4096 \
+    --json "$out/bench-kuairand.json"
 fi
 exit $failed

@@ -125,3 +125,20 @@ def test_kernel_bench_inputs_are_a_request_the_kernel_computes(threads):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, _dense_attention(*inputs, 0.25, 1 / 8192), rtol=1e-5, atol=1e-6)
+
+
+def test_request_bench_runs_on_a_cpu_package(tiny_artifact, tiny_checkpoint, tmp_path):
+    """benchmarks/h200/request_bench.py (the GPU workload's bench) on the CPU package: every row measured."""
+    out = tmp_path / "request.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "request_bench.py"), str(tiny_artifact),
+                             "--length", "32", "--new-events", "4", "--candidates", "8", "--batch", "1,2",
+                             "--warmup", "1", "--repeats", "3", "--full-repeats", "2", "--json", str(out),
+                             "--checkpoint", str(tiny_checkpoint)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["cached_ms"]["n"] == 3 and row["full_ms"]["n"] == 2 and row["eager_cached_ms"]["n"] == 3
+        assert 0 < row["cached_ms"]["median"] <= row["cached_ms"]["p99"] <= row["cached_ms"]["max"]
+        assert row["cache_speedup"] > 0 and row["package_speedup_vs_eager"] > 0

@@ -40,8 +40,9 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         if too_long:
             raise UserError(f"--lengths {too_long[0]} + {suite.NEW_EVENTS} new events exceed "
                             f"model.max_history_length ({config.model.max_history_length})")
-        model = eager_model_for(artifact, checkpoint)
         runner = PackageRunner(artifact)
+        model = eager_model_for(artifact, checkpoint).to(runner.device)
+        on_cpu = runner.device.type == "cpu"
         batch_sizes = sorted({1, config.serving.max_batch_size})
         cache_rows = suite.cache_benefit(runner, lengths, batch_sizes, warmup, repeats)
         eager_lengths = [n for n in lengths if n <= EAGER_MAX_LENGTH] or lengths[:1]
@@ -50,9 +51,10 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
                                             max(repeats, CHEAP_REPEATS))
         cpp = suite.cpp_vs_python(runner, max(repeats, 3), workdir)
         memory = suite.cache_memory(runner)
-        contended = contention.contention(runner, max(lengths), warmup, repeats)
-    kernel_rows = kernel.kernel_builds(kernel_libraries(), kernel.KernelShape.of(config, max(lengths)), warmup,
-                                       repeats)
+        # CPU contention and the CPU kernel's builds are about CPU packages.
+        contended = contention.contention(runner, max(lengths), warmup, repeats) if on_cpu else None
+    kernel_rows = (kernel.kernel_builds(kernel_libraries(), kernel.KernelShape.of(config, max(lengths)), warmup,
+                                        repeats) if on_cpu else None)
     headline_cache = next(r for r in cache_rows if r["batch_size"] == 1 and r["cached_events"] == max(lengths))
     headline_eager = next(r for r in eager_rows if r["batch_size"] == 1 and r["cached_events"] == eager_lengths[0])
     return {
@@ -62,11 +64,14 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         "build_seconds_cold": build["seconds_cold"] if build else None,
         "build_seconds_warm": build["seconds_warm"] if build else None,
         "bytes_per_cached_token": memory["bytes_per_cached_token"],
-        "contention_cached_slowdown": contended["other_sessions"]["cached_slowdown"]["median"],
-        "contention_full_slowdown": contended["other_sessions"]["full_slowdown"]["median"],
-        "portable_kernel_over_native": kernel_rows["builds"][PORTABLE_FMV]["over_native"]["median"],
-        "portable_kernel_no_fmv_over_native": kernel_rows["builds"][kernel.PORTABLE_ISA]["over_native"]["median"],
+        "contention_cached_slowdown": contended["other_sessions"]["cached_slowdown"]["median"] if contended else None,
+        "contention_full_slowdown": contended["other_sessions"]["full_slowdown"]["median"] if contended else None,
+        "portable_kernel_over_native": (kernel_rows["builds"][PORTABLE_FMV]["over_native"]["median"]
+                                        if kernel_rows else None),
+        "portable_kernel_no_fmv_over_native": (kernel_rows["builds"][kernel.PORTABLE_ISA]["over_native"]["median"]
+                                               if kernel_rows else None),
         "config": config.name,
+        "device": str(runner.device),
         "machine": suite.machine(),
         "settings": {"warmup": warmup, "repeats": repeats, "lengths": lengths, "new_events": suite.NEW_EVENTS,
                      "candidates": suite.CANDIDATES},

@@ -49,7 +49,8 @@ def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "op_library_march": library_isa()["march"]}
+            "op_library_march": library_isa()["march"],
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def _cpu_model() -> str:
@@ -62,23 +63,24 @@ def _cpu_model() -> str:
 
 
 class SweepRequests:
-    """Users with L cached events plus NEW_EVENTS new ones and CANDIDATES candidates.
+    """Users with L cached events plus `new_events` new ones and `candidates` candidates.
 
-    Variant r changes only the item ids of the last NEW_EVENTS events, so after variant r-1 is
-    cached, variant r reuses exactly the first C + 2L tokens and computes NEW_EVENTS events:
+    Variant r changes only the item ids of the last `new_events` events, so after variant r-1 is
+    cached, variant r reuses exactly the first C + 2L tokens and computes the new events:
     identical shapes and work for every repetition, without re-priming the cache.
     """
 
-    def __init__(self, config: Config, cached_events: int, batch_size: int, first_user: int):
+    def __init__(self, config: Config, cached_events: int, batch_size: int, first_user: int,
+                 new_events: int = NEW_EVENTS, candidates: int = CANDIDATES):
         m = config.model
         g = torch.Generator().manual_seed(cached_events * 31 + batch_size)
-        n = cached_events + NEW_EVENTS
-        self.vocab = m.item_vocab_size
+        n = cached_events + new_events
+        self.vocab, self.new_events = m.item_vocab_size, new_events
         self.users = [
             UserRequest(first_user + b, torch.randint(0, m.item_vocab_size, (n,), generator=g),
                         torch.randint(0, m.action_vocab_size, (n,), generator=g),
                         torch.randint(0, m.context_vocab_size, (m.num_contextual_features,), generator=g),
-                        torch.randint(0, m.item_vocab_size, (CANDIDATES,), generator=g))
+                        torch.randint(0, m.item_vocab_size, (candidates,), generator=g))
             for b in range(batch_size)
         ]
 
@@ -86,7 +88,7 @@ class SweepRequests:
         users = []
         for u in self.users:
             items = u.item_ids.clone()
-            items[-NEW_EVENTS:] = (items[-NEW_EVENTS:] + r) % self.vocab
+            items[-self.new_events:] = (items[-self.new_events:] + r) % self.vocab
             users.append(UserRequest(u.user_id, items, u.action_ids, u.context_ids, u.candidate_ids))
         return Batch.concat(users)
 
@@ -120,7 +122,7 @@ def cache_benefit(runner: PackageRunner, lengths: list[int], batch_sizes: list[i
 def package_vs_eager(runner: PackageRunner, model: HSTURanker, lengths: list[int], batch_sizes: list[int],
                      warmup: int, repeats: int) -> list[dict]:
     """Cached request through the package vs the eager model's cached path (each its own runtime)."""
-    eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager")
+    eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager", device=runner.device)
     rows = []
     try:
         for batch_size, cached_events in ((b, n) for b in batch_sizes for n in lengths):
@@ -128,11 +130,11 @@ def package_vs_eager(runner: PackageRunner, model: HSTURanker, lengths: list[int
             eager.reset()
             kv.reset_runtime(runner.artifact.runtime_name)
             with torch.no_grad():
-                model.forward_cached(requests.variant(0), eager.name)
+                model.forward_cached(requests.variant(0).to(runner.device), eager.name)
             runner.score(requests.variant(0))
 
             def eager_ms(r: int) -> float:
-                batch = requests.variant(r + 1)
+                batch = requests.variant(r + 1).to(runner.device)
                 with torch.no_grad():
                     return timed_ms(lambda: model.forward_cached(batch, eager.name))
 

@@ -7,16 +7,28 @@ import statistics
 import time
 from typing import Callable
 
+import torch
+
+
+def _wait_for_device() -> None:
+    """CUDA work is asynchronous: a time is taken only once the device has finished it."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
 
 def timed_ms(run: Callable[[], object]) -> float:
+    _wait_for_device()
     started = time.perf_counter()
     run()
+    _wait_for_device()
     return (time.perf_counter() - started) * 1e3
 
 
 def summary(samples: list[float]) -> dict[str, float]:
-    """Median and spread (min, max) of a list of samples."""
-    return {"median": round(statistics.median(samples), 4), "min": round(min(samples), 4),
+    """Median, 99th percentile (nearest rank) and spread (min, max) of a list of samples."""
+    ranked = sorted(samples)
+    p99 = ranked[min(len(ranked) - 1, max(0, -(-99 * len(ranked) // 100) - 1))]
+    return {"median": round(statistics.median(samples), 4), "p99": round(p99, 4), "min": round(min(samples), 4),
             "max": round(max(samples), 4), "n": len(samples)}
 
 

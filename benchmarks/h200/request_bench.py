@@ -1,0 +1,130 @@
+"""Request-level benchmark of a built package on its own device (the H200 workload of the CUDA work).
+
+For each batch size: users with --length cached events, --new-events new ones and --candidates
+candidates (kvexport.bench.suite.SweepRequests: every repetition has the same shapes and reuses
+exactly the cached prefix). Reported per batch size:
+- cached: the package call on a warm cache (p50, p99, min, max over --repeats);
+- full: the package call on an empty cache (the full recompute; fewer repetitions);
+- eager: the eager model's cached path on the same device, through its own runtime;
+- kernels_per_request and attention_us_per_request: CUDA kernels launched by one cached package
+  call, and the device time of those whose name contains "kvexport" (the attention kernels), from
+  the torch profiler (CUDA packages only).
+Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), medians of each.
+
+    python3 benchmarks/h200/request_bench.py OUT --length 4096 --new-events 32 --candidates 100 \
+        --batch 1,8,32 --json /tmp/request-bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import kvexport
+from kvexport.bench.suite import SweepRequests
+from kvexport.bench.timing import summary, timed_ms
+from kvexport.errors import UserError
+from kvexport.model.batch import check_batch
+from kvexport.ops import wrappers as kv
+from kvexport.ops.manager import KVCacheManager
+from kvexport.soak import eager_model_for
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path, help="a built artifact directory (kvexport build -o OUT)")
+    parser.add_argument("--length", type=int, default=4096, help="cached history events per user")
+    parser.add_argument("--new-events", type=int, default=32)
+    parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--full-repeats", type=int, default=5, help="repetitions of the full recompute")
+    parser.add_argument("--checkpoint", type=Path, help="the checkpoint the artifact was built from, if any")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    args.batch = [int(b) for b in args.batch.split(",")]
+    return args
+
+
+def times(run, warmup: int, repeats: int) -> list[float]:
+    return [ms for i, ms in enumerate(timed_ms(lambda: run(i)) for i in range(warmup + repeats)) if i >= warmup]
+
+
+def cuda_profile(package, batch) -> dict:
+    """Kernels launched by one call and the device time of kvexport's own kernels in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    package.run(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        package.run(batch)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    ours = [e for e in kernels if "kvexport" in e.name]
+    return {"kernels_per_request": len(kernels),
+            "attention_us_per_request": round(sum(e.device_time_total for e in ours), 1),
+            "all_kernels_us_per_request": round(sum(e.device_time_total for e in kernels), 1)}
+
+
+def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> dict:
+    config, device = package.config, package.device
+    requests = SweepRequests(config, args.length, batch_size, first_user=batch_size * 100_000,
+                             new_events=args.new_events, candidates=args.candidates)
+    variants = [check_batch(requests.variant(r), config) for r in range(args.warmup + args.repeats + 2)]
+    package.score(variants[0])  # primes the cache: every later variant reuses the cached prefix
+    cached = times(lambda i: package.run(variants[i + 1]), args.warmup, args.repeats)
+
+    def full(i: int) -> None:
+        kv.reset_runtime(package.runtime_name)
+        package.run(variants[i + 1])
+
+    full_ms = times(full, 1, args.full_repeats)
+    with torch.no_grad():
+        kv.reset_runtime(eager_runtime)
+        model.forward_cached(variants[0].to(device), eager_runtime)
+        eager = times(lambda i: model.forward_cached(variants[i + 1].to(device), eager_runtime), args.warmup,
+                      args.repeats)
+    row = {"batch_size": batch_size, "cached_events": args.length, "new_events": args.new_events,
+           "candidates": args.candidates, "cached_ms": summary(cached), "full_ms": summary(full_ms),
+           "eager_cached_ms": summary(eager)}
+    row["cache_speedup"] = round(row["full_ms"]["median"] / row["cached_ms"]["median"], 2)
+    row["package_speedup_vs_eager"] = round(row["eager_cached_ms"]["median"] / row["cached_ms"]["median"], 2)
+    if device.type == "cuda":
+        row.update(cuda_profile(package, variants[-1]))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    args = parse_args()
+    with kvexport.load(args.artifact) as package:
+        limit = package.config.model.max_history_length
+        if args.length + args.new_events > limit:
+            print(f"error: --length + --new-events exceed model.max_history_length ({limit})", file=sys.stderr)
+            return 2
+        model = eager_model_for(package.artifact, args.checkpoint).to(package.device)
+        eager = KVCacheManager(package.config, runtime_name=f"{package.config.name}@request-bench",
+                               device=package.device)
+        try:
+            rows = [bench_batch(package, model, eager.name, args, b) for b in args.batch]
+        finally:
+            eager.close()
+        result = {"artifact": str(args.artifact), "device": str(package.device), "torch": torch.__version__,
+                  "gpu": torch.cuda.get_device_name() if package.device.type == "cuda" else None, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
