@@ -1,0 +1,63 @@
+"""The tiny package built for CUDA, end to end on the GPU: verify (Python) and replay (C++) against the
+recorded expectations, the plain-torch host's hostile corpus sequentially and from 8 threads, and a
+soak with offloads and onboards against the float32 recompute. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvexport.replay import replay_command
+from tests.conftest import TINY
+from tests.test_package_safety import host_corpus, run_plain_host  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="session")
+def cuda_artifact(tmp_path_factory, tiny_checkpoint):
+    from kvexport.export.build import build_artifact
+
+    return build_artifact(TINY, tmp_path_factory.mktemp("cuda") / "hstu-tiny", checkpoint=tiny_checkpoint,
+                          device="cuda")
+
+
+def test_the_package_names_its_device(cuda_artifact):
+    manifest = json.loads((cuda_artifact / "manifest.json").read_text())
+    assert manifest["device"] == "cuda"
+
+
+def test_verify_and_replay_pass_on_the_gpu(cuda_artifact, tmp_path):
+    from kvexport.trace.verify import verify_artifact
+
+    report = verify_artifact(cuda_artifact)
+    assert report.passed, [s for s in report.steps if not s.passed]
+    assert report.counters["offloads"] > 0 and report.counters["onboards"] > 0
+    result = subprocess.run(replay_command(cuda_artifact, tmp_path / "replay.json"), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]  # also: the harness exits cleanly
+    assert json.loads((tmp_path / "replay.json").read_text())["passed"]
+
+
+def test_plain_host_refuses_every_hostile_request_on_the_gpu(cuda_artifact, host_corpus):  # noqa: F811
+    summary = run_plain_host(cuda_artifact, host_corpus, "sequential")
+    assert summary["hostile"] >= 20 and summary["failures"] == []
+
+
+def test_plain_host_eight_threads_on_the_gpu(cuda_artifact, host_corpus):  # noqa: F811
+    assert run_plain_host(cuda_artifact, host_corpus, "threads")["failures"] == []
+
+
+def test_soak_with_offloads_on_the_gpu(cuda_artifact, tiny_checkpoint, tmp_path):
+    report = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, "-m", "kvexport", "soak", str(cuda_artifact), "--requests", "200",
+                             "--checkpoint", str(tiny_checkpoint), "--json", str(report)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    soak = json.loads(report.read_text())
+    assert soak["mismatches"] == 0 and soak["counters"]["onboards"] > 0
