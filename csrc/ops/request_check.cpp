@@ -74,13 +74,35 @@ std::string dtype_name(at::ScalarType type) {
   }
 }
 
-// dtype and rank first: nothing else may read a tensor whose bytes are not int64.
-at::Tensor checked_cpu(const char* name, const at::Tensor& t, int64_t ndim) {
+// dtype, rank and device first: nothing else may read a tensor whose bytes are not int64.
+void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::Device& device) {
   if (t.scalar_type() != at::kLong) {
     refuse(std::string(name) + " must be int64, got " + dtype_name(t.scalar_type()));
   }
   if (t.dim() != ndim) refuse(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " + shape_of(t));
-  return t.to(at::kCPU).contiguous();
+  if (t.device() != device) {
+    refuse(std::string(name) + " is on " + t.device().str() + ", user_ids on " + device.str() +
+           ": every input must be on one device");
+  }
+}
+
+// The inputs' values on the host, contiguous: on a GPU in one device-to-host copy (one wait for
+// the device per request, not one per input).
+std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> host;
+  if (inputs.front().is_cpu()) {
+    for (const auto& t : inputs) host.push_back(t.contiguous());
+    return host;
+  }
+  std::vector<at::Tensor> flat;
+  for (const auto& t : inputs) flat.push_back(t.reshape(-1));
+  const auto all = at::cat(flat).to(at::kCPU);
+  int64_t offset = 0;
+  for (const auto& t : inputs) {
+    host.push_back(all.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  return host;
 }
 
 void check_range(const char* name, const at::Tensor& values, int64_t low, int64_t high, const char* what) {
@@ -129,13 +151,18 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
                              const at::Tensor& action_ids, const at::Tensor& context_ids,
                              const at::Tensor& num_candidates, const at::Tensor& candidate_ids) {
   const auto& l = limits_for(limits_json);
-  const auto users = checked_cpu("user_ids", user_ids, 1);
-  const auto history = checked_cpu("history_lengths", history_lengths, 1);
-  const auto items = checked_cpu("item_ids", item_ids, 1);
-  const auto actions = checked_cpu("action_ids", action_ids, 1);
-  const auto context = checked_cpu("context_ids", context_ids, 2);
-  const auto counts = checked_cpu("num_candidates", num_candidates, 1);
-  const auto candidates = checked_cpu("candidate_ids", candidate_ids, 1);
+  const auto device = user_ids.device();
+  check_kind("user_ids", user_ids, 1, device);
+  check_kind("history_lengths", history_lengths, 1, device);
+  check_kind("item_ids", item_ids, 1, device);
+  check_kind("action_ids", action_ids, 1, device);
+  check_kind("context_ids", context_ids, 2, device);
+  check_kind("num_candidates", num_candidates, 1, device);
+  check_kind("candidate_ids", candidate_ids, 1, device);
+  const auto host = on_host({user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
+                             candidate_ids});
+  const auto &users = host[0], &history = host[1], &items = host[2], &actions = host[3], &context = host[4],
+             &counts = host[5], &candidates = host[6];
 
   const int64_t num_users = users.size(0);
   if (num_users == 0) refuse("empty batch (no users)");
@@ -163,9 +190,14 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
   check_range("context_ids", context, 0, l.context_vocab_size, "the context vocabulary");
 
-  const auto device = user_ids.device();
-  const auto out = [&](const at::Tensor& cpu) { return cpu.to(device, /*non_blocking=*/false, /*copy=*/true); };
-  return {out(users), out(history), out(items), out(actions), out(context), out(counts), out(candidates)};
+  // Copies for the rest of the graph: of the checked host values on the CPU; on a GPU, of the inputs
+  // on the device (ordered after the copy that was checked; no second trip through the host).
+  const auto out = [&](const at::Tensor& checked, const at::Tensor& input) {
+    return device.is_cpu() ? checked.clone() : input.contiguous().clone();
+  };
+  return {out(users, user_ids),     out(history, history_lengths), out(items, item_ids),
+          out(actions, action_ids), out(context, context_ids),     out(counts, num_candidates),
+          out(candidates, candidate_ids)};
 }
 
 }  // namespace kvexport::ops
