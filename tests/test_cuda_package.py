@@ -61,3 +61,17 @@ def test_soak_with_offloads_on_the_gpu(cuda_artifact, tiny_checkpoint, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     soak = json.loads(report.read_text())
     assert soak["mismatches"] == 0 and soak["counters"]["onboards"] > 0
+
+
+def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config):
+    import kvexport
+    from tests.hostile import good_request
+
+    request = {name: tensor.to("cuda") for name, tensor in good_request(tiny_config, 900).items()}
+    request["item_ids"] = request["item_ids"].cpu()
+    with kvexport.load(cuda_artifact) as package:
+        with pytest.raises(RuntimeError):
+            package._compiled(*(request[name] for name in ("user_ids", "history_lengths", "item_ids", "action_ids",
+                                                           "context_ids", "num_candidates", "candidate_ids")))
+        code, message = torch.ops.kvexport.last_error(package.runtime_name)
+        assert code == "invalid_request" and "item_ids is on cpu, user_ids on cuda:0" in message, message
