@@ -59,6 +59,12 @@ print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_devic
 EOF
 step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
 step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
+if command -v ncu > /dev/null; then
+  # Where the attention kernel's time goes at batch 8 (Nsight Compute: throughput, memory, occupancy, stalls).
+  step profile-attention ncu -k regex:kvexport --launch-skip 6 --launch-count 2 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats "$python" benchmarks/h200/attention_bench.py --batch 8 --warmup 1 --repeats 2
+fi
 package tiny configs/hstu-tiny.yaml 500
 step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 256 \
   --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
