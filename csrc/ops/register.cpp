@@ -14,6 +14,9 @@
 #endif
 #include "ops/request_check.h"
 #include "runtime/kv_runtime.h"
+#ifdef KVEXPORT_WITH_REMOTE
+#include "runtime/remote_tier.h"
+#endif
 
 namespace kvexport::ops {
 
@@ -174,6 +177,25 @@ at::Tensor read_user_kv(const std::string& name, int64_t user_id) {
 
 bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name); }
 
+bool attach_remote(const std::string& name, const std::string& url, const std::string& write_policy,
+                   int64_t read_budget_us) {
+  return management_op([&] {
+#ifdef KVEXPORT_WITH_REMOTE
+    auto rt = runtime::find_runtime(name);
+    // Connects before taking the runtime: requests in flight are not held up by the connect.
+    auto tier = std::make_unique<runtime::RemoteTier>(
+        name, rt->config(), runtime::RemoteSettings::parse(url, write_policy, read_budget_us));
+    if (!tier->reachable()) return false;
+    rt->append_tier(std::move(tier));
+    return true;
+#else
+    throw std::invalid_argument("this op library was built without hiredis, so it has no remote tier; "
+                                "install libhiredis-dev and rebuild it (python -m kvexport.native)");
+    return false;
+#endif
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvexport, m) {
@@ -204,6 +226,9 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("device_users_lru(str runtime) -> Tensor");
   m.def("read_user_kv(str runtime, int user_id) -> Tensor");
   m.def("drop_runtime(str runtime) -> bool");
+  // Adds the remote tier (redis://host[:port][/db]) behind the host tier; write_policy is on_evict or
+  // after_batch. False when the server does not answer: the runtime then runs without it.
+  m.def("attach_remote(str runtime, str url, str write_policy, int read_budget_us) -> bool");
   // Pure kernel behind paged_attention, with every input explicit.
   m.def("hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
         "Tensor row_keys, Tensor row_candidate, float alpha, float inv_scaling_seqlen) -> Tensor");
@@ -243,6 +268,7 @@ TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("device_users_lru", &device_users_lru);
   m.impl("read_user_kv", &read_user_kv);
   m.impl("drop_runtime", &drop_runtime);
+  m.impl("attach_remote", &attach_remote);
 }
 
 }  // namespace kvexport::ops

@@ -21,6 +21,13 @@ int64_t positive_field(const nlohmann::json& j, const char* key, bool allow_zero
 
 }  // namespace
 
+c10::ScalarType RuntimeConfig::scalar_type() const {
+  if (dtype == "float32") return c10::kFloat;
+  if (dtype == "bfloat16") return c10::kBFloat16;
+  if (dtype == "float16") return c10::kHalf;
+  throw std::invalid_argument("runtime config: unsupported dtype " + dtype);
+}
+
 RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
   nlohmann::json j;
   try {
@@ -39,6 +46,7 @@ RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
     throw std::invalid_argument("runtime config: missing string field dtype");
   }
   c.dtype = j.at("dtype").get<std::string>();
+  c.scalar_type();  // refuses an unsupported dtype here, before any runtime exists
   if (j.contains("stall_timeout_ms")) c.stall_timeout_ms = positive_field(j, "stall_timeout_ms");
   return c;
 }

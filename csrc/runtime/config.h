@@ -1,6 +1,8 @@
 // Runtime configuration: parsed from the JSON string that the exporter bakes into the graph.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <string>
 
@@ -20,6 +22,8 @@ struct RuntimeConfig {
   // Throws std::invalid_argument naming the bad or missing field.
   static RuntimeConfig from_json(const std::string& json);
 
+  // The cache's element type; from_json accepted the name.
+  c10::ScalarType scalar_type() const;
   int64_t pages_for(int64_t num_tokens) const { return (num_tokens + page_size - 1) / page_size; }
   bool operator==(const RuntimeConfig&) const = default;
 };

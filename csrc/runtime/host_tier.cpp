@@ -5,26 +5,28 @@ namespace kvexport::runtime {
 HostTier::HostTier(int64_t capacity_pages, bool pin_memory)
     : capacity_pages_(capacity_pages), pin_memory_(pin_memory) {}
 
-int64_t HostTier::put(int64_t user_id, OffloadedUser user) {
+std::vector<HeldUser> HostTier::put(int64_t user_id, OffloadedUser user) {
   take(user_id);  // a newer copy replaces an older one
+  std::vector<HeldUser> let_go;
   const int64_t pages = user.num_pages();
   if (pages > capacity_pages_) {
-    return 1;  // can never fit: dropped
+    let_go.emplace_back(user_id, std::move(user));  // can never fit
+    return let_go;
   }
-  int64_t evicted = 0;
   while (used_pages_ + pages > capacity_pages_) {
     used_pages_ -= lru_.front().second.num_pages();
     index_.erase(lru_.front().first);
+    let_go.push_back(std::move(lru_.front()));
     lru_.pop_front();
-    ++evicted;
   }
   if (pin_memory_ && user.pages.defined() && !user.pages.is_pinned()) {
     user.pages = user.pages.pin_memory();
   }
+  user.source = TierKind::kHost;
   used_pages_ += pages;
   lru_.emplace_back(user_id, std::move(user));
   index_[user_id] = std::prev(lru_.end());
-  return evicted;
+  return let_go;
 }
 
 std::optional<OffloadedUser> HostTier::take(int64_t user_id) {

@@ -1,5 +1,6 @@
 #include "runtime/kv_runtime.h"
 
+#include "runtime/host_tier.h"
 #include "runtime/python_gil.h"
 
 #include <ATen/ATen.h>
@@ -7,20 +8,14 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
-#include <numeric>
 #include <sstream>
 #include <stdexcept>
+#include <typeinfo>
+#include <unordered_map>
 
 namespace kvexport::runtime {
 
 namespace {
-
-at::ScalarType parse_dtype(const std::string& dtype) {
-  if (dtype == "float32") return at::kFloat;
-  if (dtype == "bfloat16") return at::kBFloat16;
-  if (dtype == "float16") return at::kHalf;
-  throw std::invalid_argument("runtime config: unsupported dtype " + dtype);
-}
 
 RequestError invalid_request(const std::string& message) {
   return RequestError(ErrorCode::kInvalidRequest, message);
@@ -35,47 +30,12 @@ int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t
 
 }  // namespace
 
-std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vector<int64_t>& row_user,
-                                                                 int64_t tile_rows) {
-  std::vector<int64_t> row_order(row_user.size());
-  std::iota(row_order.begin(), row_order.end(), 0);
-  std::stable_sort(row_order.begin(), row_order.end(),
-                   [&](int64_t a, int64_t b) { return row_user[a] < row_user[b]; });
-  std::vector<int64_t> tiles;
-  for (size_t first = 0; first < row_order.size();) {
-    const int64_t user = row_user[row_order[first]];
-    size_t end = first;
-    while (end < row_order.size() && row_user[row_order[end]] == user &&
-           static_cast<int64_t>(end - first) < tile_rows) {
-      ++end;
-    }
-    tiles.insert(tiles.end(), {user, static_cast<int64_t>(first), static_cast<int64_t>(end - first)});
-    first = end;
-  }
-  return {std::move(row_order), std::move(tiles)};
-}
-
-const std::vector<std::string>& stat_names() {
-  static const std::vector<std::string> names = {
-      "lookups",         "hit_tokens",        "recomputed_tokens", "device_evictions", "offloads",
-      "onboards",        "host_evictions",    "prefix_truncations", "stalled_batches", "device_pages_used",
-      "device_users",    "host_pages_used",   "host_users"};
-  return names;
-}
-
-std::vector<int64_t> stats_vector(const Counters& c, int64_t device_pages_used, int64_t device_users,
-                                  int64_t host_pages_used, int64_t host_users) {
-  return {c.lookups,      c.hit_tokens,       c.recomputed_tokens,  c.device_evictions, c.offloads,
-          c.onboards,     c.host_evictions,   c.prefix_truncations, c.stalled_batches,  device_pages_used,
-          device_users,   host_pages_used,    host_users};
-}
-
 KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
-    : name_(std::move(name)), config_(std::move(config)) {
+    : name_(std::move(name)), config_(std::move(config)), pages_(config_.device_pages) {
   const auto& c = config_;
   cache_ = at::zeros({c.num_layers, c.device_pages, 2, c.page_size, c.num_heads, c.head_dim},
-                     at::TensorOptions().dtype(parse_dtype(c.dtype)).device(device));
-  offload_tier_ = std::make_unique<HostTier>(c.host_pages, device.is_cuda());
+                     at::TensorOptions().dtype(c.scalar_type()).device(device));
+  tiers_.append(std::make_unique<HostTier>(c.host_pages, device.is_cuda()));
   if (cache_.is_cuda()) {
     copy_stream_ = c10::impl::VirtualGuardImpl(cache_.device().type()).getStreamFromGlobalPool(cache_.device());
   }
@@ -158,13 +118,17 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
   }
   check_batch(user_ids, token_ids, token_lengths, num_candidates);
 
-  std::unordered_map<int64_t, bool> in_batch;
-  for (auto u : user_ids) in_batch[u] = true;
-  // Take the batch's offloaded users out of the offload tier first, so that evictions made
-  // for this batch cannot push them out before they are onboarded.
+  const std::unordered_set<int64_t> in_batch(user_ids.begin(), user_ids.end());
+  // Take the batch's offloaded users out of the tier chain first, so that evictions made for
+  // this batch cannot push them out before they are onboarded.
+  std::vector<int64_t> absent;
+  for (auto user : user_ids) {
+    if (!users_.find(user)) absent.push_back(user);
+  }
+  auto found = tiers_.take_many(absent);
   std::vector<std::optional<OffloadedUser>> offloaded(user_ids.size());
-  for (size_t b = 0; b < user_ids.size(); ++b) {
-    if (!users_.count(user_ids[b])) offloaded[b] = offload_tier_->take(user_ids[b]);
+  for (size_t b = 0, next = 0; b < user_ids.size(); ++b) {
+    if (next < absent.size() && absent[next] == user_ids[b]) offloaded[b] = std::move(found[next++]);
   }
   plan_ = BatchPlan{};
   plan_.user_ids = user_ids;
@@ -177,7 +141,7 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
     offset += token_lengths[b];
   }
   for (size_t b = 0; b < user_ids.size(); ++b) {
-    auto& entry = users_[user_ids[b]];
+    auto& entry = users_.touch(user_ids[b]);
     if (offloaded[b] && plan_.cached_lengths[b] > 0) {
       entry.pages = allocate_pages(config_.pages_for(plan_.cached_lengths[b]), in_batch);
       onboard(entry, *offloaded[b], plan_.cached_lengths[b]);
@@ -187,9 +151,10 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
       auto pages = allocate_pages(missing, in_batch);
       entry.pages.insert(entry.pages.end(), pages.begin(), pages.end());
     }
-    entry.last_used = ++clock_;
   }
-  build_plan(token_lengths, num_candidates);
+  std::vector<const std::vector<int64_t>*> user_pages;
+  for (auto user : user_ids) user_pages.push_back(&users_.find(user)->pages);
+  build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size, cache_.device());
   owner_ = std::this_thread::get_id();
   last_progress_ = std::chrono::steady_clock::now();
   return plan_;
@@ -198,19 +163,23 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
 int64_t KVRuntime::reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
                                 std::optional<OffloadedUser>& offloaded) {
   ++counters_.lookups;
-  const std::vector<int64_t>* stored = nullptr;
-  auto it = users_.find(user_id);
-  if (it != users_.end()) {
-    stored = &it->second.token_ids;
-  } else if (offloaded) {
-    stored = &offloaded->token_ids;
-  }
+  auto* entry = users_.find(user_id);
+  const std::vector<int64_t>* stored = entry ? &entry->token_ids : offloaded ? &offloaded->token_ids : nullptr;
   int64_t reused = 0;
   if (stored) {
     reused = common_prefix(stored->data(), static_cast<int64_t>(stored->size()), tokens, length);
     if (reused < static_cast<int64_t>(stored->size())) ++counters_.prefix_truncations;
   }
-  if (it != users_.end()) truncate(it->second, reused);
+  if (entry) truncate(*entry, reused);
+  if (offloaded && offloaded->source == TierKind::kRemote) {
+    // A shared entry is used only for its common prefix with this request's tokens.
+    if (reused > 0) {
+      ++counters_.remote.hits;
+      counters_.remote.hit_tokens += reused;
+    } else {
+      ++counters_.remote.rejected_prefix;
+    }
+  }
   if (offloaded && reused == 0) offloaded.reset();
   counters_.hit_tokens += reused;
   counters_.recomputed_tokens += length - reused;
@@ -221,39 +190,27 @@ void KVRuntime::truncate(UserEntry& entry, int64_t num_tokens) {
   entry.token_ids.resize(std::min<size_t>(entry.token_ids.size(), num_tokens));
   const auto keep = static_cast<size_t>(config_.pages_for(num_tokens));
   while (entry.pages.size() > keep) {
-    free_pages_.push_back(entry.pages.back());
+    pages_.release(entry.pages.back());
     entry.pages.pop_back();
   }
 }
 
-std::vector<int64_t> KVRuntime::allocate_pages(int64_t count, const std::unordered_map<int64_t, bool>& in_batch) {
-  while (static_cast<int64_t>(free_pages_.size()) < count) {
-    evict_lru_user(in_batch);
+std::vector<int64_t> KVRuntime::allocate_pages(int64_t count, const std::unordered_set<int64_t>& in_batch) {
+  while (pages_.num_free() < count) {
+    const auto victim = users_.least_recent(in_batch);
+    if (!victim) {
+      // check_batch() guarantees the batch fits once every other user is gone.
+      throw std::logic_error("kvexport bug: no user left to evict although the batch fits");
+    }
+    evict(*victim);
   }
-  std::vector<int64_t> pages(free_pages_.end() - count, free_pages_.end());
-  free_pages_.resize(free_pages_.size() - count);
-  return pages;
+  return pages_.allocate(count);
 }
 
-void KVRuntime::evict_lru_user(const std::unordered_map<int64_t, bool>& in_batch) {
-  auto victim = users_.end();
-  for (auto it = users_.begin(); it != users_.end(); ++it) {
-    if (in_batch.count(it->first)) continue;
-    if (victim == users_.end() || it->second.last_used < victim->second.last_used) victim = it;
-  }
-  if (victim == users_.end()) {
-    // check_batch() guarantees the batch fits once every other user is gone.
-    throw std::logic_error("kvexport bug: no user left to evict although the batch fits");
-  }
-  evict(victim);
-}
-
-void KVRuntime::evict(std::unordered_map<int64_t, UserEntry>::iterator user) {
-  const int64_t user_id = user->first;
-  UserEntry entry = std::move(user->second);
-  users_.erase(user);
+void KVRuntime::evict(int64_t user_id) {
+  auto entry = users_.remove(user_id);
   ++counters_.device_evictions;
-  offload(user_id, std::move(entry));
+  offload(user_id, std::move(*entry));
 }
 
 at::Tensor KVRuntime::cached_pages(const UserEntry& entry) const {
@@ -263,9 +220,13 @@ at::Tensor KVRuntime::cached_pages(const UserEntry& entry) const {
   return cache_.index_select(1, index);  // [layers, num_pages, 2, page_size, H, dh]
 }
 
-at::Tensor KVRuntime::pages_to_host(const UserEntry& entry, std::shared_ptr<c10::Event>& ready) {
+OffloadedUser KVRuntime::copy_to_host(const UserEntry& entry) {
+  OffloadedUser user{entry.token_ids, {}, nullptr, TierKind::kHost};
   const auto pages = cached_pages(entry);  // a copy on the compute stream: the pages may be reused at once
-  if (!copy_stream_) return pages.to(at::kCPU);
+  if (!copy_stream_) {
+    user.pages = pages.to(at::kCPU);
+    return user;
+  }
   const auto type = cache_.device().type();
   c10::Event gathered(type);
   gathered.record(c10::impl::VirtualGuardImpl(type).getStream(cache_.device()));
@@ -276,20 +237,18 @@ at::Tensor KVRuntime::pages_to_host(const UserEntry& entry, std::shared_ptr<c10:
     host.copy_(pages, /*non_blocking=*/true);
   }
   pages.record_stream(*copy_stream_);  // kept from reuse until the copy stream is done with it
-  ready = std::make_shared<c10::Event>(type);
-  ready->record(*copy_stream_);
-  return host;
+  user.ready = std::make_shared<c10::Event>(type);
+  user.ready->record(*copy_stream_);
+  user.pages = std::move(host);
+  return user;
 }
 
 void KVRuntime::offload(int64_t user_id, UserEntry entry) {
   if (!entry.token_ids.empty()) {
-    OffloadedUser user{entry.token_ids, {}, nullptr};
-    user.pages = pages_to_host(entry, user.ready);
-    const int64_t dropped = offload_tier_->put(user_id, std::move(user));
-    counters_.host_evictions += dropped;
-    if (offload_tier_->num_tokens(user_id)) ++counters_.offloads;
+    counters_.host_evictions += tiers_.put(user_id, copy_to_host(entry));
+    if (tiers_.num_tokens(user_id)) ++counters_.offloads;
   }
-  free_pages_.insert(free_pages_.end(), entry.pages.begin(), entry.pages.end());
+  pages_.release(entry.pages);
 }
 
 void KVRuntime::onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens) {
@@ -317,66 +276,6 @@ void KVRuntime::onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_
   }
   entry.token_ids.assign(offloaded.token_ids.begin(), offloaded.token_ids.begin() + num_tokens);
   ++counters_.onboards;
-}
-
-void KVRuntime::build_plan(const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) {
-  const auto num_users = static_cast<int64_t>(plan_.user_ids.size());
-  int64_t max_pages = 1;
-  for (auto length : token_lengths) max_pages = std::max(max_pages, config_.pages_for(length));
-  std::vector<int64_t> page_table(num_users * max_pages, 0);
-  std::vector<int64_t> row_user, row_keys, write_slots;
-  std::vector<uint8_t> row_candidate;
-  for (int64_t b = 0; b < num_users; ++b) {
-    const auto& pages = users_.at(plan_.user_ids[b]).pages;
-    std::copy(pages.begin(), pages.end(), page_table.begin() + b * max_pages);
-    for (int64_t t = 0; t < num_candidates[b]; ++t) {
-      row_user.push_back(b);
-      row_keys.push_back(token_lengths[b]);
-      row_candidate.push_back(1);
-    }
-  }
-  plan_.num_candidate_rows = static_cast<int64_t>(row_user.size());
-  for (int64_t b = 0; b < num_users; ++b) {
-    const auto& pages = users_.at(plan_.user_ids[b]).pages;
-    for (int64_t p = plan_.cached_lengths[b]; p < token_lengths[b]; ++p) {
-      row_user.push_back(b);
-      row_keys.push_back(p + 1);
-      row_candidate.push_back(0);
-      write_slots.push_back(pages[p / config_.page_size] * 2 * config_.page_size + p % config_.page_size);
-    }
-  }
-  plan_.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
-  plan_.max_row_keys = row_keys.empty() ? 0 : *std::max_element(row_keys.begin(), row_keys.end());
-  const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
-  // One host-to-device copy per request: every per-request tensor is a view of one buffer (pinned
-  // on CUDA, so the copy is asynchronous on the current stream).
-  std::vector<int64_t> value_slots(write_slots);
-  for (auto& slot : value_slots) slot += config_.page_size;  // a page holds its k rows, then its v rows
-  const std::vector<const std::vector<int64_t>*> parts = {
-      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &plan_.cached_lengths, &row_order, &tiles};
-  int64_t total = static_cast<int64_t>(row_candidate.size());
-  for (const auto* part : parts) total += static_cast<int64_t>(part->size());
-  const auto device = cache_.device();
-  auto host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
-  int64_t* cursor = host.data_ptr<int64_t>();
-  for (const auto* part : parts) cursor = std::copy(part->begin(), part->end(), cursor);
-  std::copy(row_candidate.begin(), row_candidate.end(), cursor);
-  const auto uploaded = host.to(device, /*non_blocking=*/true);
-  int64_t offset = 0;
-  const auto next = [&](size_t count) {
-    auto view = uploaded.narrow(0, offset, static_cast<int64_t>(count));
-    offset += static_cast<int64_t>(count);
-    return view;
-  };
-  plan_.page_table = next(page_table.size()).view({num_users, max_pages});
-  plan_.row_user = next(row_user.size());
-  plan_.row_keys = next(row_keys.size());
-  plan_.write_slots = next(write_slots.size());
-  plan_.value_slots = next(value_slots.size());
-  plan_.cached_lengths_tensor = next(plan_.cached_lengths.size());
-  plan_.row_order = next(row_order.size());
-  plan_.tiles = next(tiles.size()).view({-1, 3});
-  plan_.row_candidate = next(row_candidate.size()).ne(0);
 }
 
 const BatchPlan& KVRuntime::owned_batch() const {
@@ -411,8 +310,11 @@ void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
   if (user_ids != plan.user_ids) {
     throw std::logic_error("kvexport bug: end_batch for other users than begin_batch");
   }
+  const bool store = tiers_.stores_after_batch();
   for (size_t b = 0; b < plan.user_ids.size(); ++b) {
-    users_.at(plan.user_ids[b]).token_ids = plan.prefix_tokens[b];
+    auto& entry = *users_.find(plan.user_ids[b]);
+    entry.token_ids = plan.prefix_tokens[b];
+    if (store && !entry.token_ids.empty()) tiers_.store_after_batch(plan.user_ids[b], copy_to_host(entry));
   }
   owner_.reset();
   lock.unlock();
@@ -430,21 +332,18 @@ void KVRuntime::abort_batch() {
 std::vector<int64_t> KVRuntime::stats() {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
-  const int64_t used = config_.device_pages - static_cast<int64_t>(free_pages_.size());
-  return stats_vector(counters_, used, static_cast<int64_t>(users_.size()), offload_tier_->used_pages(),
-                      offload_tier_->num_users());
+  Counters counters = counters_;
+  tiers_.add_counters(counters);
+  return stats_vector(counters, Occupancy{pages_.num_used(), users_.size(), tiers_.used_pages(), tiers_.num_users()});
 }
 
 void KVRuntime::reset() {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
   users_.clear();
-  offload_tier_->clear();
-  free_pages_.resize(config_.device_pages);
-  // Pages are handed out from the back: page 0 first.
-  std::iota(free_pages_.rbegin(), free_pages_.rend(), 0);
+  tiers_.clear();
+  pages_.reset();
   counters_ = Counters{};
-  clock_ = 0;
   plan_ = BatchPlan{};
   owner_.reset();
   cache_.zero_();
@@ -454,41 +353,44 @@ void KVRuntime::reset() {
 bool KVRuntime::evict_user(int64_t user_id) {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
-  auto it = users_.find(user_id);
-  if (it == users_.end()) return false;
-  evict(it);
+  if (!users_.find(user_id)) return false;
+  evict(user_id);
   return true;
 }
 
 int64_t KVRuntime::cached_length(int64_t user_id) {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
-  auto it = users_.find(user_id);
-  if (it != users_.end()) return static_cast<int64_t>(it->second.token_ids.size());
-  return offload_tier_->num_tokens(user_id).value_or(0);
+  if (const auto* entry = users_.find(user_id)) return static_cast<int64_t>(entry->token_ids.size());
+  return tiers_.num_tokens(user_id).value_or(0);
+}
+
+void KVRuntime::append_tier(std::unique_ptr<OffloadTier> tier) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  acquire_batch(lock);
+  const auto& type = typeid(*tier);
+  if (tiers_.has([&](const OffloadTier& held) { return typeid(held) == type; })) {
+    throw std::invalid_argument("KV runtime '" + name_ + "' has a tier of this kind already");
+  }
+  tiers_.append(std::move(tier));
 }
 
 std::vector<int64_t> KVRuntime::device_users_lru() {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
-  std::vector<std::pair<int64_t, int64_t>> by_age;
-  for (const auto& [user, entry] : users_) by_age.emplace_back(entry.last_used, user);
-  std::sort(by_age.begin(), by_age.end());
-  std::vector<int64_t> users;
-  for (const auto& [age, user] : by_age) users.push_back(user);
-  return users;
+  return users_.lru_order();
 }
 
 at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
-  auto it = users_.find(user_id);
-  if (it == users_.end()) {
+  const auto* entry = users_.find(user_id);
+  if (!entry) {
     throw invalid_request("user " + std::to_string(user_id) + " is not on the device tier of " + name_);
   }
-  const auto num_tokens = static_cast<int64_t>(it->second.token_ids.size());
+  const auto num_tokens = static_cast<int64_t>(entry->token_ids.size());
   const int64_t num_pages = config_.pages_for(num_tokens);
-  return cached_pages(it->second)
+  return cached_pages(*entry)
       .permute({0, 2, 1, 3, 4, 5})
       .reshape({config_.num_layers, 2, num_pages * config_.page_size, config_.num_heads, config_.head_dim})
       .narrow(2, 0, num_tokens)

@@ -93,3 +93,8 @@ def _read_user_kv(runtime, user_id):
 @torch.library.register_fake("kvexport::drop_runtime")
 def _drop_runtime(runtime):
     return False
+
+
+@torch.library.register_fake("kvexport::attach_remote")
+def _attach_remote(runtime, url, write_policy, read_budget_us):
+    return False

@@ -7,9 +7,14 @@ check_request -> begin_batch -> paged_attention per layer -> end_batch.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvexport.ops import library
+
+log = logging.getLogger(__name__)
+
 
 def _ops():
     library.load()
@@ -134,3 +139,18 @@ def read_user_kv(runtime: str, user_id: int) -> torch.Tensor:
 def drop_runtime(runtime: str) -> bool:
     """Removes the named runtime from this process; False if there was none."""
     return _ops().drop_runtime(runtime)
+
+
+def attach_remote(runtime: str, url: str, write_policy: str = "on_evict", read_budget_us: int = 5000) -> bool:
+    """Adds the remote tier (a Redis/Valkey server at redis://host[:port][/db]) behind the host tier.
+
+    Shared by every process whose runtime has this name. Users the host tier lets go are written
+    there (write_policy "after_batch": also every user of every committed batch), asynchronously;
+    a user missing from both local tiers is read from it within read_budget_us. Returns False, and
+    logs one warning, when the server does not answer: the runtime then runs without the tier.
+    ValueError for a bad URL, policy or budget, an unknown runtime, or a remote tier attached already.
+    """
+    attached = _ops().attach_remote(runtime, url, write_policy, read_budget_us)
+    if not attached:
+        log.warning("remote tier %s is unreachable; runtime '%s' runs without it", url, runtime)
+    return attached

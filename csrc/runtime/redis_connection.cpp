@@ -1,0 +1,121 @@
+#include "runtime/redis_connection.h"
+
+#include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <memory>
+#include <regex>
+#include <stdexcept>
+
+namespace kvexport::runtime {
+
+namespace {
+
+constexpr std::chrono::milliseconds kFirstBackoff{50};
+constexpr std::chrono::milliseconds kMaxBackoff{5000};
+
+timeval to_timeval(std::chrono::microseconds t) {
+  return timeval{static_cast<time_t>(t.count() / 1000000), static_cast<suseconds_t>(t.count() % 1000000)};
+}
+
+struct ReplyDeleter {
+  void operator()(redisReply* reply) const { freeReplyObject(reply); }
+};
+using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+
+}  // namespace
+
+RedisEndpoint RedisEndpoint::parse(const std::string& url) {
+  static const std::regex pattern(R"(redis://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\])(?::(\d{1,5}))?(?:/(\d+))?/?)");
+  std::smatch match;
+  if (!std::regex_match(url, match, pattern)) {
+    throw std::invalid_argument("remote URL '" + url + "' is not of the form redis://host[:port][/db]");
+  }
+  RedisEndpoint endpoint;
+  endpoint.host = match[1].str();
+  if (endpoint.host.front() == '[') endpoint.host = endpoint.host.substr(1, endpoint.host.size() - 2);
+  if (match[2].matched) endpoint.port = std::stoi(match[2].str());
+  if (match[3].matched) endpoint.db = std::stoll(match[3].str());
+  if (endpoint.port < 1 || endpoint.port > 65535) {
+    throw std::invalid_argument("remote URL '" + url + "': port " + std::to_string(endpoint.port) +
+                                " outside 1..65535");
+  }
+  return endpoint;
+}
+
+RedisConnection::RedisConnection(RedisEndpoint endpoint, std::chrono::microseconds timeout)
+    : endpoint_(std::move(endpoint)), timeout_(timeout), backoff_(kFirstBackoff) {}
+
+RedisConnection::~RedisConnection() {
+  if (context_) redisFree(context_);
+}
+
+bool RedisConnection::connect() {
+  if (context_) return true;
+  redisContext* context = redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, to_timeval(timeout_));
+  if (context == nullptr || context->err || redisSetTimeout(context, to_timeval(timeout_)) != REDIS_OK) {
+    if (context) redisFree(context);
+    drop();
+    return false;
+  }
+  context_ = context;
+  if (endpoint_.db != 0) {
+    Reply reply(static_cast<redisReply*>(redisCommand(context_, "SELECT %lld", static_cast<long long>(endpoint_.db))));
+    if (!reply || reply->type == REDIS_REPLY_ERROR) {
+      drop();
+      return false;
+    }
+  }
+  backoff_ = kFirstBackoff;
+  return true;
+}
+
+RedisConnection::Status RedisConnection::ensure_connected() {
+  if (context_) return Status::kOk;
+  if (std::chrono::steady_clock::now() < retry_at_) return Status::kUnavailable;
+  return connect() ? Status::kOk : Status::kFailed;
+}
+
+void RedisConnection::drop() {
+  if (context_) redisFree(context_);
+  context_ = nullptr;
+  retry_at_ = std::chrono::steady_clock::now() + backoff_;
+  backoff_ = std::min(backoff_ * 2, kMaxBackoff);
+}
+
+RedisConnection::Status RedisConnection::get_many(const std::vector<std::string>& keys,
+                                                 std::vector<std::optional<std::string>>& values) {
+  if (const auto status = ensure_connected(); status != Status::kOk) return status;
+  std::vector<const char*> argv = {"MGET"};
+  std::vector<size_t> argv_lengths = {4};
+  for (const auto& key : keys) {
+    argv.push_back(key.data());
+    argv_lengths.push_back(key.size());
+  }
+  Reply reply(static_cast<redisReply*>(
+      redisCommandArgv(context_, static_cast<int>(argv.size()), argv.data(), argv_lengths.data())));
+  if (!reply) {
+    drop();
+    return Status::kFailed;
+  }
+  if (reply->type != REDIS_REPLY_ARRAY || reply->elements != keys.size()) return Status::kFailed;
+  values.assign(keys.size(), std::nullopt);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const redisReply* element = reply->element[i];
+    if (element->type == REDIS_REPLY_STRING) values[i].emplace(element->str, element->len);
+  }
+  return Status::kOk;
+}
+
+RedisConnection::Status RedisConnection::set(const std::string& key, const std::string& value) {
+  if (const auto status = ensure_connected(); status != Status::kOk) return status;
+  Reply reply(static_cast<redisReply*>(
+      redisCommand(context_, "SET %b %b", key.data(), key.size(), value.data(), value.size())));
+  if (!reply) {
+    drop();
+    return Status::kFailed;
+  }
+  return reply->type == REDIS_REPLY_ERROR ? Status::kFailed : Status::kOk;
+}
+
+}  // namespace kvexport::runtime

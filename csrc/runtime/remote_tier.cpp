@@ -1,0 +1,167 @@
+#include "runtime/remote_tier.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace kvexport::runtime {
+
+namespace {
+
+// The writer is off the request path: it may wait longer than a read.
+constexpr std::chrono::microseconds kWriteTimeout{1000000};
+
+}  // namespace
+
+RemoteSettings RemoteSettings::parse(const std::string& url, const std::string& write_policy,
+                                     int64_t read_budget_us) {
+  RemoteSettings settings;
+  settings.endpoint = RedisEndpoint::parse(url);
+  if (write_policy == "on_evict") {
+    settings.write_policy = WritePolicy::kOnEvict;
+  } else if (write_policy == "after_batch") {
+    settings.write_policy = WritePolicy::kAfterBatch;
+  } else {
+    throw std::invalid_argument("remote write policy '" + write_policy + "': expected on_evict or after_batch");
+  }
+  if (read_budget_us <= 0) {
+    throw std::invalid_argument("remote read budget must be positive, got " + std::to_string(read_budget_us) +
+                                " us");
+  }
+  settings.read_budget = std::chrono::microseconds(read_budget_us);
+  return settings;
+}
+
+RemoteTier::RemoteTier(std::string runtime, RuntimeConfig config, RemoteSettings settings)
+    : runtime_(std::move(runtime)),
+      config_(std::move(config)),
+      settings_(std::move(settings)),
+      reader_(settings_.endpoint, settings_.read_budget) {
+  reachable_ = reader_.connect();
+  if (reachable_) writer_ = std::thread([this] { write_loop(); });
+}
+
+RemoteTier::~RemoteTier() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  queued_.notify_all();
+  if (writer_.joinable()) writer_.join();
+}
+
+std::string RemoteTier::key(int64_t user_id) const {
+  return "kvexport:" + runtime_ + ":" + std::to_string(user_id);
+}
+
+std::vector<HeldUser> RemoteTier::put(int64_t user_id, OffloadedUser user) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (queue_.size() >= settings_.queue_capacity || !writer_.joinable()) {
+      ++counters_.write_drops;
+      return {};
+    }
+    queue_.push_back(Write{user_id, std::move(user)});
+  }
+  queued_.notify_one();
+  return {};
+}
+
+void RemoteTier::write_loop() {
+  RedisConnection connection(settings_.endpoint, kWriteTimeout);
+  connection.connect();
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and every queued write is done
+    Write next = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    // Offloads from a CUDA device are still being copied to the host on the copy stream.
+    if (next.user.ready) next.user.ready->synchronize();
+    const auto bytes = encode_entry(runtime_, config_, next.user.token_ids, next.user.pages);
+    const auto status = connection.set(key(next.user_id), bytes);
+    lock.lock();
+    if (status == RedisConnection::Status::kOk) {
+      ++counters_.writes;
+      counters_.bytes_out += static_cast<int64_t>(bytes.size());
+    } else {
+      ++counters_.errors;
+    }
+  }
+}
+
+std::optional<OffloadedUser> RemoteTier::take(int64_t user_id) { return std::move(take_many({user_id}).front()); }
+
+std::vector<std::optional<OffloadedUser>> RemoteTier::take_many(const std::vector<int64_t>& user_ids) {
+  std::vector<std::string> keys;
+  for (auto user_id : user_ids) keys.push_back(key(user_id));
+  std::vector<std::optional<std::string>> values;
+  const auto started = std::chrono::steady_clock::now();
+  const auto status = reader_.get_many(keys, values);
+  const auto elapsed =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started).count();
+  std::vector<std::optional<OffloadedUser>> users(user_ids.size());
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (status != RedisConnection::Status::kUnavailable) {
+    ++counters_.reads;
+    counters_.read_us += elapsed;
+    counters_.read_us_max = std::max<int64_t>(counters_.read_us_max, elapsed);
+  }
+  if (status != RedisConnection::Status::kOk) {
+    ++counters_.errors;
+    counters_.misses += static_cast<int64_t>(user_ids.size());
+    return users;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!values[i]) {
+      ++counters_.misses;
+      continue;
+    }
+    counters_.bytes_in += static_cast<int64_t>(values[i]->size());
+    users[i] = accept(*values[i]);
+  }
+  return users;
+}
+
+std::optional<OffloadedUser> RemoteTier::accept(const std::string& bytes) {
+  auto entry = decode_entry(bytes, runtime_, config_);
+  switch (entry.fault) {
+    case EntryFault::kNone:
+      return OffloadedUser{std::move(entry.token_ids), std::move(entry.pages), nullptr, TierKind::kRemote};
+    case EntryFault::kFormat:
+      ++counters_.rejected_format;
+      break;
+    case EntryFault::kChecksum:
+      ++counters_.rejected_checksum;
+      break;
+    case EntryFault::kRuntime:
+      ++counters_.rejected_runtime;
+      break;
+  }
+  return std::nullopt;
+}
+
+void RemoteTier::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_ = RemoteCounters{};
+}
+
+void RemoteTier::add_counters(Counters& counters) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& r = counters.remote;
+  r.misses += counters_.misses;
+  r.rejected_format += counters_.rejected_format;
+  r.rejected_checksum += counters_.rejected_checksum;
+  r.rejected_runtime += counters_.rejected_runtime;
+  r.writes += counters_.writes;
+  r.write_drops += counters_.write_drops;
+  r.errors += counters_.errors;
+  r.bytes_in += counters_.bytes_in;
+  r.bytes_out += counters_.bytes_out;
+  r.reads += counters_.reads;
+  r.read_us += counters_.read_us;
+  r.read_us_max = std::max(r.read_us_max, counters_.read_us_max);
+  r.connected += reader_.connected() ? 1 : 0;
+}
+
+}  // namespace kvexport::runtime
