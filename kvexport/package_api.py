@@ -278,8 +278,8 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
          check_files: bool = True) -> Package:
     """Loads a built artifact directory (`kvexport build -o OUT`) into this process.
 
-    device: None runs the package on the device it was built for (the manifest's; this release
-    builds CPU packages only); another device raises UserError.
+    device: None runs the package on the device it was built for (the manifest's, e.g. "cuda");
+    "cuda:1" picks a GPU for a CUDA package; a device of another type raises UserError.
     check_files: first check every file against the manifest's sha256 and the manifest against the
     package's metadata, as `kvexport verify` does (UserError / VerificationError naming the file).
     Always checked: the op library the artifact ships is the one loaded in this process.
