@@ -324,6 +324,26 @@ void end_request_threads() {
   request_threads = 0;
 }
 
+int64_t check_row_metadata(const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
+                           int64_t num_pages, int64_t page_size) {
+  const int64_t* pages = page_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < page_table.numel(); ++i) {
+    TORCH_CHECK(pages[i] >= 0 && pages[i] < num_pages, "paged_attention: page ", pages[i], " outside 0..",
+                num_pages - 1);
+  }
+  const int64_t capacity = page_table.size(1) * page_size;
+  int64_t max_keys = 0;
+  for (int64_t r = 0; r < row_user.numel(); ++r) {
+    const int64_t user = row_user.data_ptr<int64_t>()[r], num_keys = row_keys.data_ptr<int64_t>()[r];
+    TORCH_CHECK(user >= 0 && user < page_table.size(0), "paged_attention: row ", r, " user ", user, " outside 0..",
+                page_table.size(0) - 1);
+    TORCH_CHECK(num_keys >= 0 && num_keys <= capacity, "paged_attention: row ", r, " reads ", num_keys,
+                " keys, the page table holds ", capacity);
+    max_keys = std::max(max_keys, num_keys);
+  }
+  return max_keys;
+}
+
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
                                const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
                                const at::Tensor& row_candidate, double alpha, double inv_scaling_seqlen) {
@@ -342,19 +362,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const auto candidate = row_candidate.to(at::kBool).contiguous();
   TORCH_CHECK(pt.dim() == 2, "paged_attention: page_table must be [B, max_pages], got ", pt.sizes());
   TORCH_CHECK(cache.device() == q.device(), "paged_attention: cache on ", cache.device(), ", q on ", q.device());
-  const int64_t num_pages = cache.size(0);
-  for (int64_t i = 0; i < pt.numel(); ++i) {
-    const int64_t page = pt.data_ptr<int64_t>()[i];
-    TORCH_CHECK(page >= 0 && page < num_pages, "paged_attention: page ", page, " outside 0..", num_pages - 1);
-  }
-  const int64_t capacity = pt.size(1) * cache.size(2);
-  for (int64_t r = 0; r < q.size(0); ++r) {
-    const int64_t user = users.data_ptr<int64_t>()[r], num_keys = keys.data_ptr<int64_t>()[r];
-    TORCH_CHECK(user >= 0 && user < pt.size(0), "paged_attention: row ", r, " user ", user, " outside 0..",
-                pt.size(0) - 1);
-    TORCH_CHECK(num_keys >= 0 && num_keys <= capacity, "paged_attention: row ", r, " reads ", num_keys,
-                " keys, the page table holds ", capacity);
-  }
+  check_row_metadata(pt, users, keys, cache.size(0), cache.size(2));
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     Attention<scalar_t>(qc, kc, vc, cc, pt, users, keys, candidate, static_cast<float>(alpha),

@@ -16,6 +16,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
                                const at::Tensor& row_candidate, double alpha, double inv_scaling_seqlen);
 
+// The checks the pure ops make on the host before reading the cache through the metadata:
+// page_table [B, max_pages], row_user [N] and row_keys [N] (contiguous int64 on the CPU) index only
+// pages of the cache and keys the table holds. Returns the most keys a row reads.
+int64_t check_row_metadata(const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
+                           int64_t num_pages, int64_t page_size);
+
 // A request's threads, set on the thread that runs it (begin_batch) and restored when it ends
 // (end_batch, abort_batch). A request with few new rows runs every other OpenMP region of the
 // package (Inductor's kernels, ATen's parallel ops) on the calling thread; paged_attention_cpu

@@ -14,6 +14,8 @@
 // - attention_generic_kernel (everything else: float32, other head sizes): one warp per
 //   (row, head), lanes over head_dim, keys one by one, exact fp32.
 #include "ops/paged_attention_cuda.h"
+#include "ops/paged_attention.h"
+#include "runtime/kv_runtime.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -40,15 +42,6 @@ namespace kvexport::ops {
 
 namespace {
 
-// row_order and tiles come as int32 (attention_tiles) or int64 (the runtime's plan).
-struct Indices {
-  const void* data;
-  bool wide;
-  __device__ int64_t operator[](int64_t i) const {
-    return wide ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
-  }
-};
-
 struct Params {
   const void *q, *k, *v;
   int64_t q_stride, k_stride, v_stride;  // elements between consecutive rows
@@ -56,7 +49,7 @@ struct Params {
   const int64_t* page_table;             // [users, max_pages]
   const int64_t* row_keys;
   const bool* row_candidate;
-  Indices row_order, tiles;
+  const int64_t *row_order, *tiles;  // the runtime's plan (runtime::user_tiles)
   void* out;       // [rows, heads, head_dim], q's dtype
   float* partial;  // [chunks, rows, heads, head_dim]; only when chunks > 1
   int64_t rows, max_pages;
@@ -567,31 +560,6 @@ at::Tensor dense_rows(const at::Tensor& t) {
 
 }  // namespace
 
-AttentionTiles attention_tiles(const std::vector<int64_t>& row_user, int64_t tile_rows, at::Device device) {
-  TORCH_CHECK(tile_rows > 0, "paged_attention: tile_rows must be positive, got ", tile_rows);
-  const int64_t rows = static_cast<int64_t>(row_user.size());
-  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), "paged_attention: ", rows, " rows are too many");
-  std::vector<int32_t> order(rows);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return row_user[a] < row_user[b]; });
-  std::vector<int32_t> tiles;
-  for (int64_t first = 0; first < rows;) {
-    const int64_t user = row_user[order[first]];
-    int64_t end = first + 1;
-    while (end < rows && end - first < tile_rows && row_user[order[end]] == user) ++end;
-    TORCH_CHECK(user >= 0 && user <= std::numeric_limits<int32_t>::max(), "paged_attention: user ", user,
-                " out of range");
-    tiles.insert(tiles.end(), {int32_t(user), int32_t(first), int32_t(end - first)});
-    first = end;
-  }
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
-  auto host = at::empty({rows + 3 * num_tiles}, at::TensorOptions().dtype(at::kInt).pinned_memory(device.is_cuda()));
-  int32_t* out = host.data_ptr<int32_t>();
-  std::copy(tiles.begin(), tiles.end(), std::copy(order.begin(), order.end(), out));
-  const auto uploaded = device.is_cpu() ? host : host.to(device, /*non_blocking=*/true);
-  return {uploaded.narrow(0, 0, rows), uploaded.narrow(0, rows, 3 * num_tiles).view({num_tiles, 3})};
-}
-
 at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                 const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& row_keys,
                                 const at::Tensor& row_candidate, const at::Tensor& row_order, const at::Tensor& tiles,
@@ -620,10 +588,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   TORCH_CHECK(row_order.dim() == 1 && row_order.size(0) == rows && tiles.dim() == 2 && tiles.size(1) == 3,
               "paged_attention: row_order ", row_order.sizes(), " and tiles ", tiles.sizes(),
               " must be [N] and [T, 3]");
-  TORCH_CHECK((row_order.scalar_type() == at::kInt || row_order.scalar_type() == at::kLong) &&
-                  tiles.scalar_type() == row_order.scalar_type(),
-              "paged_attention: row_order and tiles must both be int32 or both int64, got ", row_order.scalar_type(),
-              " and ", tiles.scalar_type());
+  TORCH_CHECK(row_order.scalar_type() == at::kLong && tiles.scalar_type() == at::kLong,
+              "paged_attention: row_order and tiles must be int64, got ", row_order.scalar_type(), " and ",
+              tiles.scalar_type());
   TORCH_CHECK(rows == 0 || tiles.size(0) > 0, "paged_attention: no tiles for ", rows, " rows");
   TORCH_CHECK(q_in.is_cuda(), "paged_attention: this kernel runs on CUDA, got ", q_in.device());
   for (const at::Tensor* t : {&k_in, &v_in, &cache, &page_table, &row_keys, &row_candidate, &row_order, &tiles}) {
@@ -654,9 +621,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   p.page_table = page_table.data_ptr<int64_t>();
   p.row_keys = row_keys.data_ptr<int64_t>();
   p.row_candidate = row_candidate.data_ptr<bool>();
-  const bool wide = row_order.scalar_type() == at::kLong;
-  p.row_order = {row_order.data_ptr(), wide};
-  p.tiles = {tiles.data_ptr(), wide};
+  p.row_order = row_order.data_ptr<int64_t>();
+  p.tiles = tiles.data_ptr<int64_t>();
   p.out = out.data_ptr();
   p.rows = rows;
   p.max_pages = page_table.size(1);
@@ -693,8 +659,6 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
 
 namespace {
 
-constexpr int64_t kOpTileRows = 64;
-
 // kvexport::hstu_paged_attention on CUDA: the pure op, for tests and benchmarks. Unlike the
 // runtime's path it reads the row metadata on the host (a synchronising copy) to build the tiles
 // and to check every index, as the CPU kernel does.
@@ -712,25 +676,18 @@ at::Tensor hstu_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, c
   const auto users = row_user.to(at::kCPU, at::kLong).contiguous();
   const auto keys = row_keys.to(at::kCPU, at::kLong).contiguous();
   const auto pages = page_table.to(at::kCPU, at::kLong).contiguous();
-  const int64_t num_pages = cache.size(0), capacity = page_table.size(1) * cache.size(2);
-  for (int64_t i = 0; i < pages.numel(); ++i) {
-    const int64_t page = pages.data_ptr<int64_t>()[i];
-    TORCH_CHECK(page >= 0 && page < num_pages, "paged_attention: page ", page, " outside 0..", num_pages - 1);
-  }
-  int64_t max_keys = 0;
-  for (int64_t r = 0; r < q.size(0); ++r) {
-    const int64_t user = users.data_ptr<int64_t>()[r], num_keys = keys.data_ptr<int64_t>()[r];
-    TORCH_CHECK(user >= 0 && user < page_table.size(0), "paged_attention: row ", r, " user ", user, " outside 0..",
-                page_table.size(0) - 1);
-    TORCH_CHECK(num_keys >= 0 && num_keys <= capacity, "paged_attention: row ", r, " reads ", num_keys,
-                " keys, the page table holds ", capacity);
-    max_keys = std::max(max_keys, num_keys);
-  }
-  const std::vector<int64_t> user_list(users.data_ptr<int64_t>(), users.data_ptr<int64_t>() + users.numel());
-  const auto tiles = attention_tiles(user_list, kOpTileRows, q.device());
+  const int64_t max_keys = check_row_metadata(pages, users, keys, cache.size(0), cache.size(2));
+  // The runtime's tiling of the rows, uploaded in one copy.
+  auto [row_order, tiles] = runtime::user_tiles({users.data_ptr<int64_t>(), users.data_ptr<int64_t>() + users.numel()},
+                                                runtime::kAttentionTileRows);
+  const auto num_rows = static_cast<int64_t>(row_order.size());
+  row_order.insert(row_order.end(), tiles.begin(), tiles.end());
+  const auto uploaded = at::tensor(row_order, at::kLong).to(q.device());
   return paged_attention_cuda(q, k, v, cache.contiguous(), page_table.to(at::kLong).contiguous(),
                               row_keys.to(at::kLong).contiguous(), row_candidate.to(at::kBool).contiguous(),
-                              tiles.row_order, tiles.tiles, max_keys, alpha, inv_scaling_seqlen);
+                              uploaded.narrow(0, 0, num_rows), uploaded.narrow(0, num_rows, uploaded.size(0) - num_rows)
+                                                                   .view({-1, 3}),
+                              max_keys, alpha, inv_scaling_seqlen);
 }
 
 }  // namespace

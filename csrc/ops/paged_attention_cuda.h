@@ -3,27 +3,14 @@
 #pragma once
 
 #include <ATen/Tensor.h>
-#include <c10/core/Device.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace kvexport::ops {
 
-// A request's rows grouped for the kernel: row_order [N] int32 (rows stably sorted by user) and
-// tiles [T, 3] int32 (user, first index into row_order, row count <= tile_rows).
-struct AttentionTiles {
-  at::Tensor row_order;
-  at::Tensor tiles;
-};
-
-// Builds the tiles on the host and uploads them in one asynchronous copy on the current stream
-// (from pinned memory when `device` is CUDA). Both tensors are views of one buffer.
-AttentionTiles attention_tiles(const std::vector<int64_t>& row_user, int64_t tile_rows, at::Device device);
-
 // q, k, v [N, H, dh] (rows may be strided, each row's [H, dh] dense); cache [pages, 2, page_size, H, dh]
 // (contiguous); page_table [B, max_pages] int64; row_keys [N] int64; row_candidate [N] bool;
-// row_order and tiles from attention_tiles or the runtime's plan (int32 or int64, one dtype).
+// row_order [N] and tiles [T, 3] int64 as the runtime's plan lays them out (runtime::user_tiles).
 // max_keys: an upper bound of row_keys, known on the host (BatchPlan::max_row_keys). It only
 // sizes the split over keys: a row that reads more keys is still computed in full.
 // Runs on the current stream; never synchronises with the host. Output [N, H, dh] in q's dtype.
