@@ -20,7 +20,7 @@ setup: $(STAMP) native
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test,bench,serve]'
 	touch $(STAMP)
 
 native: $(STAMP)

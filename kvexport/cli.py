@@ -144,6 +144,28 @@ class Tolerance(click.ParamType):
         return number
 
 
+class BoundedInt(click.ParamType):
+    """An integer >= low (and <= high when given), reported like a UserError otherwise."""
+
+    name = "integer"
+
+    def __init__(self, low: int, high: int | None = None):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx) -> int:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or number < self.low or (self.high is not None and number > self.high):
+            bounds = f"in {self.low}..{self.high}" if self.high is not None else f">= {self.low}"
+            raise _BadValue(f"{_param_name(param)} must be an integer {bounds}, got {value}")
+        return number
+
+
+PORT = BoundedInt(1, 65535)
+
+
 class WritablePath(click.ParamType):
     """A file to write: checked while parsing, so a bad path fails before hours of work, not after."""
 
@@ -343,14 +365,23 @@ def inspect(target: Path, as_json: bool) -> None:
     import json
 
     from kvexport.serve import describe
+    from kvexport.serving.signature import from_package_signature
 
     info = describe(target)
+    serving = from_package_signature(info["name"], info["signature"])
+    if serving:  # kvexport serve's signature, right after the package's
+        items = list(info.items())
+        after = [key for key, _ in items].index("signature") + 1
+        info = dict([*items[:after], ("serving_signature", serving), *items[after:]])
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     for key, value in info.items():
         if key == "signature" and value:
             click.echo(_format_signature(value))
+            continue
+        if key == "serving_signature":
+            click.echo(_format_serving_signature(value))
             continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
@@ -365,6 +396,60 @@ def _format_signature(signature: dict) -> str:
 
     lines = [line("inputs" if i == 0 else "", spec) for i, spec in enumerate(signature["inputs"])]
     return "\n".join([*lines, line("output", signature["output"])])
+
+
+def _format_serving_signature(serving: dict) -> str:
+    """`kvexport serve`'s Triton model: one user per request, flat tensors (no batch dimension)."""
+    def line(label: str, spec: dict) -> str:
+        shape = ", ".join(str(d) for d in spec["shape"])
+        return f"{label:>20}{':' if label else ' '} {spec['name']:<16} {spec['datatype']:<8} [{shape}]"
+
+    head = f"{'serving':>20}: Triton model {serving['model']}, one user per request (kvexport serve)"
+    lines = [line("serving inputs" if i == 0 else "", spec) for i, spec in enumerate(serving["inputs"])]
+    return "\n".join([head, *lines, line("serving output", serving["output"])])
+
+
+@main.command()
+@artifact_argument
+@click.option("--address", default="0.0.0.0", show_default=True,
+              help="Address the HTTP, gRPC and metrics ports listen on.")
+@click.option("--http-port", type=PORT, default=8000, show_default=True,
+              help="Triton's HTTP/REST port (KServe v2).")
+@click.option("--grpc-port", type=PORT, default=8001, show_default=True,
+              help="Triton's gRPC port (KServe v2).")
+@click.option("--metrics-port", type=PORT, default=8002, show_default=True,
+              help="Prometheus metrics: Triton's, then kvexport's cache and batch counters.")
+@click.option("--instances", type=BoundedInt(1),
+              help="Triton model instances: requests handed to the batcher at once "
+                   "(default: the package's max_batch_size).")
+@_handle_errors
+@_aoti_errors_filtered
+def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, instances: int | None) -> None:
+    """Serve OUT through a Triton Inference Server (needs the serve extra: pip install 'kvexport[serve]').
+
+    \b
+    One inference request is one user, its tensors flat (shapes as `kvexport inspect OUT` prints):
+      user_id [1], item_ids [h], action_ids [h], context_ids [C], candidate_ids [T]   INT64
+      -> logits [T, num_tasks] FP32
+    The Triton model is named after the artifact. Concurrent requests of distinct users are merged
+    into one batch of the package (up to its max_batch_size users); two requests of one user never
+    share a batch and run in the order they reach the model. Ready (/v2/health/ready) once the
+    package is loaded and warmed up. SIGTERM or SIGINT: new requests are refused, those in flight
+    are answered, then it exits 0.
+    """
+    from kvexport.serving.triton import serve as run_server
+
+    if not log.isEnabledFor(logging.DEBUG):  # PyTriton logs every refused request with a traceback
+        logging.getLogger("pytriton").setLevel(logging.ERROR)
+
+    def ready(server) -> None:
+        click.echo(f"serving {server.model_name} from {out} ({server.instances} instances, batches of up to "
+                   f"{server.package.max_batch_size} users): http {address}:{http_port}, "
+                   f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}")
+
+    run_server(out, ready, address=address, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+               instances=instances)
+    click.echo("stopped")
 
 
 @main.command()

@@ -1,0 +1,34 @@
+"""The serving signature: one Triton inference request is one user, its tensors flat (no batch dimension).
+
+The Triton model is named after the artifact (its config's `name`) and declares max_batch_size 0, so
+every tensor is sent with exactly the shape below; the server merges concurrent requests of distinct
+users into one batch of the package itself (kvexport.serving.batcher).
+"""
+
+from __future__ import annotations
+
+# (name, Triton datatype, shape): "h" events, "T" candidates; the context width and the number of
+# tasks are the package's.
+USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS = (
+    "user_id", "item_ids", "action_ids", "context_ids", "candidate_ids")
+LOGITS = "logits"
+INPUT_NAMES = (USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)
+
+
+def serving_signature(name: str, num_contextual_features: int, num_tasks: int) -> dict:
+    """{"model", "inputs": [{"name", "datatype", "shape"}], "output": {...}} of `kvexport serve`."""
+    shapes = {USER_ID: [1], ITEM_IDS: ["h"], ACTION_IDS: ["h"], CONTEXT_IDS: [num_contextual_features],
+              CANDIDATE_IDS: ["T"]}
+    return {"model": name,
+            "inputs": [{"name": n, "datatype": "INT64", "shape": shapes[n]} for n in INPUT_NAMES],
+            "output": {"name": LOGITS, "datatype": "FP32", "shape": ["T", num_tasks]}}
+
+
+def from_package_signature(name: str, signature: dict) -> dict | None:
+    """The serving signature of a package, from its own (manifest or metadata) signature; None when
+    that signature is not the one kvexport writes (say, an edited manifest)."""
+    try:
+        shapes = {spec["name"]: spec["shape"] for spec in signature["inputs"]}
+        return serving_signature(name, int(shapes["context_ids"][1]), int(signature["output"]["shape"][1]))
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None

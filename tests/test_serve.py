@@ -1,0 +1,723 @@
+"""`kvexport serve`: the package behind a real Triton Inference Server (PyTriton), on 127.0.0.1.
+
+Every output is compared with the trace's recorded expectations or with the eager model's full
+recompute (the build's checkpoint), never with the server's or the package's own output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import kvexport
+from kvexport.cli import main
+from kvexport.model import Batch, build_model
+from kvexport.model.batch import UserRequest, random_user
+from kvexport.serving.batcher import Batcher, take_batch
+from kvexport.serving.signature import INPUT_NAMES
+
+ATOL = 1e-5  # server vs eager full recompute in float32 (measured ~1e-8)
+README_EXAMPLE = re.compile(r"<!-- example: tests/test_serve\.py[^>]*-->\n```python\n(.*?)```", re.S)
+README_URL = '"127.0.0.1:8000"'
+START_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 60
+
+needs_pytriton = pytest.mark.skipif(importlib.util.find_spec("pytriton") is None,
+                                    reason="nvidia-pytriton is not installed (pip install -e '.[serve]')")
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+
+
+def free_ports() -> Ports:
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(3)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return Ports(*(s.getsockname()[1] for s in sockets))
+
+
+def user_arrays(user: UserRequest) -> dict[str, np.ndarray]:
+    return {"user_id": np.array([user.user_id], dtype=np.int64), "item_ids": user.item_ids.numpy(),
+            "action_ids": user.action_ids.numpy(), "context_ids": user.context_ids.numpy(),
+            "candidate_ids": user.candidate_ids.numpy()}
+
+
+def split_batch(batch: dict[str, torch.Tensor]) -> list[UserRequest]:
+    """A recorded batch (the package's seven tensors) as one request per user."""
+    items = batch["item_ids"].split(batch["history_lengths"].tolist())
+    actions = batch["action_ids"].split(batch["history_lengths"].tolist())
+    candidates = batch["candidate_ids"].split(batch["num_candidates"].tolist())
+    return [UserRequest(int(u), i, a, c, t) for u, i, a, c, t in
+            zip(batch["user_ids"], items, actions, batch["context_ids"], candidates)]
+
+
+class Client:
+    """tritonclient over HTTP or gRPC, sending one user per request (used by the thread that made it)."""
+
+    def __init__(self, protocol: str, ports: Ports, model: str, concurrency: int = 1):
+        if protocol == "http":
+            import tritonclient.http as module
+
+            self.client = module.InferenceServerClient(f"127.0.0.1:{ports.http}", concurrency=concurrency,
+                                                       network_timeout=REQUEST_TIMEOUT_S,
+                                                       connection_timeout=REQUEST_TIMEOUT_S)
+        else:
+            import tritonclient.grpc as module
+
+            self.client = module.InferenceServerClient(f"127.0.0.1:{ports.grpc}")
+        self.module, self.protocol, self.model = module, protocol, model
+
+    def inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None):
+        inputs = []
+        for name, array in arrays.items():
+            datatype = (datatypes or {}).get(name, "INT64")
+            tensor = self.module.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        return inputs
+
+    def infer(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None) -> np.ndarray:
+        kwargs = {"client_timeout": REQUEST_TIMEOUT_S} if self.protocol == "grpc" else {}
+        return self.client.infer(self.model, self.inputs(arrays, datatypes), **kwargs).as_numpy("logits")
+
+    def infer_at_once(self, requests: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+        """Sends every request before waiting for any answer."""
+        if self.protocol == "http":
+            pending = [self.client.async_infer(self.model, self.inputs(arrays)) for arrays in requests]
+            return [p.get_result(timeout=REQUEST_TIMEOUT_S).as_numpy("logits") for p in pending]
+        answers: list[queue.Queue] = [queue.Queue() for _ in requests]
+        for arrays, answer in zip(requests, answers):
+            self.client.async_infer(self.model, self.inputs(arrays), client_timeout=REQUEST_TIMEOUT_S,
+                                    callback=lambda result, error, a=answer: a.put((result, error)))
+        results = [answer.get(timeout=REQUEST_TIMEOUT_S) for answer in answers]
+        for _, error in results:
+            if error is not None:
+                raise error
+        return [result.as_numpy("logits") for result, _ in results]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text scrape."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{re.escape(name)}\{{([^}}]*)\}} (\S+)", line)
+        if match and all(part in match.group(1).split(",") for part in wanted.split(",") if part):
+            return float(match.group(2))
+    raise AssertionError(f"no sample {name}{{{wanted}}} in the scrape")
+
+
+class Served:
+    """A `kvexport serve` process in its own session, its output in files."""
+
+    def __init__(self, artifact: Path, ports: Ports, logs: Path, *extra: str, verbose: bool = False):
+        self.ports = ports
+        self.stdout, self.stderr = logs / "serve.out", logs / "serve.err"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvexport", *(["-v"] if verbose else []), "serve", str(artifact),
+                 "--address", "127.0.0.1",
+                 "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+                 "--metrics-port", str(ports.metrics), *extra],
+                stdout=out, stderr=err, start_new_session=True)
+
+    def output(self) -> str:
+        return f"stdout: {self.stdout.read_text()}\nstderr: {self.stderr.read_text()[-3000:]}"
+
+    def wait_ready(self) -> None:
+        """Until Triton is ready and the command has said that it serves."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"kvexport serve exited {self.process.returncode}\n{self.output()}"
+            with contextlib.suppress(OSError):
+                if http_get(self.ports.http, "/v2/health/ready")[0] == 200 and \
+                        self.stdout.read_text().startswith("serving "):
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"kvexport serve not ready after {START_TIMEOUT_S} s\n{self.output()}")
+
+    def terminate(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise AssertionError(f"kvexport serve did not stop within {STOP_TIMEOUT_S} s\n{self.output()}") from None
+
+    def session_processes(self) -> list[str]:
+        """Processes still in the server's session (it is the session leader)."""
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == self.process.pid:  # field 6 of stat, the session id
+                    left.append(stat.parent.name)
+        return left
+
+
+def ports_free(ports: Ports) -> bool:
+    for port in (ports.http, ports.grpc, ports.metrics):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eager(tiny_config, tiny_checkpoint):
+    """The eager model with the build's weights; recompute(users) is each user's full recompute."""
+    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
+
+    def recompute(users: list[UserRequest]) -> list[np.ndarray]:
+        out: list[np.ndarray | None] = [None] * len(users)
+        remaining = list(range(len(users)))
+        while remaining:  # batches of distinct users, each request recomputed from scratch
+            index_of: dict[int, int] = {}
+            for i in remaining:
+                index_of.setdefault(users[i].user_id, i)
+            chosen = list(index_of.values())
+            with torch.no_grad():
+                logits = model(Batch.concat([users[i] for i in chosen]))
+            for i, part in zip(chosen, logits.split([len(users[i].candidate_ids) for i in chosen])):
+                out[i] = part.numpy()
+            remaining = [i for i in remaining if i not in set(chosen)]
+        return out
+
+    return recompute
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact, tmp_path_factory):
+    """One server for the module (4 instances, the tiny package's max_batch_size)."""
+    served = Served(tiny_artifact, free_ports(), tmp_path_factory.mktemp("serve"))
+    try:
+        served.wait_ready()
+        yield served
+    finally:
+        code = served.terminate()
+    assert code == 0, served.output()
+
+
+# -- the batcher, in this process ------------------------------------------------------------------
+
+def test_take_batch_keeps_each_users_order_and_distinct_users():
+    queue_ = [("a", 1), ("b", 2), ("c", 1), ("d", 3), ("e", 2), ("f", 4), ("g", 5), ("h", 1)]
+    batch, rest = take_batch(queue_, 3, lambda entry: entry[1])
+    assert [e[0] for e in batch] == ["a", "b", "d"]
+    assert [e[0] for e in rest] == ["c", "e", "f", "g", "h"]
+    batch, rest = take_batch(rest, 3, lambda entry: entry[1])
+    assert [e[0] for e in batch] == ["c", "e", "f"] and [e[0] for e in rest] == ["g", "h"]
+    batch, rest = take_batch(rest, 3, lambda entry: entry[1])
+    assert [e[0] for e in batch] == ["g", "h"] and rest == []
+    assert take_batch([], 4, lambda entry: entry) == ([], [])
+
+
+class _GatedPackage:
+    """A Package whose first score_users call waits for a gate; records each call's users and cache hits."""
+
+    def __init__(self, package):
+        self.package, self.entered, self.gate, self.calls = package, threading.Event(), threading.Event(), []
+        self.max_batch_size, self.config = package.max_batch_size, package.config
+
+    def score_users(self, users):
+        if not self.calls:
+            self.entered.set()
+            self.gate.wait(timeout=REQUEST_TIMEOUT_S)
+        before = self.package.stats()["hit_tokens"]
+        try:
+            return self.package.score_users(users)
+        finally:
+            self.calls.append(([u.user_id for u in users], self.package.stats()["hit_tokens"] - before))
+
+
+@pytest.mark.slow
+def test_batcher_merges_distinct_users_in_arrival_order(tiny_artifact, tiny_config, eager):
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(11)
+    first, other, blocker = (random_user(m, generator, uid, 20, 3) for uid in (900, 901, 902))
+    grown = UserRequest(900, torch.cat([first.item_ids, first.item_ids[:5]]),
+                        torch.cat([first.action_ids, first.action_ids[:5]]), first.context_ids, first.candidate_ids)
+    with kvexport.load(tiny_artifact) as package:
+        gated = _GatedPackage(package)
+        batcher = Batcher(gated)
+        try:
+            results = [batcher.submit(blocker)]
+            assert gated.entered.wait(REQUEST_TIMEOUT_S)  # the worker scores the blocker, held at the gate
+            results += [batcher.submit(u) for u in (first, grown, other)]
+            gated.gate.set()
+            outputs = [r.result(timeout=REQUEST_TIMEOUT_S).numpy() for r in results]
+        finally:
+            batcher.close()
+    assert [users for users, _ in gated.calls] == [[902], [900, 901], [900]]
+    tokens = m.num_contextual_features + 2 * len(first.item_ids)
+    assert gated.calls[2][1] == tokens  # the second request of user 900 reused all of the first's tokens
+    for got, want in zip(outputs, eager([blocker, first, grown, other])):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    counters = batcher.counters()
+    assert (counters.batches, counters.batch_users, counters.requests_ok) == (3, 4, 4)
+
+
+@pytest.mark.slow
+def test_batcher_splits_a_batch_the_cache_cannot_hold(tiny_artifact, tiny_config, eager):
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(12)
+    big = [random_user(m, generator, 910 + i, m.max_history_length, 2) for i in range(3)]
+    blocker = random_user(m, generator, 920, 4, 1)
+    with kvexport.load(tiny_artifact) as package:
+        gated = _GatedPackage(package)
+        batcher = Batcher(gated)
+        try:
+            results = [batcher.submit(blocker)]
+            assert gated.entered.wait(REQUEST_TIMEOUT_S)
+            results += [batcher.submit(u) for u in big]
+            gated.gate.set()
+            outputs = [r.result(timeout=REQUEST_TIMEOUT_S).numpy() for r in results]
+        finally:
+            batcher.close()
+    assert [users for users, _ in gated.calls] == [[920], [910, 911, 912], [910], [911], [912]]
+    for got, want in zip(outputs, eager([blocker, *big])):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    counters = batcher.counters()
+    assert (counters.split_batches, counters.batches, counters.requests_ok, counters.requests_refused) == (1, 4, 4, 0)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_inspect_prints_the_serving_signature(tiny_artifact):
+    result = CliRunner().invoke(main, ["inspect", str(tiny_artifact)])
+    assert result.exit_code == 0, result.output
+    for line in ("serving: Triton model hstu-tiny, one user per request (kvexport serve)",
+                 "serving inputs: user_id          INT64    [1]",
+                 "item_ids         INT64    [h]", "action_ids       INT64    [h]",
+                 "context_ids      INT64    [3]", "candidate_ids    INT64    [T]",
+                 "serving output: logits           FP32     [T, 3]"):
+        assert line in result.output
+    result = CliRunner().invoke(main, ["inspect", "--json", str(tiny_artifact)])
+    serving = json.loads(result.output)["serving_signature"]
+    assert serving["model"] == "hstu-tiny"
+    assert [(i["name"], i["datatype"]) for i in serving["inputs"]] == [(n, "INT64") for n in INPUT_NAMES]
+    assert serving["output"] == {"name": "logits", "datatype": "FP32", "shape": ["T", 3]}
+
+
+@needs_pytriton
+def test_serve_refuses_clashing_or_busy_ports(tmp_path):
+    ports = free_ports()
+    base = ["serve", str(tmp_path), "--address", "127.0.0.1", "--metrics-port", str(ports.metrics)]
+    for option, value, bounds in (("--http-port", "0", "in 1..65535"), ("--grpc-port", "70000", "in 1..65535"),
+                                  ("--instances", "0", ">= 1")):
+        result = CliRunner().invoke(main, [*base, option, value])
+        assert (result.exit_code, result.output) == (2, f"error: {option} must be an integer {bounds}, got {value}\n")
+    result = CliRunner().invoke(main, [*base, "--http-port", "9100", "--grpc-port", "9100"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: the ports must differ, got --http-port 9100, --grpc-port 9100, --metrics-port {ports.metrics}"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports.http))
+        busy.listen()
+        result = CliRunner().invoke(main, [*base, "--http-port", str(ports.http), "--grpc-port", str(ports.grpc)])
+    assert result.exit_code == 2
+    assert re.fullmatch(rf"error: cannot listen on 127\.0\.0\.1:{ports.http} \(--http-port\): .+\n", result.output)
+
+
+def test_serve_without_the_extra_is_one_line(tmp_path):
+    code = ("import sys; sys.modules['pytriton'] = None\n"
+            "from kvexport.cli import main\n"
+            f"main(['serve', {str(tmp_path)!r}], prog_name='kvexport')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: kvexport serve needs the serve extra (pytriton is not importable): pip install 'kvexport[serve]'"]
+
+
+@needs_pytriton
+def test_libpython_is_this_interpreters():
+    import sysconfig
+
+    from kvexport.serving.triton import libpython
+
+    path = libpython()
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        assert path is None
+        return
+    assert path.name == sysconfig.get_config_var("INSTSONAME")
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/" in line}
+    assert str(path.resolve()) in {str(Path(p).resolve()) for p in mapped}
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_model_that_does_not_load_is_retried_then_reported(tiny_artifact, monkeypatch, caplog):
+    """tritonserver exits when its model fails to load: noticed at once, started again, then one line."""
+    import logging
+
+    from kvexport.errors import UserError
+    from kvexport.serving import triton
+
+    own_prepare = triton._Triton._prepare_triton_inference_server
+
+    def without_stub(self):  # PyTriton's copy of tritonserver, less the Python backend's stub
+        path = own_prepare(self)
+        (path / "backends" / "python" / "triton_python_backend_stub").unlink()
+        return path
+
+    monkeypatch.setattr(triton._Triton, "_prepare_triton_inference_server", without_stub)
+    ports = free_ports()
+    server = triton.Server(tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc,
+                           metrics_port=ports.metrics, instances=1)
+    started = time.monotonic()
+    with caplog.at_level(logging.DEBUG, logger="kvexport"), pytest.raises(UserError) as failed:
+        server.start()
+    assert time.monotonic() - started < 90  # not PyTriton's 120 s wait for each attempt
+    assert str(failed.value).startswith(f"Triton did not start serving hstu-tiny ({triton.START_ATTEMPTS} attempts): "
+                                        "failed to load 'hstu-tiny' version 1: Not found: triton_python_backend_stub")
+    assert "\n" not in str(failed.value)
+    assert caplog.text.count("starting it again") == triton.START_ATTEMPTS - 1
+    workspaces = re.findall(r"PyTriton workspace (\S+)", caplog.text)
+    assert len(workspaces) == triton.START_ATTEMPTS
+    assert not any(Path(w).exists() for w in workspaces)
+    assert ports_free(ports) and server.package.closed
+
+
+@needs_pytriton
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_trace_through_the_server_matches_its_expected_outputs(server, tiny_artifact, eager, protocol):
+    from kvexport.artifact import open_artifact
+    from kvexport.runner import load_trace_step
+    from kvexport.trace.verify import load_reference
+
+    artifact = open_artifact(tiny_artifact)
+    atol = artifact.tolerance["atol"]
+    steps = artifact.trace_steps
+    client = Client(protocol, server.ports, "hstu-tiny", concurrency=artifact.config.serving.max_batch_size)
+    try:
+        for step in steps:
+            expect_error = step.get("expect_error")
+            request, cached, full = load_trace_step(tiny_artifact / step["file"], not expect_error)
+            users = split_batch(request)
+            got = np.concatenate(client.infer_at_once([user_arrays(u) for u in users]))  # batched by the server
+            if expect_error:  # users that together exceed the cache are scored apart: each must be right
+                expected = [np.concatenate(eager(users))]
+            else:
+                expected = [cached.numpy(), full.numpy(), load_reference(artifact, step).numpy()]
+            for want in expected:
+                np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=f"step {step['file']}")
+    finally:
+        client.close()
+    assert any(s.get("expect_error") for s in steps)  # the capacity step went through the server too
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_readme_serving_example_runs(server, eager):
+    from tests.conftest import ROOT
+
+    blocks = README_EXAMPLE.findall((ROOT / "README.md").read_text())
+    assert len(blocks) == 1, "README.md has no (or several) serving example blocks"
+    assert blocks[0].count(README_URL) == 1, f"the README example must connect to {README_URL}"
+    namespace: dict = {"__name__": "readme_serving_example"}
+    code = blocks[0].replace(README_URL, f'"127.0.0.1:{server.ports.http}"')
+    exec(compile(code, "README.md", "exec"), namespace)
+    user = namespace["user"]
+    request = UserRequest(user["user_id"][0], *(torch.tensor(user[k]) for k in
+                                                ("item_ids", "action_ids", "context_ids", "candidate_ids")))
+    np.testing.assert_allclose(namespace["logits"], eager([request])[0], rtol=0, atol=ATOL)
+    namespace["client"].close()
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_dead_tritonserver_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_path):
+    served = Served(tiny_artifact, free_ports(), tmp_path, "--instances", "2")
+    try:
+        served.wait_ready()
+        tritonserver = [pid for pid in served.session_processes()
+                        if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name
+                        == "tritonserver"]
+        assert len(tritonserver) == 1
+        os.kill(int(tritonserver[0]), signal.SIGKILL)  # its stubs are orphaned
+        code = served.process.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        if served.process.poll() is None:
+            served.terminate()
+    assert code == 2, served.output()
+    assert served.stderr.read_text().splitlines()[-1] == "error: tritonserver exited while serving hstu-tiny"
+    assert served.session_processes() == [], "the stubs outlived the command"
+    assert ports_free(served.ports)
+
+
+def _returning_users_plan(config, clients: int, per_client: int, users: int, seed: int):
+    """Each client's requests: users shared by all clients, histories growing, about 10% rewritten."""
+    m = config.model
+    generator = torch.Generator().manual_seed(seed)
+    longest = 96
+    base = {uid: random_user(m, generator, uid, longest, 1) for uid in range(5000, 5000 + users)}
+    plans = []
+    for client in range(clients):
+        seen: dict[int, int] = {}
+        plan = []
+        for _ in range(per_client):
+            uid = 5000 + int(torch.randint(users, (1,), generator=generator))
+            seen[uid] = seen.get(uid, 0) + 1
+            events = min(longest, 4 * seen[uid] + int(torch.randint(8, (1,), generator=generator)))
+            items, actions = base[uid].item_ids[:events].clone(), base[uid].action_ids[:events].clone()
+            if events > 2 and torch.rand((), generator=generator) < 0.1:  # a rewritten history
+                at = int(torch.randint(events - 1, (1,), generator=generator))
+                items[at] = (items[at] + 1) % m.item_vocab_size
+            candidates = torch.randint(m.item_vocab_size, (1 + int(torch.randint(8, (1,), generator=generator)),),
+                                       generator=generator)
+            plan.append(UserRequest(uid, items, actions, base[uid].context_ids, candidates))
+        plans.append(plan)
+    return plans
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_concurrent_clients_with_returning_users_are_batched_and_correct(server, tiny_config, eager):
+    plans = _returning_users_plan(tiny_config, clients=16, per_client=50, users=24, seed=5)
+    expected = eager([r for plan in plans for r in plan])
+    before = http_get(server.ports.metrics, "/metrics")[1]
+    outputs: list[list] = [[] for _ in plans]
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        client = Client("http" if index % 2 else "grpc", server.ports, "hstu-tiny")
+        try:
+            for request in plans[index]:
+                outputs[index].append(client.infer(user_arrays(request)))
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "clients did not finish"
+    assert errors == []
+    got = [o for output in outputs for o in output]
+    assert len(got) == len(expected) == 800
+    worst = max(float(np.abs(g - w).max()) for g, w in zip(got, expected))
+    assert worst <= ATOL
+
+    after = http_get(server.ports.metrics, "/metrics")[1]
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, model="hstu-tiny", **labels) - metric(before, name, model="hstu-tiny", **labels)
+
+    assert delta("kvexport_requests_total", result="ok") == 800
+    assert delta("kvexport_batch_users_total") == 800
+    mean_batch = delta("kvexport_batch_users_total") / delta("kvexport_batches_total")
+    assert mean_batch > 1, f"no batching: mean batch size {mean_batch}"
+    assert delta("kvexport_cache_hit_tokens_total") > 0  # returning users came from the cache
+    assert delta("kvexport_cache_prefix_truncations_total") > 0  # rewritten histories were recomputed
+    # Triton's own metrics are in the same scrape.
+    assert metric(after, "nv_inference_request_success", model="hstu-tiny", version="1") >= 800
+
+
+def _hostile_requests(config) -> list[tuple[dict[str, np.ndarray], dict[str, str] | None, str]]:
+    """(arrays, datatypes, what the error must say): kvexport's refusals as `RequestError: <reason>`."""
+    m = config.model
+    good = user_arrays(random_user(m, torch.Generator().manual_seed(3), 7000, 5, 2))
+
+    def edit(**changes):
+        return {**good, **changes}
+
+    return [
+        (edit(candidate_ids=np.array([m.item_vocab_size], dtype=np.int64)), None,
+         f"RequestError: candidate_ids has {m.item_vocab_size}, outside the item vocabulary "
+         f"[0, {m.item_vocab_size - 1}]"),
+        (edit(item_ids=np.full(5, -2 ** 40, dtype=np.int64)), None,
+         f"RequestError: item_ids has {-2 ** 40}, outside the item vocabulary [0, {m.item_vocab_size - 1}]"),
+        (edit(action_ids=good["action_ids"][:4]), None,
+         "RequestError: item_ids has 5 events but action_ids has 4; each event is one item and one action"),
+        (edit(action_ids=np.full(5, m.action_vocab_size, dtype=np.int64)), None,
+         f"RequestError: action_ids has {m.action_vocab_size}, outside the action vocabulary"),
+        (edit(context_ids=np.array([-1, 0, 0], dtype=np.int64)), None,
+         "RequestError: context_ids has -1, outside the context vocabulary"),
+        (edit(item_ids=np.zeros(m.max_history_length + 1, dtype=np.int64),
+              action_ids=np.zeros(m.max_history_length + 1, dtype=np.int64)), None,
+         f"RequestError: history_lengths has {m.max_history_length + 1}, outside events [0, {m.max_history_length}]"),
+        (edit(candidate_ids=np.zeros(m.max_num_candidates + 1, dtype=np.int64)), None,
+         f"RequestError: num_candidates has {m.max_num_candidates + 1}, outside candidates"),
+        (edit(candidate_ids=np.zeros(0, dtype=np.int64)), None,
+         "RequestError: num_candidates has 0, outside candidates"),
+        # Refused by Triton itself, from the model's signature.
+        (edit(context_ids=good["context_ids"][:2]), None, "unexpected shape for input 'context_ids'"),
+        (edit(user_id=np.array([1, 2], dtype=np.int64)), None, "unexpected shape for input 'user_id'"),
+        (edit(item_ids=good["item_ids"].astype(np.int32)), {"item_ids": "INT32"}, "item_ids"),
+        ({k: v for k, v in good.items() if k != "candidate_ids"}, None, "candidate_ids"),
+    ]
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_hostile_requests_are_refused_while_a_valid_stream_stays_correct(server, tiny_config, eager):
+    generator = torch.Generator().manual_seed(8)
+    stream = [random_user(tiny_config.model, generator, 8000 + i % 3, 3 + 2 * i, 4) for i in range(40)]
+    expected = eager(stream)
+    stream_out: list = []
+    stream_errors: list[BaseException] = []
+    hostile = _hostile_requests(tiny_config)
+    refused: dict[str, list[str]] = {"http": [], "grpc": []}
+
+    def valid() -> None:
+        client = Client("grpc", server.ports, "hstu-tiny")
+        try:
+            for request in stream:
+                stream_out.append(client.infer(user_arrays(request)))
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            stream_errors.append(exc)
+        finally:
+            client.close()
+
+    def attack(protocol: str) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        client = Client(protocol, server.ports, "hstu-tiny")
+        try:
+            for _ in range(2):
+                for arrays, datatypes, _ in hostile:
+                    try:
+                        client.infer(arrays, datatypes)
+                        refused[protocol].append("<answered>")
+                    except InferenceServerException as exc:
+                        refused[protocol].append(exc.message())
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=valid), threading.Thread(target=attack, args=("http",)),
+               threading.Thread(target=attack, args=("grpc",))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert stream_errors == []
+    for got, want in zip(stream_out, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    for protocol, messages in refused.items():
+        assert len(messages) == 2 * len(hostile), protocol
+        for message, (_, _, reason) in zip(messages, hostile * 2):
+            assert reason in message, f"{protocol}: {reason!r} not in {message!r}"
+            if reason.startswith("RequestError: "):  # kvexport's reason is a line of the error text
+                assert any(line.startswith(f"kvexport.errors.{reason}") for line in message.splitlines()), message
+    assert http_get(server.ports.http, "/v2/health/ready")[0] == 200
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact, tiny_config, eager, tmp_path):
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(9)
+    requests = [random_user(m, generator, 9000 + i, m.max_history_length - i, 4) for i in range(6)]
+    expected = eager(requests)
+    ports = free_ports()
+
+    for run in range(2):  # the second start finds the ports, and everything else, free again
+        (tmp_path / f"run{run}").mkdir()
+        served = Served(tiny_artifact, ports, tmp_path / f"run{run}", "--instances", "2", verbose=True)
+        try:
+            served.wait_ready()
+            workspace = Path(re.search(r"PyTriton workspace (\S+)", served.stderr.read_text()).group(1))
+            assert workspace.is_dir()
+            answers: queue.Queue = queue.Queue()
+            refusals: queue.Queue = queue.Queue()
+            stop = threading.Event()
+
+            def client_loop(index: int) -> None:
+                client = Client("http" if index % 2 else "grpc", ports, "hstu-tiny")
+                try:
+                    for i in range(10_000):
+                        if stop.is_set():
+                            return
+                        k = (index + i) % len(requests)
+                        sent = time.monotonic()
+                        try:
+                            logits = client.infer(user_arrays(requests[k]))
+                        except Exception as exc:  # noqa: BLE001 — the server is stopping: refused from now on
+                            refusals.put(str(exc))
+                            return
+                        answers.put((k, sent, time.monotonic(), logits))
+                finally:
+                    client.close()
+
+            threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            time.sleep(1.5)
+            killed = time.monotonic()
+            code = served.terminate()
+            stop.set()
+            for t in threads:
+                t.join(REQUEST_TIMEOUT_S)
+            assert code == 0, served.output()
+            assert served.stdout.read_text().splitlines()[-1] == "stopped"
+            done = [answers.get() for _ in range(answers.qsize())]
+            assert len(done) > 4
+            for k, _, _, logits in done:
+                np.testing.assert_allclose(logits, expected[k], rtol=0, atol=ATOL)
+            drained = [1 for _, sent, received, _ in done if sent < killed < received]
+            assert drained, "no request in flight at SIGTERM was answered"
+            for refusal in (refusals.get() for _ in range(refusals.qsize())):  # sent once the drain began
+                assert any(word in refusal for word in ("has no available versions", "onnect", "Socket closed")), \
+                    refusal
+        finally:
+            if served.process.poll() is None:
+                served.terminate()
+        deadline = time.monotonic() + 30
+        while served.session_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert served.session_processes() == [], "processes of the server are still running"
+        assert ports_free(ports), "a port is still bound"
+        assert not workspace.exists(), f"PyTriton's workspace {workspace} was left behind"
+        regions = [name for name in os.listdir("/dev/shm") if name.startswith(f"pytrtion{served.process.pid}-")]
+        assert regions == [], "the Python backend's shared memory was left behind"
