@@ -399,7 +399,7 @@ def _format_signature(signature: dict) -> str:
 
 
 def _format_serving_signature(serving: dict) -> str:
-    """`kvexport serve`'s Triton model: one user per request, flat tensors (no batch dimension)."""
+    """`kvexport serve`'s Triton model: one user per request (each tensor a batch of one)."""
     def line(label: str, spec: dict) -> str:
         shape = ", ".join(str(d) for d in spec["shape"])
         return f"{label:>20}{':' if label else ' '} {spec['name']:<16} {spec['datatype']:<8} [{shape}]"
@@ -419,36 +419,34 @@ def _format_serving_signature(serving: dict) -> str:
               help="Triton's gRPC port (KServe v2).")
 @click.option("--metrics-port", type=PORT, default=8002, show_default=True,
               help="Prometheus metrics: Triton's, then kvexport's cache and batch counters.")
-@click.option("--instances", type=BoundedInt(1),
-              help="Triton model instances: requests handed to the batcher at once "
-                   "(default: the package's max_batch_size).")
+@click.option("--batching/--no-batching", default=True, show_default=True,
+              help="Merge concurrent users into one package call (--no-batching: one request per call, "
+                   "to measure what batching brings).")
 @_handle_errors
 @_aoti_errors_filtered
-def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, instances: int | None) -> None:
+def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, batching: bool) -> None:
     """Serve OUT through a Triton Inference Server (needs the serve extra: pip install 'kvexport[serve]').
 
     \b
-    One inference request is one user, its tensors flat (shapes as `kvexport inspect OUT` prints):
-      user_id [1], item_ids [h], action_ids [h], context_ids [C], candidate_ids [T]   INT64
-      -> logits [T, num_tasks] FP32
-    The Triton model is named after the artifact. Concurrent requests of distinct users are merged
-    into one batch of the package (up to its max_batch_size users); two requests of one user never
-    share a batch and run in the order they reach the model. Ready (/v2/health/ready) once the
-    package is loaded and warmed up. SIGTERM or SIGINT: new requests are refused, those in flight
-    are answered, then it exits 0.
+    One inference request is one user, each tensor a batch of one (as `kvexport inspect OUT` prints):
+      user_id [1, 1], item_ids [1, h], action_ids [1, h], context_ids [1, C], candidate_ids [1, T]
+      INT64 -> logits [1, T, num_tasks] FP32
+    The Triton model is named after the artifact. Triton's dynamic batcher merges concurrent
+    requests into one jagged batch of the package (up to its max_batch_size users); two requests of
+    one user never share a package call and run in the order they reach the model. A bad request
+    gets a Triton error with a one-line message (HTTP 400, gRPC INVALID_ARGUMENT). Ready
+    (/v2/health/ready) once the package is loaded and warmed up. SIGTERM or SIGINT: new requests
+    are refused, those in flight are answered, then it exits 0.
     """
     from kvexport.serving.triton import serve as run_server
 
-    if not log.isEnabledFor(logging.DEBUG):  # PyTriton logs every refused request with a traceback
-        logging.getLogger("pytriton").setLevel(logging.ERROR)
-
     def ready(server) -> None:
-        click.echo(f"serving {server.model_name} from {out} ({server.instances} instances, batches of up to "
-                   f"{server.package.max_batch_size} users): http {address}:{http_port}, "
+        click.echo(f"serving {server.model_name} from {out} (batches of up to {server.max_batch_size} users): "
+                   f"http {address}:{http_port}, "
                    f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}")
 
     run_server(out, ready, address=address, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-               instances=instances)
+               batching=batching)
     click.echo("stopped")
 
 

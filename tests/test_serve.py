@@ -32,7 +32,8 @@ import kvexport
 from kvexport.cli import main
 from kvexport.model import Batch, build_model
 from kvexport.model.batch import UserRequest, random_user
-from kvexport.serving.batcher import Batcher, take_batch
+from kvexport.errors import RequestError
+from kvexport.serving.batcher import BatchScorer, take_batch
 from kvexport.serving.signature import INPUT_NAMES
 
 ATOL = 1e-5  # server vs eager full recompute in float32 (measured ~1e-8)
@@ -95,23 +96,27 @@ class Client:
         self.module, self.protocol, self.model = module, protocol, model
 
     def inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None):
+        """Each array sent as a batch of one (Triton's batch dimension first)."""
         inputs = []
         for name, array in arrays.items():
             datatype = (datatypes or {}).get(name, "INT64")
-            tensor = self.module.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(array)
+            tensor = self.module.InferInput(name, [1, *array.shape], datatype)
+            tensor.set_data_from_numpy(array[None])
             inputs.append(tensor)
         return inputs
 
     def infer(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None) -> np.ndarray:
+        """The user's logits [T, num_tasks] (the response is a batch of one)."""
         kwargs = {"client_timeout": REQUEST_TIMEOUT_S} if self.protocol == "grpc" else {}
-        return self.client.infer(self.model, self.inputs(arrays, datatypes), **kwargs).as_numpy("logits")
+        logits = self.client.infer(self.model, self.inputs(arrays, datatypes), **kwargs).as_numpy("logits")
+        assert logits.shape[0] == 1, logits.shape
+        return logits[0]
 
     def infer_at_once(self, requests: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
         """Sends every request before waiting for any answer."""
         if self.protocol == "http":
             pending = [self.client.async_infer(self.model, self.inputs(arrays)) for arrays in requests]
-            return [p.get_result(timeout=REQUEST_TIMEOUT_S).as_numpy("logits") for p in pending]
+            return [p.get_result(timeout=REQUEST_TIMEOUT_S).as_numpy("logits")[0] for p in pending]
         answers: list[queue.Queue] = [queue.Queue() for _ in requests]
         for arrays, answer in zip(requests, answers):
             self.client.async_infer(self.model, self.inputs(arrays), client_timeout=REQUEST_TIMEOUT_S,
@@ -120,7 +125,7 @@ class Client:
         for _, error in results:
             if error is not None:
                 raise error
-        return [result.as_numpy("logits") for result, _ in results]
+        return [result.as_numpy("logits")[0] for result, _ in results]
 
     def close(self) -> None:
         self.client.close()
@@ -256,17 +261,14 @@ def test_take_batch_keeps_each_users_order_and_distinct_users():
     assert take_batch([], 4, lambda entry: entry) == ([], [])
 
 
-class _GatedPackage:
-    """A Package whose first score_users call waits for a gate; records each call's users and cache hits."""
+class _RecordingPackage:
+    """A Package that records each score_users call's users and the cache hits it found."""
 
     def __init__(self, package):
-        self.package, self.entered, self.gate, self.calls = package, threading.Event(), threading.Event(), []
+        self.package, self.calls = package, []
         self.max_batch_size, self.config = package.max_batch_size, package.config
 
     def score_users(self, users):
-        if not self.calls:
-            self.entered.set()
-            self.gate.wait(timeout=REQUEST_TIMEOUT_S)
         before = self.package.stats()["hit_tokens"]
         try:
             return self.package.score_users(users)
@@ -274,55 +276,67 @@ class _GatedPackage:
             self.calls.append(([u.user_id for u in users], self.package.stats()["hit_tokens"] - before))
 
 
+def _batched(user: UserRequest) -> dict[str, np.ndarray]:
+    """A user's request as the inference callable receives it (each array a batch of one)."""
+    return {name: array[None] for name, array in user_arrays(user).items()}
+
+
 @pytest.mark.slow
-def test_batcher_merges_distinct_users_in_arrival_order(tiny_artifact, tiny_config, eager):
+def test_scorer_splits_a_triton_batch_into_distinct_users_in_arrival_order(tiny_artifact, tiny_config, eager):
     m = tiny_config.model
     generator = torch.Generator().manual_seed(11)
-    first, other, blocker = (random_user(m, generator, uid, 20, 3) for uid in (900, 901, 902))
+    first, other = (random_user(m, generator, uid, 20, 3) for uid in (900, 901))
     grown = UserRequest(900, torch.cat([first.item_ids, first.item_ids[:5]]),
                         torch.cat([first.action_ids, first.action_ids[:5]]), first.context_ids, first.candidate_ids)
+    bad = _batched(other)
+    bad["candidate_ids"] = np.array([[m.item_vocab_size]], dtype=np.int64)
     with kvexport.load(tiny_artifact) as package:
-        gated = _GatedPackage(package)
-        batcher = Batcher(gated)
-        try:
-            results = [batcher.submit(blocker)]
-            assert gated.entered.wait(REQUEST_TIMEOUT_S)  # the worker scores the blocker, held at the gate
-            results += [batcher.submit(u) for u in (first, grown, other)]
-            gated.gate.set()
-            outputs = [r.result(timeout=REQUEST_TIMEOUT_S).numpy() for r in results]
-        finally:
-            batcher.close()
-    assert [users for users, _ in gated.calls] == [[902], [900, 901], [900]]
+        recording = _RecordingPackage(package)
+        scorer = BatchScorer(recording)
+        results = scorer.score([_batched(first), bad, _batched(grown), _batched(other)])
+    assert [users for users, _ in recording.calls] == [[900, 901], [900]]
     tokens = m.num_contextual_features + 2 * len(first.item_ids)
-    assert gated.calls[2][1] == tokens  # the second request of user 900 reused all of the first's tokens
-    for got, want in zip(outputs, eager([blocker, first, grown, other])):
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
-    counters = batcher.counters()
-    assert (counters.batches, counters.batch_users, counters.requests_ok) == (3, 4, 4)
+    assert recording.calls[1][1] == tokens  # the second request of user 900 reused all of the first's tokens
+    assert isinstance(results[1], RequestError)
+    assert str(results[1]) == f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary [0, {m.item_vocab_size - 1}]"
+    for got, want in zip([results[0], results[2], results[3]], eager([first, grown, other])):
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL)
+    counters = scorer.counters()
+    assert (counters.batches, counters.batch_users, counters.requests_ok, counters.requests_refused) == (2, 3, 3, 1)
 
 
 @pytest.mark.slow
-def test_batcher_splits_a_batch_the_cache_cannot_hold(tiny_artifact, tiny_config, eager):
+def test_scorer_splits_a_batch_the_cache_cannot_hold(tiny_artifact, tiny_config, eager):
     m = tiny_config.model
     generator = torch.Generator().manual_seed(12)
     big = [random_user(m, generator, 910 + i, m.max_history_length, 2) for i in range(3)]
-    blocker = random_user(m, generator, 920, 4, 1)
     with kvexport.load(tiny_artifact) as package:
-        gated = _GatedPackage(package)
-        batcher = Batcher(gated)
-        try:
-            results = [batcher.submit(blocker)]
-            assert gated.entered.wait(REQUEST_TIMEOUT_S)
-            results += [batcher.submit(u) for u in big]
-            gated.gate.set()
-            outputs = [r.result(timeout=REQUEST_TIMEOUT_S).numpy() for r in results]
-        finally:
-            batcher.close()
-    assert [users for users, _ in gated.calls] == [[920], [910, 911, 912], [910], [911], [912]]
-    for got, want in zip(outputs, eager([blocker, *big])):
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
-    counters = batcher.counters()
-    assert (counters.split_batches, counters.batches, counters.requests_ok, counters.requests_refused) == (1, 4, 4, 0)
+        recording = _RecordingPackage(package)
+        scorer = BatchScorer(recording)
+        results = scorer.score([_batched(u) for u in big])
+    assert [users for users, _ in recording.calls] == [[910, 911, 912], [910], [911], [912]]
+    for got, want in zip(results, eager(big)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL)
+    counters = scorer.counters()
+    assert (counters.split_batches, counters.batches, counters.requests_ok, counters.requests_refused) == (1, 3, 3, 0)
+
+
+def test_a_request_is_one_user():
+    from kvexport.config import load_config
+    from kvexport.serving.batcher import parse_request
+    from tests.conftest import TINY
+
+    config = load_config(TINY)
+    user = _batched(random_user(config.model, torch.Generator().manual_seed(1), 5, 4, 2))
+    assert parse_request(user, config).user_id == 5
+    for name, value, message in (
+            ("item_ids", np.zeros((2, 4), dtype=np.int64), "item_ids must have shape [1, n] (one request is one "
+                                                           "user), got [2, 4]"),
+            ("user_id", np.array([[5, 6]], dtype=np.int64), "user_id must hold one id, got shape [1, 2]"),
+            ("context_ids", np.zeros((1, 3), dtype=np.int32), "context_ids must be INT64, got int32")):
+        with pytest.raises(RequestError) as refused:
+            parse_request({**user, name: value}, config)
+        assert str(refused.value) == message
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
@@ -332,24 +346,23 @@ def test_inspect_prints_the_serving_signature(tiny_artifact):
     result = CliRunner().invoke(main, ["inspect", str(tiny_artifact)])
     assert result.exit_code == 0, result.output
     for line in ("serving: Triton model hstu-tiny, one user per request (kvexport serve)",
-                 "serving inputs: user_id          INT64    [1]",
-                 "item_ids         INT64    [h]", "action_ids       INT64    [h]",
-                 "context_ids      INT64    [3]", "candidate_ids    INT64    [T]",
-                 "serving output: logits           FP32     [T, 3]"):
+                 "serving inputs: user_id          INT64    [1, 1]",
+                 "item_ids         INT64    [1, h]", "action_ids       INT64    [1, h]",
+                 "context_ids      INT64    [1, 3]", "candidate_ids    INT64    [1, T]",
+                 "serving output: logits           FP32     [1, T, 3]"):
         assert line in result.output
     result = CliRunner().invoke(main, ["inspect", "--json", str(tiny_artifact)])
     serving = json.loads(result.output)["serving_signature"]
     assert serving["model"] == "hstu-tiny"
     assert [(i["name"], i["datatype"]) for i in serving["inputs"]] == [(n, "INT64") for n in INPUT_NAMES]
-    assert serving["output"] == {"name": "logits", "datatype": "FP32", "shape": ["T", 3]}
+    assert serving["output"] == {"name": "logits", "datatype": "FP32", "shape": [1, "T", 3]}
 
 
 @needs_pytriton
 def test_serve_refuses_clashing_or_busy_ports(tmp_path):
     ports = free_ports()
     base = ["serve", str(tmp_path), "--address", "127.0.0.1", "--metrics-port", str(ports.metrics)]
-    for option, value, bounds in (("--http-port", "0", "in 1..65535"), ("--grpc-port", "70000", "in 1..65535"),
-                                  ("--instances", "0", ">= 1")):
+    for option, value, bounds in (("--http-port", "0", "in 1..65535"), ("--grpc-port", "70000", "in 1..65535")):
         result = CliRunner().invoke(main, [*base, option, value])
         assert (result.exit_code, result.output) == (2, f"error: {option} must be an integer {bounds}, got {value}\n")
     result = CliRunner().invoke(main, [*base, "--http-port", "9100", "--grpc-port", "9100"])
@@ -375,10 +388,23 @@ def test_serve_without_the_extra_is_one_line(tmp_path):
 
 
 @needs_pytriton
+def test_another_pytriton_version_is_one_line(tmp_path):
+    code = ("import importlib.metadata\n"
+            "importlib.metadata.version = lambda name: '0.8.1'\n"
+            "from kvexport.cli import main\n"
+            f"main(['serve', {str(tmp_path)!r}], prog_name='kvexport')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: kvexport serve is written against nvidia-pytriton 0.7.0, found 0.8.1: "
+        "pip install 'nvidia-pytriton==0.7.0'"]
+
+
+@needs_pytriton
 def test_libpython_is_this_interpreters():
     import sysconfig
 
-    from kvexport.serving.triton import libpython
+    from kvexport.serving._pytriton import libpython
 
     path = libpython()
     if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
@@ -393,35 +419,34 @@ def test_libpython_is_this_interpreters():
 
 @needs_pytriton
 @pytest.mark.slow
-def test_a_model_that_does_not_load_is_retried_then_reported(tiny_artifact, monkeypatch, caplog):
-    """tritonserver exits when its model fails to load: noticed at once, started again, then one line."""
+def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypatch, caplog):
+    """tritonserver exits when its model fails to load: noticed at once, then one line."""
     import logging
 
     from kvexport.errors import UserError
-    from kvexport.serving import triton
+    from kvexport.serving import _pytriton, triton
 
-    own_prepare = triton._Triton._prepare_triton_inference_server
+    own_prepare = _pytriton.KvTriton._prepare_triton_inference_server
 
     def without_stub(self):  # PyTriton's copy of tritonserver, less the Python backend's stub
         path = own_prepare(self)
         (path / "backends" / "python" / "triton_python_backend_stub").unlink()
         return path
 
-    monkeypatch.setattr(triton._Triton, "_prepare_triton_inference_server", without_stub)
+    monkeypatch.setattr(_pytriton.KvTriton, "_prepare_triton_inference_server", without_stub)
     ports = free_ports()
     server = triton.Server(tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc,
-                           metrics_port=ports.metrics, instances=1)
+                           metrics_port=ports.metrics)
     started = time.monotonic()
     with caplog.at_level(logging.DEBUG, logger="kvexport"), pytest.raises(UserError) as failed:
         server.start()
-    assert time.monotonic() - started < 90  # not PyTriton's 120 s wait for each attempt
-    assert str(failed.value).startswith(f"Triton did not start serving hstu-tiny ({triton.START_ATTEMPTS} attempts): "
+    assert time.monotonic() - started < 60  # not PyTriton's 120 s wait
+    assert str(failed.value).startswith("Triton did not start serving hstu-tiny: "
                                         "failed to load 'hstu-tiny' version 1: Not found: triton_python_backend_stub")
     assert "\n" not in str(failed.value)
-    assert caplog.text.count("starting it again") == triton.START_ATTEMPTS - 1
     workspaces = re.findall(r"PyTriton workspace (\S+)", caplog.text)
-    assert len(workspaces) == triton.START_ATTEMPTS
-    assert not any(Path(w).exists() for w in workspaces)
+    assert len(workspaces) == 1
+    assert not Path(workspaces[0]).exists()
     assert ports_free(ports) and server.package.closed
 
 
@@ -475,7 +500,7 @@ def test_readme_serving_example_runs(server, eager):
 @needs_pytriton
 @pytest.mark.slow
 def test_a_dead_tritonserver_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_path):
-    served = Served(tiny_artifact, free_ports(), tmp_path, "--instances", "2")
+    served = Served(tiny_artifact, free_ports(), tmp_path)
     try:
         served.wait_ready()
         tritonserver = [pid for pid in served.session_processes()
@@ -558,57 +583,66 @@ def test_concurrent_clients_with_returning_users_are_batched_and_correct(server,
     assert delta("kvexport_batch_users_total") == 800
     mean_batch = delta("kvexport_batch_users_total") / delta("kvexport_batches_total")
     assert mean_batch > 1, f"no batching: mean batch size {mean_batch}"
+    # Triton's statistics: its model executions (batches) took more than one request each.
+    executions = (metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1")
+                  - metric(before, "nv_inference_exec_count", model="hstu-tiny", version="1"))
+    assert 800 / executions > 1, f"Triton's mean batch size {800 / executions}"
     assert delta("kvexport_cache_hit_tokens_total") > 0  # returning users came from the cache
     assert delta("kvexport_cache_prefix_truncations_total") > 0  # rewritten histories were recomputed
     # Triton's own metrics are in the same scrape.
     assert metric(after, "nv_inference_request_success", model="hstu-tiny", version="1") >= 800
 
 
-def _hostile_requests(config) -> list[tuple[dict[str, np.ndarray], dict[str, str] | None, str]]:
-    """(arrays, datatypes, what the error must say): kvexport's refusals as `RequestError: <reason>`."""
+def _hostile_requests(config) -> list[tuple[dict[str, np.ndarray], dict[str, str] | None, str, bool]]:
+    """(arrays, datatypes, error, exact): kvexport's refusals are exactly their one-line reason; Triton's
+    own (names, datatypes, shapes) contain `error`."""
     m = config.model
     good = user_arrays(random_user(m, torch.Generator().manual_seed(3), 7000, 5, 2))
+    items, contexts = f"[0, {m.item_vocab_size - 1}]", f"[0, {m.context_vocab_size - 1}]"
 
     def edit(**changes):
         return {**good, **changes}
 
     return [
         (edit(candidate_ids=np.array([m.item_vocab_size], dtype=np.int64)), None,
-         f"RequestError: candidate_ids has {m.item_vocab_size}, outside the item vocabulary "
-         f"[0, {m.item_vocab_size - 1}]"),
+         f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary {items}", True),
         (edit(item_ids=np.full(5, -2 ** 40, dtype=np.int64)), None,
-         f"RequestError: item_ids has {-2 ** 40}, outside the item vocabulary [0, {m.item_vocab_size - 1}]"),
+         f"item_ids has {-2 ** 40}, outside the item vocabulary {items}", True),
         (edit(action_ids=good["action_ids"][:4]), None,
-         "RequestError: item_ids has 5 events but action_ids has 4; each event is one item and one action"),
+         "item_ids has 5 events but action_ids has 4; each event is one item and one action", True),
         (edit(action_ids=np.full(5, m.action_vocab_size, dtype=np.int64)), None,
-         f"RequestError: action_ids has {m.action_vocab_size}, outside the action vocabulary"),
+         f"action_ids has {m.action_vocab_size}, outside the action vocabulary [0, {m.action_vocab_size - 1}]", True),
         (edit(context_ids=np.array([-1, 0, 0], dtype=np.int64)), None,
-         "RequestError: context_ids has -1, outside the context vocabulary"),
+         f"context_ids has -1, outside the context vocabulary {contexts}", True),
         (edit(item_ids=np.zeros(m.max_history_length + 1, dtype=np.int64),
               action_ids=np.zeros(m.max_history_length + 1, dtype=np.int64)), None,
-         f"RequestError: history_lengths has {m.max_history_length + 1}, outside events [0, {m.max_history_length}]"),
+         f"history_lengths has {m.max_history_length + 1}, outside events [0, {m.max_history_length}]", True),
         (edit(candidate_ids=np.zeros(m.max_num_candidates + 1, dtype=np.int64)), None,
-         f"RequestError: num_candidates has {m.max_num_candidates + 1}, outside candidates"),
+         f"num_candidates has {m.max_num_candidates + 1}, outside candidates [1, {m.max_num_candidates}]", True),
         (edit(candidate_ids=np.zeros(0, dtype=np.int64)), None,
-         "RequestError: num_candidates has 0, outside candidates"),
+         f"num_candidates has 0, outside candidates [1, {m.max_num_candidates}]", True),
         # Refused by Triton itself, from the model's signature.
-        (edit(context_ids=good["context_ids"][:2]), None, "unexpected shape for input 'context_ids'"),
-        (edit(user_id=np.array([1, 2], dtype=np.int64)), None, "unexpected shape for input 'user_id'"),
-        (edit(item_ids=good["item_ids"].astype(np.int32)), {"item_ids": "INT32"}, "item_ids"),
-        ({k: v for k, v in good.items() if k != "candidate_ids"}, None, "candidate_ids"),
+        (edit(context_ids=good["context_ids"][:2]), None, "unexpected shape for input 'context_ids'", False),
+        (edit(user_id=np.array([1, 2], dtype=np.int64)), None, "unexpected shape for input 'user_id'", False),
+        (edit(item_ids=good["item_ids"].astype(np.int32)), {"item_ids": "INT32"}, "item_ids", False),
+        ({k: v for k, v in good.items() if k != "candidate_ids"}, None, "candidate_ids", False),
     ]
 
 
 @needs_pytriton
 @pytest.mark.slow
 def test_hostile_requests_are_refused_while_a_valid_stream_stays_correct(server, tiny_config, eager):
+    """Hostile requests from two clients (HTTP and gRPC) beside a valid stream: they share Triton's
+    batches, and each is answered alone, a kvexport refusal with exactly its one-line reason."""
     generator = torch.Generator().manual_seed(8)
     stream = [random_user(tiny_config.model, generator, 8000 + i % 3, 3 + 2 * i, 4) for i in range(40)]
+    stream[1::8] = [random_user(tiny_config.model, generator, 8100 + i, 0, 2) for i in range(5)]  # no history yet
     expected = eager(stream)
     stream_out: list = []
     stream_errors: list[BaseException] = []
     hostile = _hostile_requests(tiny_config)
-    refused: dict[str, list[str]] = {"http": [], "grpc": []}
+    refused: dict[str, list[tuple[str, str]]] = {"http": [], "grpc": []}
+    invalid = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 
     def valid() -> None:
         client = Client("grpc", server.ports, "hstu-tiny")
@@ -626,12 +660,12 @@ def test_hostile_requests_are_refused_while_a_valid_stream_stays_correct(server,
         client = Client(protocol, server.ports, "hstu-tiny")
         try:
             for _ in range(2):
-                for arrays, datatypes, _ in hostile:
+                for arrays, datatypes, _, _ in hostile:
                     try:
                         client.infer(arrays, datatypes)
-                        refused[protocol].append("<answered>")
+                        refused[protocol].append(("<answered>", ""))
                     except InferenceServerException as exc:
-                        refused[protocol].append(exc.message())
+                        refused[protocol].append((exc.message(), str(exc.status())))
         finally:
             client.close()
 
@@ -641,77 +675,83 @@ def test_hostile_requests_are_refused_while_a_valid_stream_stays_correct(server,
         t.start()
     for t in threads:
         t.join(300)
-    assert stream_errors == []
+    assert [str(e) for e in stream_errors] == []
     for got, want in zip(stream_out, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
-    for protocol, messages in refused.items():
-        assert len(messages) == 2 * len(hostile), protocol
-        for message, (_, _, reason) in zip(messages, hostile * 2):
-            assert reason in message, f"{protocol}: {reason!r} not in {message!r}"
-            if reason.startswith("RequestError: "):  # kvexport's reason is a line of the error text
-                assert any(line.startswith(f"kvexport.errors.{reason}") for line in message.splitlines()), message
+    for protocol, answers in refused.items():
+        assert len(answers) == 2 * len(hostile), protocol
+        for (message, status), (_, _, error, exact) in zip(answers, hostile * 2):
+            if exact:
+                assert (message, status) == (error, invalid[protocol]), protocol
+            else:
+                assert error in message, f"{protocol}: {error!r} not in {message!r}"
     assert http_get(server.ports.http, "/v2/health/ready")[0] == 200
+
+
+def _triton_metrics_port(served: Served) -> int:
+    """The private metrics port of the server's tritonserver (from its command line)."""
+    for pid in served.session_processes():
+        with contextlib.suppress(OSError):
+            argv = [os.fsdecode(a) for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+            if Path(argv[0]).name == "tritonserver":
+                return int(argv[argv.index("--metrics-port") + 1])
+    raise AssertionError("no tritonserver in the server's session")
 
 
 @needs_pytriton
 @pytest.mark.slow
 def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact, tiny_config, eager, tmp_path):
+    """SIGTERM while Triton holds accepted requests: every one is answered, then exit 0.
+
+    Deterministic: the kvexport process is stopped (SIGSTOP) while the requests are sent, so none can
+    be answered; SIGTERM is sent once Triton reports them pending, then the process continues."""
     m = tiny_config.model
     generator = torch.Generator().manual_seed(9)
-    requests = [random_user(m, generator, 9000 + i, m.max_history_length - i, 4) for i in range(6)]
+    requests = [random_user(m, generator, 9000 + i % 6, m.max_history_length - i, 4) for i in range(24)]
     expected = eager(requests)
     ports = free_ports()
 
     for run in range(2):  # the second start finds the ports, and everything else, free again
         (tmp_path / f"run{run}").mkdir()
-        served = Served(tiny_artifact, ports, tmp_path / f"run{run}", "--instances", "2", verbose=True)
+        served = Served(tiny_artifact, ports, tmp_path / f"run{run}", verbose=True)
+        client = None
         try:
             served.wait_ready()
             workspace = Path(re.search(r"PyTriton workspace (\S+)", served.stderr.read_text()).group(1))
             assert workspace.is_dir()
+            triton_metrics = _triton_metrics_port(served)
             answers: queue.Queue = queue.Queue()
-            refusals: queue.Queue = queue.Queue()
-            stop = threading.Event()
-
-            def client_loop(index: int) -> None:
-                client = Client("http" if index % 2 else "grpc", ports, "hstu-tiny")
-                try:
-                    for i in range(10_000):
-                        if stop.is_set():
-                            return
-                        k = (index + i) % len(requests)
-                        sent = time.monotonic()
-                        try:
-                            logits = client.infer(user_arrays(requests[k]))
-                        except Exception as exc:  # noqa: BLE001 — the server is stopping: refused from now on
-                            refusals.put(str(exc))
-                            return
-                        answers.put((k, sent, time.monotonic(), logits))
-                finally:
-                    client.close()
-
-            threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            time.sleep(1.5)
-            killed = time.monotonic()
+            client = Client("grpc", ports, "hstu-tiny")
+            os.kill(served.process.pid, signal.SIGSTOP)
+            try:
+                for k, request in enumerate(requests):
+                    client.client.async_infer("hstu-tiny", client.inputs(user_arrays(request)),
+                                              client_timeout=REQUEST_TIMEOUT_S,
+                                              callback=lambda result, error, k=k: answers.put((k, result, error)))
+                deadline = time.monotonic() + START_TIMEOUT_S
+                queued = len(requests) - tiny_config.serving.max_batch_size  # all but the batch handed over
+                pending = 0.0
+                while pending < queued and time.monotonic() < deadline:
+                    pending = metric(http_get(triton_metrics, "/metrics")[1], "nv_inference_pending_request_count",
+                                     model="hstu-tiny", version="1")
+                    time.sleep(0.05)
+                assert pending >= queued, f"Triton holds {pending} requests, not {queued}"
+                assert answers.empty()
+                served.process.send_signal(signal.SIGTERM)
+            finally:
+                os.kill(served.process.pid, signal.SIGCONT)
             code = served.terminate()
-            stop.set()
-            for t in threads:
-                t.join(REQUEST_TIMEOUT_S)
             assert code == 0, served.output()
             assert served.stdout.read_text().splitlines()[-1] == "stopped"
-            done = [answers.get() for _ in range(answers.qsize())]
-            assert len(done) > 4
-            for k, _, _, logits in done:
-                np.testing.assert_allclose(logits, expected[k], rtol=0, atol=ATOL)
-            drained = [1 for _, sent, received, _ in done if sent < killed < received]
-            assert drained, "no request in flight at SIGTERM was answered"
-            for refusal in (refusals.get() for _ in range(refusals.qsize())):  # sent once the drain began
-                assert any(word in refusal for word in ("has no available versions", "onnect", "Socket closed")), \
-                    refusal
+            done = sorted((answers.get(timeout=REQUEST_TIMEOUT_S) for _ in requests), key=lambda answer: answer[0])
+            for k, result, error in done:
+                assert error is None, f"request {k} accepted before SIGTERM was not answered: {error}"
+                np.testing.assert_allclose(result.as_numpy("logits")[0], expected[k], rtol=0, atol=ATOL)
         finally:
+            if client is not None:
+                client.close()
             if served.process.poll() is None:
+                os.kill(served.process.pid, signal.SIGCONT)
                 served.terminate()
         deadline = time.monotonic() + 30
         while served.session_processes() and time.monotonic() < deadline:

@@ -1,21 +1,19 @@
-"""Server-side batching: concurrent one-user requests merged into jagged batches of the package.
+"""Scoring the batches Triton's dynamic batcher forms: one request is one user.
 
-Requests wait in one queue in the order they reach the server's model. One worker thread takes a
-batch from it at a time: the oldest request of each user, in queue order, up to the package's
-max_batch_size users. A later request of a user already in the batch stays queued, ahead of that
-user's still later requests, so two requests of one user never share a batch and run in the order
-they arrived: the second sees the cache the first left. A batch is scored with
-`Package.score_users`; when the package refuses the merged batch (say, its users together exceed the
-device tier of the KV cache) each of its users is scored alone, so a request fails only for a reason
-of its own.
-
-Requests are checked before they are queued (kvexport's own request check, the one every package
-runs inside itself), so a bad request is refused alone and never reaches a batch.
+Triton queues the requests of the model in the order they reach it and, whenever the model's one
+instance is free, hands it the oldest ones, up to the package's max_batch_size (a jagged batch: each
+user's history has its own length). The batch is checked request by request (kvexport's own request
+check, the one every package runs inside itself), so a bad request is refused alone. The valid ones
+are scored in sub-batches of distinct users (take_batch): when a user sent two requests that landed
+in one batch, the second is scored after the first, in a later package call, and sees the cache the
+first left. One instance, batches scored one after the other: a user's requests run in the order
+they reached the server. When the package refuses a merged sub-batch (say, its users together exceed
+the device tier of the KV cache) each of its users is scored alone, so a request fails only for a
+reason of its own.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -24,7 +22,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
-from kvexport.errors import RequestError, RequestFailed, UserError
+from kvexport.errors import RequestError, RequestFailed
 from kvexport.model.batch import Batch, UserRequest, check_batch
 from kvexport.serving.signature import ACTION_IDS, CANDIDATE_IDS, CONTEXT_IDS, INPUT_NAMES, ITEM_IDS, USER_ID
 
@@ -50,8 +48,8 @@ def take_batch(queue: Sequence[T], max_users: int, user_of: Callable[[T], int]) 
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], config) -> UserRequest:
-    """One user's request from the serving signature's arrays, checked against the package's limits
-    and vocabularies; RequestError (one line) otherwise."""
+    """One user's request from the serving signature's arrays (each with a leading dimension of 1),
+    checked against the package's limits and vocabularies; RequestError (one line) otherwise."""
     for name in INPUT_NAMES:
         if name not in inputs:
             raise RequestError(f"missing input {name}")
@@ -60,11 +58,12 @@ def parse_request(inputs: Mapping[str, np.ndarray], config) -> UserRequest:
         value = np.asarray(inputs[name])
         if value.dtype != np.int64:
             raise RequestError(f"{name} must be INT64, got {value.dtype}")
-        if value.ndim != 1:
-            raise RequestError(f"{name} must be 1-D, got shape {list(value.shape)}")
-        arrays[name] = value
+        if value.ndim != 2 or value.shape[0] != 1:
+            raise RequestError(f"{name} must have shape [1, n] (one request is one user), "
+                               f"got {list(value.shape)}")
+        arrays[name] = value[0]
     if arrays[USER_ID].shape != (1,):
-        raise RequestError(f"user_id must hold one id, got shape {list(arrays[USER_ID].shape)}")
+        raise RequestError(f"user_id must hold one id, got shape [1, {len(arrays[USER_ID])}]")
     items, actions = len(arrays[ITEM_IDS]), len(arrays[ACTION_IDS])
     if items != actions:
         raise RequestError(f"item_ids has {items} events but action_ids has {actions}; "
@@ -76,15 +75,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], config) -> UserRequest:
     return user
 
 
-@dataclasses.dataclass(frozen=True)
-class _Queued:
-    user: UserRequest
-    result: concurrent.futures.Future
-
-
 @dataclasses.dataclass
 class BatchCounters:
-    """What the batcher did since it started (exported as kvexport_* metrics)."""
+    """What the scorer did since it started (exported as kvexport_* metrics)."""
 
     batches: int = 0           # package calls that scored a batch
     batch_users: int = 0       # users scored in those calls (mean batch size = batch_users / batches)
@@ -93,83 +86,51 @@ class BatchCounters:
     requests_refused: int = 0  # refused by the request check or by the package
 
 
-class Batcher:
-    """Merges queued one-user requests into batches of distinct users and scores them in order.
+class BatchScorer:
+    """Scores the requests of one Triton batch (oldest first), each answered with its logits
+    [T, num_tasks] or its own refusal. Called by one thread at a time (the model's one instance);
+    counters() may be read from any thread."""
 
-    submit() may be called from any thread; close() scores everything already queued, then stops.
-    """
-
-    def __init__(self, package):
+    def __init__(self, package, max_users: int | None = None):
         self._package = package
-        self._max_users = package.max_batch_size
-        self._queue: list[_Queued] = []
-        self._state = threading.Condition()
-        self._closing = False
+        self._max_users = max_users or package.max_batch_size
         self._counters = BatchCounters()
         self._counters_lock = threading.Lock()
-        self._worker = threading.Thread(target=self._run, name="kvexport-batcher", daemon=True)
-        self._worker.start()
 
-    def check(self, inputs: Mapping[str, np.ndarray]) -> UserRequest:
-        """parse_request, counting a refusal."""
-        try:
-            return parse_request(inputs, self._package.config)
-        except RequestFailed:
-            self._count(requests_refused=1)
-            raise
-
-    def submit(self, user: UserRequest) -> concurrent.futures.Future:
-        """Queues a checked request; the future holds its logits [T, num_tasks] or its refusal."""
-        result: concurrent.futures.Future = concurrent.futures.Future()
-        with self._state:
-            if self._closing:
-                raise UserError("the server is stopping")
-            self._queue.append(_Queued(user, result))
-            self._state.notify()
-        return result
+    def score(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[torch.Tensor | RequestFailed]:
+        results: list[torch.Tensor | RequestFailed | None] = [None] * len(requests)
+        pending: list[tuple[int, UserRequest]] = []
+        for index, inputs in enumerate(requests):
+            try:
+                pending.append((index, parse_request(inputs, self._package.config)))
+            except RequestFailed as refused:
+                self._count(requests_refused=1)
+                results[index] = refused
+        while pending:
+            batch, pending = take_batch(pending, self._max_users, lambda entry: entry[1].user_id)
+            self._score(batch, results)
+        return results
 
     def counters(self) -> BatchCounters:
         with self._counters_lock:
             return dataclasses.replace(self._counters)
 
-    def close(self) -> None:
-        """Scores what is queued, then stops the worker (idempotent)."""
-        with self._state:
-            self._closing = True
-            self._state.notify_all()
-        self._worker.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._state:
-                self._state.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                batch, self._queue = take_batch(self._queue, self._max_users, lambda q: q.user.user_id)
-            self._score(batch)
-
-    def _score(self, batch: list[_Queued]) -> None:
+    def _score(self, batch: list[tuple[int, UserRequest]], results: list) -> None:
         try:
-            logits = self._package.score_users([q.user for q in batch])
+            logits = self._package.score_users([user for _, user in batch])
         except RequestFailed as refused:
             if len(batch) > 1:
                 log.debug("batch of %d users refused (%s); scoring them one at a time", len(batch), refused)
                 self._count(split_batches=1)
-                for queued in batch:
-                    self._score([queued])
+                for entry in batch:
+                    self._score([entry], results)
                 return
             self._count(requests_refused=1)
-            batch[0].result.set_exception(refused)
-            return
-        except Exception as exc:  # noqa: BLE001 — a bug fails its batch's requests, the server goes on
-            log.exception("batch of %d users failed", len(batch))
-            self._count(requests_refused=len(batch))
-            for queued in batch:
-                queued.result.set_exception(exc)
+            results[batch[0][0]] = refused
             return
         self._count(batches=1, batch_users=len(batch), requests_ok=len(batch))
-        for queued, user_logits in zip(batch, logits):
-            queued.result.set_result(user_logits)
+        for (index, _), user_logits in zip(batch, logits):
+            results[index] = user_logits
 
     def _count(self, **increments: int) -> None:
         with self._counters_lock:

@@ -1,8 +1,9 @@
-"""The serving signature: one Triton inference request is one user, its tensors flat (no batch dimension).
+"""The serving signature: one Triton inference request is one user, each tensor a batch of one.
 
-The Triton model is named after the artifact (its config's `name`) and declares max_batch_size 0, so
-every tensor is sent with exactly the shape below; the server merges concurrent requests of distinct
-users into one batch of the package itself (kvexport.serving.batcher).
+The Triton model is named after the artifact (its config's `name`) and declares the package's
+max_batch_size, so every tensor carries Triton's batch dimension first, and it is 1: one request is
+one user. Triton's dynamic batcher merges concurrent requests into one jagged batch (the history and
+candidate dimensions may differ between requests), which kvexport.serving.batcher scores.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ INPUT_NAMES = (USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)
 
 def serving_signature(name: str, num_contextual_features: int, num_tasks: int) -> dict:
     """{"model", "inputs": [{"name", "datatype", "shape"}], "output": {...}} of `kvexport serve`."""
-    shapes = {USER_ID: [1], ITEM_IDS: ["h"], ACTION_IDS: ["h"], CONTEXT_IDS: [num_contextual_features],
-              CANDIDATE_IDS: ["T"]}
+    shapes = {USER_ID: [1, 1], ITEM_IDS: [1, "h"], ACTION_IDS: [1, "h"], CONTEXT_IDS: [1, num_contextual_features],
+              CANDIDATE_IDS: [1, "T"]}
     return {"model": name,
             "inputs": [{"name": n, "datatype": "INT64", "shape": shapes[n]} for n in INPUT_NAMES],
-            "output": {"name": LOGITS, "datatype": "FP32", "shape": ["T", num_tasks]}}
+            "output": {"name": LOGITS, "datatype": "FP32", "shape": [1, "T", num_tasks]}}
 
 
 def from_package_signature(name: str, signature: dict) -> dict | None:

@@ -4,30 +4,30 @@ Start: the package is loaded (every file checked against the manifest) and warme
 synthetic users, scored cold and again from the cache; the cache is emptied afterwards), kvexport's
 metrics port is bound, and only then is tritonserver started, with the model in its model store:
 it loads the model before it listens, so /v2/health/ready never answers true before the package
-can score. A tritonserver that exits while loading the model is noticed at once and started again.
+can score.
 
-The model (named after the artifact) has max_batch_size 0: one request is one user, with the flat
-tensors of kvexport.serving.signature. It runs as `instances` Triton model instances (Python-backend
-stubs); each hands its request to this process (PyTriton's inference callable), where one Batcher
-merges the requests in flight into batches of distinct users (kvexport.serving.batcher). A bad
-request is refused alone, while the other requests are served.
+The model (named after the artifact) declares the package's max_batch_size and Triton's dynamic
+batcher with ragged inputs: one request is one user (kvexport.serving.signature); Triton merges the
+requests waiting for the model into one jagged batch whenever its one instance is free (no queue
+delay: under load, requests wait while the previous batch is scored, and the next batch takes them
+all). The instance's Python-backend stub hands each batch to this process (PyTriton's inference
+callable), where kvexport.serving.batcher scores it in arrival order, distinct users per package
+call. One instance, so batches never overlap and a user's requests run in the order they arrived.
+Each request is answered with its logits or its own one-line error (a Triton error response,
+HTTP 400 / gRPC INVALID_ARGUMENT), while the others of its batch are served.
 
 Stop (Server.stop, on SIGTERM or SIGINT in the CLI): the model is unloaded through Triton's
-repository API, so Triton refuses new requests and answers those it has accepted (the batcher
-still runs); then tritonserver is stopped, PyTriton removes its workspace, whatever tritonserver
-left running is ended, the batcher and the metrics server stop and the package is closed.
+repository API, so Triton refuses new requests and answers those it has accepted; then tritonserver
+is stopped, PyTriton removes its workspace, whatever tritonserver left running is ended, the
+metrics server stops and the package is closed.
 
-tritonserver's Python-backend stub links libpython3.11.so.1.0 by name; the dynamic loader can find
-another build of it than this interpreter's (a system one), whose C code then runs this
-interpreter's standard library, and the model fails to load (multiprocessing.resource_tracker:
-`'_thread.RLock' object has no attribute '_recursion_count'`). So tritonserver, and the stubs it
-starts, get this interpreter's own shared libpython preloaded (LD_PRELOAD, set for that process only;
-found through sysconfig's LIBDIR and INSTSONAME).
+What PyTriton's public API cannot do (libpython preload, per-request errors, ragged inputs, noticing
+a tritonserver that exits while starting) is done in kvexport.serving._pytriton, the one module
+that touches PyTriton's private parts.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -35,10 +35,8 @@ import re
 import shutil
 import signal
 import socket
-import sysconfig
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -47,58 +45,34 @@ import torch
 
 from kvexport.errors import RequestFailed, UserError
 from kvexport.io import first_line
-from kvexport.serving.batcher import Batcher
+from kvexport.serving.batcher import BatchScorer
 from kvexport.serving.metrics import MetricsServer, render
 from kvexport.serving.signature import ACTION_IDS, CANDIDATE_IDS, CONTEXT_IDS, ITEM_IDS, LOGITS, USER_ID
 
 try:
     import tritonclient.http as triton_http
     from pytriton.client.auth import create_auth_headers
-    from pytriton.model_config import ModelConfig, Tensor
-    from pytriton.server.triton_server import TritonServer
-    from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
-    from pytriton.utils.distribution import get_libs_path
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import TritonConfig, TritonLifecyclePolicy
+
+    from kvexport.serving._pytriton import KvTriton, TritonExited, refusal
 except ImportError as missing:  # the serve extra is not installed
     _package = (missing.name or "pytriton").split(".")[0]
     raise UserError(f"kvexport serve needs the serve extra ({_package} is not importable): "
                     "pip install 'kvexport[serve]'") from None
 
 log = logging.getLogger(__name__)
-server_log = logging.getLogger("kvexport.serving.tritonserver")
 
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002  # Triton's own defaults
-# The longest a stop waits for the model's unload: the requests in flight, then each instance's
-# Python-backend stub shutting down (about 2 s each, one after the other).
+# The longest a stop waits for the model's unload: the requests in flight, then the stub's shutdown.
 DRAIN_TIMEOUT_S = 30
-UNLOAD_S_PER_INSTANCE = 3
 # After the drain nothing is in flight; tritonserver then waits this long for clients' open
 # connections (it would wait its whole exit timeout for idle keep-alive connections).
 TRITON_EXIT_TIMEOUT_S = 5
-SERVER_LOG_TAIL = 200  # tritonserver lines kept to explain a failed start
 MONITOR_S = 1.0  # how often serve() checks that tritonserver is still running
-UNLOAD_POLL_S = 0.1
-STARTUP_TIMEOUT_S = 120  # tritonserver loading the model (its stubs) until it answers
-STARTUP_POLL_S = 0.1
-# PyTriton 0.7.0's model instances other than the first fetch its config over a socket within 1 s;
-# when the first is slower to start (a busy host), the model fails to load and tritonserver exits.
-# A start that ends so is tried again, from a fresh tritonserver.
-START_ATTEMPTS = 3
+UNLOAD_POLL_S = 0.05
 WARMUP_EVENTS = 8
-
-
-def libpython() -> Path | None:
-    """This interpreter's shared libpython (sysconfig's LIBDIR / INSTSONAME, or LIBDIR/MULTIARCH), or
-    None when it has none (then the stub's libpython is whatever the dynamic loader finds)."""
-    name, libdir = sysconfig.get_config_var("INSTSONAME"), sysconfig.get_config_var("LIBDIR")
-    if not sysconfig.get_config_var("Py_ENABLE_SHARED") or not name or not libdir:
-        return None
-    multiarch = sysconfig.get_config_var("MULTIARCH")
-    for directory in (Path(libdir), Path(libdir) / multiarch if multiarch else None):
-        if directory is not None and (directory / name).is_file():
-            return directory / name
-    return None
-
-
+RAGGED_INPUTS = (ITEM_IDS, ACTION_IDS, CANDIDATE_IDS)
 _LOG_PREFIX = re.compile(r'[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 
 
@@ -112,32 +86,6 @@ def failure_reason(lines: list[str]) -> str:
         match = _LOG_PREFIX.match(line)
         return match.group(1) if match else line
     return ""
-
-
-class _TritonServer(TritonServer):
-    """PyTriton's tritonserver process, with this interpreter's libpython preloaded and its output
-    sent to a logger (kept short, never accumulated)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tail: collections.deque[str] = collections.deque(maxlen=SERVER_LOG_TAIL)
-        self._partial = ""
-
-    def _get_env(self) -> dict:
-        env = super()._get_env()
-        own = libpython()
-        if own is not None:
-            env["LD_PRELOAD"] = " ".join(filter(None, [str(own), env.get("LD_PRELOAD", "")]))
-        return env
-
-    def _record_logs(self, chunk) -> None:
-        """tritonserver's output, as PyTriton's `sh` hands it over (unbuffered: a few characters at a time)."""
-        if isinstance(chunk, bytes):
-            chunk = chunk.decode("utf-8", errors="replace")
-        *lines, self._partial = (self._partial + chunk).split("\n")
-        for line in lines:
-            self.tail.append(line)
-            server_log.debug("%s", line)
 
 
 def end_leftovers(workspace: Path, shm_prefix: str) -> None:
@@ -155,56 +103,6 @@ def end_leftovers(workspace: Path, shm_prefix: str) -> None:
     for region in Path("/dev/shm").glob(f"{shm_prefix}*"):
         with contextlib.suppress(OSError):
             region.unlink()
-
-
-class _TritonExited(Exception):
-    """tritonserver exited before it answered (the model did not load)."""
-
-
-class _Triton(Triton):
-    """PyTriton's Triton, running _TritonServer, and noticing at once when it exits while starting."""
-
-    def _initialize_server(self) -> None:
-        super()._initialize_server()
-        server = self._triton_server
-        self._triton_server = _TritonServer(path=server._server_path, libs_path=get_libs_path(),
-                                            config=server._server_config, verbose=False)
-
-    def _wait_for_server(self) -> None:
-        """Waits for /v2/health/ready or for tritonserver's exit, then PyTriton's own wait (which,
-        alone, would wait its whole timeout for a tritonserver that has exited)."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not self._triton_server.is_alive():
-                with contextlib.suppress(Exception):  # sh hands over the rest of its output (it exited non-zero)
-                    self._triton_server._tritonserver_running_cmd.wait(timeout=STARTUP_POLL_S * 50)
-                raise _TritonExited(failure_reason(self.server_log_tail()) or "tritonserver exited")
-            try:
-                with urllib.request.urlopen(f"{self._url}/v2/health/ready", timeout=STARTUP_POLL_S * 10) as ready:
-                    if ready.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(STARTUP_POLL_S)
-        else:
-            raise TimeoutError(f"tritonserver did not become ready within {STARTUP_TIMEOUT_S} s")
-        super()._wait_for_server()
-
-    def server_log_tail(self) -> list[str]:
-        return list(self._triton_server.tail) if isinstance(self._triton_server, _TritonServer) else []
-
-    def forget_server_log(self) -> None:
-        """From now on server_log_tail() holds what tritonserver says while serving."""
-        self._triton_server.tail.clear()
-
-    @property
-    def workspace(self) -> Path:
-        return self._workspace.path
-
-    @property
-    def shm_prefix(self) -> str:
-        """The Python backend's shared-memory regions are named /dev/shm/<prefix>-...."""
-        return self._python_backend_config["shm-region-prefix-name"]
 
 
 def _check_port_free(address: str, port: int, option: str) -> None:
@@ -247,24 +145,28 @@ def warm_up(package) -> None:
 
 
 class Server:
-    """One package behind Triton: start() returns once it serves; stop() drains and cleans up."""
+    """One package behind Triton: start() returns once it serves; stop() drains and cleans up.
+
+    batching=False hands the package one request per call (Triton's max_batch_size 1), to measure
+    what batching brings. remote, remote_write: a shared remote KV tier, as kvexport.load takes them.
+    """
 
     def __init__(self, out: Path, *, address: str = "0.0.0.0", http_port: int = DEFAULT_HTTP_PORT,
                  grpc_port: int = DEFAULT_GRPC_PORT, metrics_port: int = DEFAULT_METRICS_PORT,
-                 instances: int | None = None):
+                 batching: bool = True, remote: str | None = None, remote_write: str = "on_evict"):
         ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
         if len(set(ports.values())) != len(ports):
             raise UserError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
-        if instances is not None and instances < 1:
-            raise UserError(f"--instances must be >= 1, got {instances}")
         self.out = Path(out)
         self.address = address
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
-        self._instances = instances
+        self.batching = batching
+        # kvexport.load's remote tier, passed only when one is asked for
+        self._load_options = {"remote": remote, "remote_write": remote_write} if remote else {}
         self.package = None
-        self._batcher: Batcher | None = None
+        self._scorer: BatchScorer | None = None
         self._metrics: MetricsServer | None = None
-        self._triton: _Triton | None = None
+        self._triton: KvTriton | None = None
         self._serving = False
         self._stopping = threading.Lock()
 
@@ -273,8 +175,9 @@ class Server:
         return self.package.name
 
     @property
-    def instances(self) -> int:
-        return self._instances or self.package.max_batch_size
+    def max_batch_size(self) -> int:
+        """Users per batch: the package's max_batch_size, 1 without batching."""
+        return self.package.max_batch_size if self.batching else 1
 
     def start(self) -> "Server":
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port)):
@@ -282,9 +185,9 @@ class Server:
         import kvexport
 
         try:
-            self.package = kvexport.load(self.out)
+            self.package = kvexport.load(self.out, **self._load_options)
             warm_up(self.package)
-            self._batcher = Batcher(self.package)
+            self._scorer = BatchScorer(self.package, self.max_batch_size)
             triton_metrics_port = _free_local_port()
             try:
                 self._metrics = MetricsServer(self.address, self.metrics_port,
@@ -300,19 +203,6 @@ class Server:
         return self
 
     def _start_triton(self, triton_metrics_port: int) -> None:
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                return self._start_triton_once(triton_metrics_port)
-            except _TritonExited as exited:
-                self._stop_triton()
-                reason = str(exited)[:500]
-                if attempt == START_ATTEMPTS:
-                    raise UserError(f"Triton did not start serving {self.model_name} ({attempt} attempts): "
-                                    f"{reason}") from exited
-                log.info("tritonserver exited while loading %s (%s); starting it again", self.model_name,
-                         reason[:200])
-
-    def _start_triton_once(self, triton_metrics_port: int) -> None:
         config = TritonConfig(
             http_address=self.address, http_port=self.http_port, grpc_address=self.address, grpc_port=self.grpc_port,
             allow_metrics=True, metrics_address="127.0.0.1", metrics_port=triton_metrics_port,
@@ -323,54 +213,49 @@ class Server:
             # The model goes into the model store before tritonserver starts, which loads it before it
             # listens: /v2/health/ready never answers true without the model (PyTriton's default
             # loads it through the running server, which is ready, with no model, in between).
-            self._triton = _Triton(config=config, triton_lifecycle_policy=TritonLifecyclePolicy(
-                launch_triton_on_startup=True, local_model_store=True))
+            self._triton = KvTriton(config=config, failure_reason=failure_reason,
+                                    triton_lifecycle_policy=TritonLifecyclePolicy(
+                                        launch_triton_on_startup=True, local_model_store=True))
             log.debug("PyTriton workspace %s", self._triton.workspace)
             self._triton.bind(
                 model_name=self.model_name,
-                infer_func=[self._infer] * self.instances,
+                infer_func=self._infer,
                 inputs=[Tensor(name=USER_ID, dtype=np.int64, shape=(1,)),
                         Tensor(name=ITEM_IDS, dtype=np.int64, shape=(-1,)),
                         Tensor(name=ACTION_IDS, dtype=np.int64, shape=(-1,)),
                         Tensor(name=CONTEXT_IDS, dtype=np.int64, shape=(m.num_contextual_features,)),
                         Tensor(name=CANDIDATE_IDS, dtype=np.int64, shape=(-1,))],
                 outputs=[Tensor(name=LOGITS, dtype=np.float32, shape=(-1, m.num_tasks))],
-                config=ModelConfig(batching=False),
-                strict=True,
+                config=ModelConfig(batching=True, max_batch_size=self.max_batch_size,
+                                   batcher=DynamicBatcher(max_queue_delay_microseconds=0)),
+                strict=False,  # a refusal is a response PyTriton's model config does not declare
             )
+            self._triton.adapt_model(self.model_name, RAGGED_INPUTS)
             self._triton.run()
-        except _TritonExited:
-            raise
+        except TritonExited as exited:
+            raise UserError(f"Triton did not start serving {self.model_name}: {str(exited)[:500]}") from None
         except Exception as exc:  # noqa: BLE001 — PyTriton and tritonclient raise many kinds: "did not start"
             reason = (failure_reason(self._triton.server_log_tail()) if self._triton else "") or first_line(exc)
             raise UserError(f"Triton did not start serving {self.model_name}: {reason[:500]}") from exc
         self._triton.forget_server_log()
         self._serving = True
 
-    def _infer(self, requests):
-        """PyTriton's inference callable: a list of requests (one with max_batch_size 0), each one user.
-
-        A refusal is raised from here without the frames below: PyTriton answers the request with a
-        Triton error whose text is its own traceback ending in `kvexport.errors.<Error>: <reason>`.
-        """
-        try:
-            users = [self._batcher.check(dict(request.items())) for request in requests]
-            pending = [self._batcher.submit(user) for user in users]
-            return [{LOGITS: np.ascontiguousarray(result.result().cpu().numpy(), dtype=np.float32)}
-                    for result in pending]
-        except UserError as refused:
-            raise refused.with_traceback(None) from None
+    def _infer(self, requests) -> list[dict[str, np.ndarray]]:
+        """PyTriton's inference callable: one Triton batch, each request one user, oldest first."""
+        return [refusal(first_line(result)) if isinstance(result, RequestFailed)
+                else {LOGITS: np.ascontiguousarray(result.cpu().numpy()[None], dtype=np.float32)}
+                for result in self._scorer.score([request.data for request in requests])]
 
     def kvexport_metrics(self) -> str:
-        """kvexport's Prometheus metrics: the cache runtime's counters and the batcher's."""
+        """kvexport's Prometheus metrics: the cache runtime's counters and the scorer's."""
         try:
             cache = self.package.stats()
         except UserError:  # closed while stopping
             cache = {}
-        return render(self.model_name, cache, self._batcher.counters())
+        return render(self.model_name, cache, self._scorer.counters())
 
     def alive(self) -> bool:
-        """False once tritonserver or one of the model's inference handlers has exited."""
+        """False once tritonserver or the model's inference handler has exited."""
         return self._triton is not None and self._triton.is_alive()
 
     def server_log_tail(self) -> list[str]:
@@ -384,17 +269,16 @@ class Server:
         local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.address, self.address)
         host = f"[{local}]" if ":" in local else local
         headers = create_auth_headers(self._triton.get_access_token(), "http")
-        timeout = DRAIN_TIMEOUT_S + UNLOAD_S_PER_INSTANCE * self.instances
-        client = triton_http.InferenceServerClient(f"{host}:{self.http_port}", network_timeout=timeout)
+        client = triton_http.InferenceServerClient(f"{host}:{self.http_port}", network_timeout=DRAIN_TIMEOUT_S)
         try:
             client.unload_model(self.model_name, headers=headers)
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
             while time.monotonic() < deadline:
                 states = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=headers)}
                 if states.get(self.model_name) != "UNLOADING":
                     return
                 time.sleep(UNLOAD_POLL_S)
-            log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, timeout)
+            log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, DRAIN_TIMEOUT_S)
         finally:
             client.close()
 
@@ -409,7 +293,7 @@ class Server:
 
     def stop(self) -> None:
         """Drains and stops: requests in flight are answered, then everything started is released
-        (tritonserver and its stubs, PyTriton's workspace, the ports, the package). Idempotent."""
+        (tritonserver and its stub, PyTriton's workspace, the ports, the package). Idempotent."""
         with self._stopping:
             if self._serving and self.alive():
                 try:
@@ -420,8 +304,6 @@ class Server:
             self._serving = False
             if self._triton is not None:
                 self._stop_triton()
-            if self._batcher is not None:
-                self._batcher.close()
             if self._metrics is not None:
                 self._metrics.close()
                 self._metrics = None
