@@ -1,0 +1,202 @@
+"""Serving benchmark: throughput and p50/p99 latency of `kvexport serve` against concurrency, with
+Triton's dynamic batching on and off, side by side in one run.
+
+Two servers of one artifact run at once (`--batching` and `--no-batching`, ports on 127.0.0.1);
+for each concurrency the two are driven one after the other for the same time by the same
+workload: each client thread sends one request at a time over gRPC, users returning with growing
+histories. The mean batch size is read from each server's kvexport metrics.
+
+    .venv/bin/python benchmarks/serve.py artifacts/hstu-tiny --json benchmarks/serve-tiny.json \
+        --plot benchmarks/serve-tiny.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+import tritonclient.grpc as grpcclient
+
+from kvexport.artifact import open_artifact
+from kvexport.model.batch import random_user
+
+START_TIMEOUT_S = 120
+CONCURRENCY = (1, 4, 16)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """A `kvexport serve` process on free ports of 127.0.0.1."""
+
+    def __init__(self, artifact: Path, batching: bool):
+        self.grpc, self.metrics = free_port(), free_port()
+        http = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
+             "--http-port", str(http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
+             "--batching" if batching else "--no-batching"],
+            stdout=subprocess.PIPE, text=True, start_new_session=True)
+        line = self.process.stdout.readline()
+        if not line.startswith("serving "):
+            raise SystemExit(f"kvexport serve did not start: {line!r}")
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every process of the server's session: kvexport, tritonserver, stub."""
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == self.process.pid:  # the session id
+                    total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+def workload(config, client: int, num_users: int, seed: int):
+    """One client's endless requests: its own users, each returning with 4 more events."""
+    m = config.model
+    generator = torch.Generator().manual_seed(seed * 1000 + client)
+    longest = min(m.max_history_length, 256)
+    users = [random_user(m, generator, client * num_users + u, longest, 8) for u in range(num_users)]
+    visit = 0
+    while True:
+        user = users[visit % num_users]
+        events = 8 + 4 * (visit // num_users) % (longest - 8)
+        visit += 1
+        arrays = {"user_id": np.array([user.user_id]), "item_ids": user.item_ids[:events].numpy(),
+                  "action_ids": user.action_ids[:events].numpy(), "context_ids": user.context_ids.numpy(),
+                  "candidate_ids": user.candidate_ids.numpy()}
+        inputs = []
+        for name, array in arrays.items():
+            tensor = grpcclient.InferInput(name, [1, *array.shape], "INT64")
+            tensor.set_data_from_numpy(array.astype(np.int64)[None])
+            inputs.append(tensor)
+        yield inputs
+
+
+def drive(served: Served, model: str, config, clients: int, seconds: float) -> dict:
+    """`clients` threads, each one request at a time, for `seconds`; throughput and latencies."""
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    batches, users = served.metric("kvexport_batches_total"), served.metric("kvexport_batch_users_total")
+    server_cpu, client_cpu = served.cpu_seconds(), time.process_time()
+    start = time.monotonic()
+    stop = start + seconds
+
+    def run(index: int) -> None:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
+        requests = workload(config, index, 4, 0)
+        try:
+            while time.monotonic() < stop:
+                inputs = next(requests)
+                sent = time.perf_counter()
+                client.infer(model, inputs, client_timeout=60)
+                latencies[index].append(time.perf_counter() - sent)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - start
+    server_cpu, client_cpu = served.cpu_seconds() - server_cpu, time.process_time() - client_cpu
+    flat = np.array([value for values in latencies for value in values]) * 1e3
+    batches = served.metric("kvexport_batches_total") - batches
+    users = served.metric("kvexport_batch_users_total") - users
+    return {"clients": clients, "requests": int(flat.size), "seconds": round(elapsed, 2),
+            "throughput_rps": round(flat.size / elapsed, 1), "p50_ms": round(float(np.percentile(flat, 50)), 2),
+            "p99_ms": round(float(np.percentile(flat, 99)), 2), "mean_batch": round(users / max(batches, 1), 2),
+            "server_cpu_ms_per_request": round(1e3 * server_cpu / flat.size, 2),
+            "client_cpu_ms_per_request": round(1e3 * client_cpu / flat.size, 2)}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, rows in results["modes"].items():
+        clients = [row["clients"] for row in rows]
+        throughput.plot(clients, [row["throughput_rps"] for row in rows], marker="o", label=f"batching {mode}")
+        latency.plot(clients, [row["p50_ms"] for row in rows], marker="o", label=f"p50, batching {mode}")
+        latency.plot(clients, [row["p99_ms"] for row in rows], marker="x", linestyle="--", label=f"p99, batching {mode}")
+    throughput.set(xlabel="concurrent clients", ylabel="requests / s", xscale="log", xticks=CONCURRENCY,
+                   xticklabels=[str(c) for c in CONCURRENCY], title=f"{results['model']}: throughput")
+    latency.set(xlabel="concurrent clients", ylabel="latency (ms)", xscale="log", xticks=CONCURRENCY,
+                xticklabels=[str(c) for c in CONCURRENCY], title=f"{results['model']}: latency")
+    throughput.legend()
+    latency.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--seconds", type=float, default=10.0, help="driving time per point")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    artifact = open_artifact(args.artifact)
+    load = os.getloadavg()
+    servers = {"on": Served(args.artifact, True), "off": Served(args.artifact, False)}
+    results = {"model": artifact.config.name, "machine": f"{platform.processor() or platform.machine()}, "
+               f"{os.cpu_count()} cores", "load_before": [round(x, 2) for x in load],
+               "seconds_per_point": args.seconds, "modes": {"on": [], "off": []}}
+    try:
+        for clients in CONCURRENCY:
+            for mode, served in servers.items():
+                row = drive(served, artifact.config.name, artifact.config, clients, args.seconds)
+                results["modes"][mode].append(row)
+                print(f"batching {mode:>3}, {clients:>2} clients: {row['throughput_rps']:7.1f} req/s, "
+                      f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
+                      f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
+                      f"client {row['client_cpu_ms_per_request']} ms",
+                      flush=True)
+    finally:
+        for served in servers.values():
+            with contextlib.suppress(Exception):
+                served.stop()
+    results["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    on, off = results["modes"]["on"][-1], results["modes"]["off"][-1]
+    results["speedup_at_16"] = round(on["throughput_rps"] / off["throughput_rps"], 2)
+    print(f"throughput at 16 clients, batching on / off: {results['speedup_at_16']}x; "
+          f"load average before {results['load_before']}, after {results['load_after']}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
