@@ -4,7 +4,7 @@ Layout of a config file::
 
     name: hstu-tiny
     model:    {num_layers, hidden_size, num_heads, head_dim, ...}
-    kv_cache: {page_size, device_pages, host_pages}
+    kv_cache: {page_size, device_pages, host_pages, remote_read_budget_us, remote_ttl_s}
     serving:  {max_batch_size, device, cpu_isa}
     trace:    {seed, num_users, ...}
 
@@ -65,6 +65,11 @@ class KVCacheConfig:
     # A request whose ops stop for this long (its host failed it between two ops) loses the
     # runtime to the next waiting request; see docs/hosting.md.
     stall_timeout_ms: int = 10000
+    # The remote tier, when a host attaches one (kvexport.load(remote=...)): a batch waits at most
+    # this long for its users' remote entries (then recomputes them), and entries expire this long
+    # after they were written (0: never; see docs/hosting.md, *Remote tier*).
+    remote_read_budget_us: int = 5000
+    remote_ttl_s: int = 86400
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold num_tokens cached tokens."""
@@ -128,6 +133,8 @@ class Config:
                 "device_pages": c.device_pages,
                 "host_pages": c.host_pages,
                 "stall_timeout_ms": c.stall_timeout_ms,
+                "remote_read_budget_us": c.remote_read_budget_us,
+                "remote_ttl_s": c.remote_ttl_s,
             },
             sort_keys=True,
         )
@@ -230,6 +237,9 @@ def _check(config: Config) -> None:
         raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")
     if c.host_pages < 0:
         raise ConfigError(f"kv_cache.host_pages must be >= 0, got {c.host_pages}")
+    _positive("kv_cache", remote_read_budget_us=c.remote_read_budget_us)
+    if c.remote_ttl_s < 0:
+        raise ConfigError(f"kv_cache.remote_ttl_s must be >= 0 (0: entries never expire), got {c.remote_ttl_s}")
     pages_per_user = c.pages_for(m.max_prefix_length)
     if c.device_pages < pages_per_user:
         raise ConfigError(

@@ -63,6 +63,15 @@ def ops_library_for(isa: str = NATIVE_ISA, multiversion: bool = True) -> Path:
     return OPS_LIBRARY if isa == NATIVE_ISA else build_dir_for(isa, multiversion) / OPS_LIBRARY_NAME
 
 
+def _hiredis_installed_since(build_dir: Path) -> bool:
+    """Whether the build directory was configured without hiredis (the remote tier's client) that
+    pkg-config finds now: it is then configured again, so the op library gets the remote tier."""
+    cache = (build_dir / "CMakeCache.txt").read_text()
+    if "HIREDIS_FOUND:INTERNAL=1" in cache or shutil.which("pkg-config") is None:
+        return False
+    return subprocess.run(["pkg-config", "--exists", "hiredis"]).returncode == 0
+
+
 def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"), isa: str = NATIVE_ISA,
                  multiversion: bool = True) -> Path:
     """Configures (once per build directory) and builds the given CMake targets.
@@ -80,7 +89,7 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    if not (build_dir / "CMakeCache.txt").exists():
+    if not (build_dir / "CMakeCache.txt").exists() or _hiredis_installed_since(build_dir):
         _run("cmake configure", [
             "cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), *generator,
             "-DCMAKE_BUILD_TYPE=Release",

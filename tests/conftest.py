@@ -96,3 +96,24 @@ def rehash(artifact: Path, rel: str) -> None:
     manifest = json.loads((artifact / MANIFEST).read_text())
     manifest["files"][rel] = sha256_of(artifact / rel)
     (artifact / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One redis-server on a free 127.0.0.1 port for the session (skips where there is none)."""
+    from tests.redis_server import RedisServer, need_redis
+
+    need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis(redis_server):
+    """A client of the session's redis-server."""
+    from tests.redis_server import Resp
+
+    client = Resp(redis_server.port)
+    yield client
+    client.close()

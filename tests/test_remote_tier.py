@@ -4,133 +4,27 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 from kvexport.ops import wrappers as kv
+from kvexport.remote import WRITE_POLICIES
 from tests.conftest import ROOT, TINY, scratch_runtime, scratch_runtime_name
+from tests.redis_server import RedisServer, free_port, need_redis
 from tests.test_runtime import kv_values, request
 
 PAGE_SIZE = 2
 # host_pages 0: every user evicted from the device tier goes on to the remote tier.
+# remote_read_budget_us: generous, the suite shares two cores with builds.
 CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
-                     "device_pages": 8, "host_pages": 0, "dtype": "float32"})
-READ_BUDGET_US = 200_000  # generous: the suite shares two cores with builds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Resp:
-    """A minimal binary-safe RESP client, so tests need no client package."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        self.buffer = b""
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def command(self, *args: bytes | str):
-        parts = [a.encode() if isinstance(a, str) else a for a in args]
-        self.sock.sendall(b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts))
-        return self._reply()
-
-    def _line(self) -> bytes:
-        while b"\r\n" not in self.buffer:
-            self.buffer += self.sock.recv(1 << 16)
-        line, self.buffer = self.buffer.split(b"\r\n", 1)
-        return line
-
-    def _reply(self):
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            raise RuntimeError(rest.decode())
-        if kind in (b"+", b":"):
-            return rest if kind == b"+" else int(rest)
-        size = int(rest)
-        if kind == b"*":
-            return [self._reply() for _ in range(size)]
-        if size < 0:
-            return None
-        while len(self.buffer) < size + 2:
-            self.buffer += self.sock.recv(1 << 16)
-        value, self.buffer = self.buffer[:size], self.buffer[size + 2:]
-        return value
-
-
-class RedisServer:
-    """A redis-server of the test's own on 127.0.0.1, with no persistence."""
-
-    def __init__(self, directory: Path, port: int | None = None):
-        self.directory = directory
-        self.port = port or free_port()
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        self.process = subprocess.Popen(
-            [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), "--logfile", str(self.directory / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                client = Resp(self.port)
-                client.command("PING")
-                client.close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port}; see {self.directory / 'redis.log'}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.process = None
-
-
-def _need_redis() -> None:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server)")
-    try:
-        kv.attach_remote("kvexport-probe-no-such-runtime", "redis://127.0.0.1:1", "on_evict", READ_BUDGET_US)
-    except ValueError as exc:
-        if "without hiredis" in str(exc):
-            pytest.skip("the op library was built without hiredis (libhiredis-dev)")
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    _need_redis()
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis(redis_server):
-    client = Resp(redis_server.port)
-    yield client
-    client.close()
+                     "device_pages": 8, "host_pages": 0, "dtype": "float32", "remote_read_budget_us": 200_000})
 
 
 def key(runtime: str, user_id: int) -> bytes:
@@ -150,7 +44,7 @@ def wait_for(runtime: str, name: str, value: int, timeout_s: float = 10.0) -> di
 @pytest.fixture
 def remote_runtime(redis_server):
     with scratch_runtime(CONFIG) as name:
-        kv.attach_remote(name, redis_server.url, "on_evict", READ_BUDGET_US)
+        kv.attach_remote(name, redis_server.url, "on_evict")
         yield name
 
 
@@ -177,7 +71,7 @@ def test_evicted_user_comes_back_from_the_remote_tier_bit_exact(remote_runtime):
 def test_host_tier_lets_its_least_recent_user_go_to_the_remote_tier(redis_server):
     config = CONFIG.replace('"host_pages": 0', '"host_pages": 2')
     with scratch_runtime(config) as name:
-        kv.attach_remote(name, redis_server.url, "on_evict", READ_BUDGET_US)
+        kv.attach_remote(name, redis_server.url, "on_evict")
         request(name, {1: [1, 2, 3], 2: [4, 5, 6]}, config=config)  # 2 pages each
         kv.evict_user(name, 1)
         kv.evict_user(name, 2)  # the host tier (2 pages) lets user 1 go
@@ -226,7 +120,7 @@ def test_diverged_entry_serves_only_the_common_prefix(remote_runtime):
 
 def test_after_batch_writes_every_committed_user(redis_server, redis):
     with scratch_runtime(CONFIG) as name:
-        kv.attach_remote(name, redis_server.url, "after_batch", READ_BUDGET_US)
+        kv.attach_remote(name, redis_server.url, "after_batch")
         request(name, {1: [1, 2, 3], 2: [4, 5]}, config=CONFIG)
         request(name, {1: [1, 2, 3, 6]}, config=CONFIG)
         assert wait_for(name, "remote_writes", 3)["remote_writes"] == 3
@@ -249,7 +143,7 @@ def test_bad_entries_are_misses_counted_by_reason_and_never_served(remote_runtim
     redis.command("SET", key(remote_runtime, 2), entry[: len(entry) // 2])
     redis.command("SET", key(remote_runtime, 3), b"not an entry")
     with scratch_runtime(CONFIG) as other:  # same config, another runtime name
-        kv.attach_remote(other, redis_server.url, "on_evict", READ_BUDGET_US)
+        kv.attach_remote(other, redis_server.url, "on_evict")
         redis.command("SET", key(other, 1), good)
         assert request(other, {1: tokens[1]}, config=CONFIG) == [0]
         assert kv.runtime_stats(other)["remote_rejected_runtime"] == 1
@@ -265,7 +159,7 @@ def test_bad_entries_are_misses_counted_by_reason_and_never_served(remote_runtim
 def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog):
     with scratch_runtime(CONFIG) as name:
         url = f"redis://127.0.0.1:{free_port()}"
-        assert not kv.attach_remote(name, url, "on_evict", READ_BUDGET_US)
+        assert not kv.attach_remote(name, url, "on_evict")
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
             f"remote tier {url} is unreachable; runtime '{name}' runs without it"]
         assert request(name, {1: [1, 2, 3]}, config=CONFIG) == [0]
@@ -273,32 +167,47 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
         assert request(name, {1: [1, 2, 3]}, config=CONFIG) == [0]
         stats = kv.runtime_stats(name)
         assert (stats["remote_connected"], stats["remote_reads"], stats["remote_errors"]) == (0, 0, 0)
-        assert kv.attach_remote(name, redis_server.url, "on_evict", READ_BUDGET_US)  # a later attach may succeed
+        assert kv.attach_remote(name, redis_server.url, "on_evict")  # a later attach may succeed
         assert kv.runtime_stats(name)["remote_connected"] == 1
 
 
-@pytest.mark.parametrize(("url", "policy", "budget", "message"), [
-    ("http://127.0.0.1:6379", "on_evict", 1000, "not of the form redis://host"),
-    ("redis://127.0.0.1:70000", "on_evict", 1000, "port 70000 outside 1..65535"),
-    ("redis://127.0.0.1:6379", "sometimes", 1000, "write policy 'sometimes'"),
-    ("redis://127.0.0.1:6379", "on_evict", 0, "read budget must be positive, got 0 us"),
+@pytest.mark.parametrize(("url", "policy", "message"), [
+    ("http://127.0.0.1:6379", "on_evict", "not of the form redis://host"),
+    ("redis://127.0.0.1:70000", "on_evict", "port 70000 outside 1..65535"),
+    ("redis://127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
 ])
-def test_bad_remote_settings_are_refused(url, policy, budget, message):
+def test_bad_remote_settings_are_refused(url, policy, message):
     with scratch_runtime(CONFIG) as name:
         with pytest.raises(ValueError, match=message):
-            kv.attach_remote(name, url, policy, budget)
+            kv.attach_remote(name, url, policy)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("remote_read_budget_us", 0, "remote_read_budget_us must be positive, got 0"),
+    ("remote_ttl_s", -1, "remote_ttl_s must be positive, got -1"),
+])
+def test_bad_remote_config_is_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        with scratch_runtime(json.dumps({**json.loads(CONFIG), field: value})):
+            pass
+
+
+def test_python_write_policies_are_the_op_librarys():
+    with scratch_runtime(CONFIG) as name:
+        for policy in WRITE_POLICIES:  # accepted: only the server is missing
+            assert not kv.attach_remote(name, f"redis://127.0.0.1:{free_port()}", policy)
 
 
 def test_second_remote_tier_is_refused(remote_runtime, redis_server):
     with pytest.raises(ValueError, match="has a tier of this kind already"):
-        kv.attach_remote(remote_runtime, redis_server.url, "on_evict", READ_BUDGET_US)
+        kv.attach_remote(remote_runtime, redis_server.url, "on_evict")
 
 
 def test_opcheck_attach_remote():
     """A management op: its schema declares no mutation of its inputs."""
     with scratch_runtime(CONFIG) as name:
         torch.library.opcheck(torch.ops.kvexport.attach_remote.default,
-                              (name, f"redis://127.0.0.1:{free_port()}", "on_evict", 1000),
+                              (name, f"redis://127.0.0.1:{free_port()}", "on_evict"),
                               test_utils=("test_schema",))
 
 
@@ -312,11 +221,11 @@ def _in_thread(target, timeout_s: float) -> list:
 
 
 def test_lost_server_mid_run_recomputes_counts_errors_and_reconnects(tmp_path):
-    _need_redis()
+    need_redis()
     server = RedisServer(tmp_path).start()
     try:
         with scratch_runtime(CONFIG) as name:
-            kv.attach_remote(name, server.url, "on_evict", READ_BUDGET_US)
+            kv.attach_remote(name, server.url, "on_evict")
             request(name, {1: [1, 2, 3]}, config=CONFIG)
             kv.evict_user(name, 1)
             wait_for(name, "remote_writes", 1)
@@ -353,6 +262,99 @@ def test_lost_server_mid_run_recomputes_counts_errors_and_reconnects(tmp_path):
         server.stop()
 
 
+class GatedProxy:
+    """A TCP proxy to a server that holds back MGET commands while its gate is closed.
+
+    Its threads are Python threads: they forward a read only while the thread making it has
+    released the GIL.
+    """
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.gate = threading.Event()
+        self.gate.set()
+        self.mget_seen = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, gated: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if gated and b"MGET" in data:
+                    self.mget_seen.set()
+                    self.gate.wait()
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            source.close()
+            sink.close()
+
+
+def test_a_remote_read_holds_neither_the_runtime_nor_the_gil(redis_server):
+    config = json.dumps({**json.loads(CONFIG), "remote_read_budget_us": 10_000_000})
+    proxy = GatedProxy(redis_server.port)
+    try:
+        with scratch_runtime(config) as name:
+            assert kv.attach_remote(name, f"redis://127.0.0.1:{proxy.port}", "on_evict")
+            request(name, {1: [1, 2, 3, 4, 5]}, config=config)
+            kv.evict_user(name, 1)
+            assert kv.flush_remote(name, 10_000)
+            request(name, {2: [7, 8]}, config=config)  # stays on the device tier: no remote read
+            proxy.gate.clear()
+            returning: list = []
+            reader = threading.Thread(target=lambda: returning.append(request(name, {1: [1, 2, 3, 4, 5, 6]},
+                                                                              config=config)), daemon=True)
+            reader.start()
+            assert proxy.mget_seen.wait(timeout=10)  # forwarded by a Python thread: the GIL is free
+            # While user 1's read waits on the server, another request has the runtime.
+            assert _in_thread(lambda: request(name, {2: [7, 8, 9]}, config=config), timeout_s=10) == [[2]]
+            proxy.gate.set()
+            reader.join(timeout=30)
+            assert returning == [[5]]
+            stats = kv.runtime_stats(name)
+            assert (stats["remote_hits"], stats["remote_hit_tokens"], stats["remote_errors"]) == (1, 5, 0)
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize(("ttl_s", "expected"), [(100, range(1, 101)), (0, [-1])])
+def test_entries_expire_after_the_configured_ttl(redis_server, redis, ttl_s, expected):
+    config = json.dumps({**json.loads(CONFIG), "remote_ttl_s": ttl_s})
+    with scratch_runtime(config) as name:
+        kv.attach_remote(name, redis_server.url, "on_evict")
+        request(name, {1: [1, 2, 3]}, config=config)
+        kv.evict_user(name, 1)
+        assert kv.flush_remote(name, 10_000)
+        assert redis.command("TTL", key(name, 1)) in expected  # -1: no expiry
+
+
+def test_flush_waits_for_queued_writes(remote_runtime, redis):
+    for user in range(1, 5):
+        request(remote_runtime, {user: [user, user + 1, user + 2]}, config=CONFIG)
+        kv.evict_user(remote_runtime, user)
+    assert kv.flush_remote(remote_runtime, 10_000)
+    assert kv.runtime_stats(remote_runtime)["remote_writes"] == 4
+    assert all(redis.command("EXISTS", key(remote_runtime, user)) == 1 for user in range(1, 5))
+    with pytest.raises(ValueError, match="flush timeout must be >= 0 ms, got -1"):
+        kv.flush_remote(remote_runtime, -1)
+
+
 # ---- two processes sharing one server ----------------------------------------------------------------
 
 def _eager_config(name: str):
@@ -361,6 +363,7 @@ def _eager_config(name: str):
     raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
     raw["name"] = name
     raw["kv_cache"]["host_pages"] = 0
+    raw["kv_cache"]["remote_read_budget_us"] = 200_000
     return config_from_dict(raw)
 
 
@@ -387,7 +390,7 @@ def remote_worker(spec_json: str) -> None:
     config = _eager_config(spec["runtime"])
     model = build_model(config, seed=1)
     cache = KVCacheManager(config)
-    kv.attach_remote(config.name, spec["url"], "on_evict", READ_BUDGET_US)
+    kv.attach_remote(config.name, spec["url"], "on_evict")
     batch = _returning_user(config, spec["num_appended"])
     with torch.no_grad():
         cached = model.forward_cached(batch)

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -177,22 +178,29 @@ at::Tensor read_user_kv(const std::string& name, int64_t user_id) {
 
 bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name); }
 
-bool attach_remote(const std::string& name, const std::string& url, const std::string& write_policy,
-                   int64_t read_budget_us) {
+bool attach_remote(const std::string& name, const std::string& url, const std::string& write_policy) {
   return management_op([&] {
 #ifdef KVEXPORT_WITH_REMOTE
     auto rt = runtime::find_runtime(name);
     // Connects before taking the runtime: requests in flight are not held up by the connect.
-    auto tier = std::make_unique<runtime::RemoteTier>(
-        name, rt->config(), runtime::RemoteSettings::parse(url, write_policy, read_budget_us));
+    auto tier = std::make_unique<runtime::RemoteTier>(name, rt->config(),
+                                                      runtime::RemoteSettings::parse(url, write_policy, rt->config()));
     if (!tier->reachable()) return false;
     rt->append_tier(std::move(tier));
     return true;
 #else
-    throw std::invalid_argument("this op library was built without hiredis, so it has no remote tier; "
-                                "install libhiredis-dev and rebuild it (python -m kvexport.native)");
+    throw std::invalid_argument(
+        "this op library was built without the remote tier (hiredis was not found when it was built); "
+        "install libhiredis-dev (Debian/Ubuntu), rebuild it with python -m kvexport.native and rebuild the package");
     return false;
 #endif
+  });
+}
+
+bool flush_remote(const std::string& name, int64_t timeout_ms) {
+  return management_op([&] {
+    if (timeout_ms < 0) throw std::invalid_argument("flush timeout must be >= 0 ms, got " + std::to_string(timeout_ms));
+    return runtime::find_runtime(name)->flush_remote(std::chrono::milliseconds(timeout_ms));
   });
 }
 
@@ -227,8 +235,11 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("read_user_kv(str runtime, int user_id) -> Tensor");
   m.def("drop_runtime(str runtime) -> bool");
   // Adds the remote tier (redis://host[:port][/db]) behind the host tier; write_policy is on_evict or
-  // after_batch. False when the server does not answer: the runtime then runs without it.
-  m.def("attach_remote(str runtime, str url, str write_policy, int read_budget_us) -> bool");
+  // after_batch; read budget and expiry come from the runtime's config. False when the server does
+  // not answer: the runtime then runs without it.
+  m.def("attach_remote(str runtime, str url, str write_policy) -> bool");
+  // Waits up to timeout_ms for the remote tier's queued writes; False if some are still queued.
+  m.def("flush_remote(str runtime, int timeout_ms) -> bool");
   // Pure kernel behind paged_attention, with every input explicit.
   m.def("hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
         "Tensor row_keys, Tensor row_candidate, float alpha, float inv_scaling_seqlen) -> Tensor");
@@ -269,6 +280,7 @@ TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("read_user_kv", &read_user_kv);
   m.impl("drop_runtime", &drop_runtime);
   m.impl("attach_remote", &attach_remote);
+  m.impl("flush_remote", &flush_remote);
 }
 
 }  // namespace kvexport::ops

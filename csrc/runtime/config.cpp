@@ -48,6 +48,8 @@ RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
   c.dtype = j.at("dtype").get<std::string>();
   c.scalar_type();  // refuses an unsupported dtype here, before any runtime exists
   if (j.contains("stall_timeout_ms")) c.stall_timeout_ms = positive_field(j, "stall_timeout_ms");
+  if (j.contains("remote_read_budget_us")) c.remote_read_budget_us = positive_field(j, "remote_read_budget_us");
+  if (j.contains("remote_ttl_s")) c.remote_ttl_s = positive_field(j, "remote_ttl_s", /*allow_zero=*/true);
   return c;
 }
 

@@ -18,6 +18,10 @@ struct RuntimeConfig {
   std::string dtype;
   // How long a batch in flight may make no progress before a waiting request takes the runtime.
   int64_t stall_timeout_ms = 10000;
+  // The remote tier, when a host attaches one: a batch waits at most remote_read_budget_us for its
+  // remote reads, and an entry expires remote_ttl_s after it was written (0: never).
+  int64_t remote_read_budget_us = 5000;
+  int64_t remote_ttl_s = 86400;
 
   // Throws std::invalid_argument naming the bad or missing field.
   static RuntimeConfig from_json(const std::string& json);

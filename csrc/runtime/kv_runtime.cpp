@@ -108,6 +108,8 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vec
 const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
                                         const std::vector<int64_t>& token_lengths,
                                         const std::vector<int64_t>& num_candidates) {
+  check_batch(user_ids, token_ids, token_lengths, num_candidates);  // reads the config only
+  auto remote = read_remote(user_ids);
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
   if (owner_) {
@@ -116,11 +118,11 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
     owner_.reset();
     released_.notify_all();
   }
-  check_batch(user_ids, token_ids, token_lengths, num_candidates);
 
   const std::unordered_set<int64_t> in_batch(user_ids.begin(), user_ids.end());
   // Take the batch's offloaded users out of the tier chain first, so that evictions made for
-  // this batch cannot push them out before they are onboarded.
+  // this batch cannot push them out before they are onboarded. A user another request brought
+  // back meanwhile is taken from where it is now; its remote entry is not used.
   std::vector<int64_t> absent;
   for (auto user : user_ids) {
     if (!users_.find(user)) absent.push_back(user);
@@ -128,7 +130,10 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
   auto found = tiers_.take_many(absent);
   std::vector<std::optional<OffloadedUser>> offloaded(user_ids.size());
   for (size_t b = 0, next = 0; b < user_ids.size(); ++b) {
-    if (next < absent.size() && absent[next] == user_ids[b]) offloaded[b] = std::move(found[next++]);
+    if (next < absent.size() && absent[next] == user_ids[b]) {
+      offloaded[b] = std::move(found[next++]);
+      if (!offloaded[b] && !remote.empty()) offloaded[b] = std::move(remote[b]);
+    }
   }
   plan_ = BatchPlan{};
   plan_.user_ids = user_ids;
@@ -158,6 +163,30 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
   owner_ = std::this_thread::get_id();
   last_progress_ = std::chrono::steady_clock::now();
   return plan_;
+}
+
+std::vector<std::optional<OffloadedUser>> KVRuntime::read_remote(const std::vector<int64_t>& user_ids) {
+  OffloadTier* remote = remote_.load();
+  if (!remote) return {};
+  // Released before mutex_ is taken and taken back after it is released: a thread holding the GIL
+  // may be waiting for mutex_.
+  ScopedGilRelease gil;
+  std::vector<int64_t> wanted;
+  std::vector<size_t> slots;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t b = 0; b < user_ids.size(); ++b) {
+      if (!users_.find(user_ids[b]) && !tiers_.num_tokens(user_ids[b])) {
+        wanted.push_back(user_ids[b]);
+        slots.push_back(b);
+      }
+    }
+  }
+  std::vector<std::optional<OffloadedUser>> users(user_ids.size());
+  if (wanted.empty()) return users;
+  auto found = remote->take_many(wanted);
+  for (size_t i = 0; i < slots.size(); ++i) users[slots[i]] = std::move(found[i]);
+  return users;
 }
 
 int64_t KVRuntime::reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
@@ -372,7 +401,16 @@ void KVRuntime::append_tier(std::unique_ptr<OffloadTier> tier) {
   if (tiers_.has([&](const OffloadTier& held) { return typeid(held) == type; })) {
     throw std::invalid_argument("KV runtime '" + name_ + "' has a tier of this kind already");
   }
+  OffloadTier* added = tier.get();
   tiers_.append(std::move(tier));
+  if (added->is_remote()) remote_.store(added);
+}
+
+bool KVRuntime::flush_remote(std::chrono::milliseconds timeout) {
+  OffloadTier* remote = remote_.load();
+  if (!remote) return true;
+  ScopedGilRelease gil;
+  return remote->flush(timeout);
 }
 
 std::vector<int64_t> KVRuntime::device_users_lru() {
@@ -439,8 +477,16 @@ std::shared_ptr<KVRuntime> find_runtime(const std::string& name) {
 }
 
 bool drop_runtime(const std::string& name) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  return registry().erase(name) > 0;
+  std::shared_ptr<KVRuntime> dropped;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry().find(name);
+    if (it == registry().end()) return false;
+    dropped = std::move(it->second);
+    registry().erase(it);
+  }
+  // Destroyed here, outside the registry's lock: a remote tier's writer may take a moment to stop.
+  return true;
 }
 
 }  // namespace kvexport::runtime

@@ -12,6 +12,7 @@
 #include <ATen/Tensor.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -72,12 +73,18 @@ class KVRuntime {
   // Appends a tier to the end of the tier chain (the host tier, built from the config, is first).
   // Throws std::invalid_argument when the chain has a tier of that type already.
   void append_tier(std::unique_ptr<OffloadTier> tier);
+  // Waits up to `timeout` (without the runtime's lock or Python's GIL) for writes still on their
+  // way into the remote tier; true when none is left or there is no remote tier.
+  bool flush_remote(std::chrono::milliseconds timeout);
   std::vector<int64_t> device_users_lru();  // least recently used first
   // A device-tier user's cached k/v, [layers, 2, cached_length, heads, head_dim] (a copy).
   at::Tensor read_user_kv(int64_t user_id);
 
  private:
   void acquire_batch(std::unique_lock<std::mutex>& lock);
+  // The remote tier's entries for the users neither the device tier nor a local offload tier holds,
+  // read before the runtime is taken and with the GIL released; one slot per user.
+  std::vector<std::optional<OffloadedUser>> read_remote(const std::vector<int64_t>& user_ids);
   bool owner_stalled() const;
   const BatchPlan& owned_batch() const;  // throws RequestError when this thread has no batch
   void store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v);
@@ -101,6 +108,7 @@ class KVRuntime {
   PagePool pages_;
   UserTable users_;
   TierChain tiers_;
+  std::atomic<OffloadTier*> remote_{nullptr};  // tiers_.remote(), read without mutex_
   // CUDA: offloads and onboards copy on this stream, ordered with the compute stream by events.
   std::optional<c10::Stream> copy_stream_;
   Counters counters_;

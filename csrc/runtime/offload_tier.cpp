@@ -34,6 +34,7 @@ std::vector<std::optional<OffloadedUser>> OffloadTier::take_many(const std::vect
 std::vector<std::optional<OffloadedUser>> TierChain::take_many(const std::vector<int64_t>& user_ids) {
   std::vector<std::optional<OffloadedUser>> users(user_ids.size());
   for (auto& tier : tiers_) {
+    if (tier->is_remote()) continue;
     std::vector<int64_t> wanted;
     std::vector<size_t> slots;
     for (size_t i = 0; i < user_ids.size(); ++i) {
@@ -47,6 +48,13 @@ std::vector<std::optional<OffloadedUser>> TierChain::take_many(const std::vector
     for (size_t j = 0; j < slots.size(); ++j) users[slots[j]] = std::move(found[j]);
   }
   return users;
+}
+
+OffloadTier* TierChain::remote() const {
+  for (const auto& tier : tiers_) {
+    if (tier->is_remote()) return tier.get();
+  }
+  return nullptr;
 }
 
 std::optional<int64_t> TierChain::num_tokens(int64_t user_id) const {

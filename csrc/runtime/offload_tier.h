@@ -7,6 +7,7 @@
 #include <ATen/Tensor.h>
 #include <c10/core/Event.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -51,6 +52,12 @@ class OffloadTier {
   virtual void clear() = 0;
   // Whether the runtime also puts each batch's users here when the batch commits.
   virtual bool stores_after_batch() const { return false; }
+  // A tier behind a network: the runtime reads it ahead of a batch, before taking its lock and with
+  // Python's GIL released, so a slow read never holds up other requests; take_many may then be
+  // called from several threads at once. TierChain::take_many skips it.
+  virtual bool is_remote() const { return false; }
+  // Waits up to `timeout` for writes still on their way into the tier; true when none is left.
+  virtual bool flush(std::chrono::milliseconds /*timeout*/) { return true; }
   virtual void add_counters(Counters&) const {}
 };
 
@@ -61,9 +68,12 @@ class TierChain {
   // Stores a user evicted from the device tier in the first tier; each tier's leftovers go to the
   // next, the last tier's are dropped. Returns how many users the first tier let go.
   int64_t put(int64_t user_id, OffloadedUser user);
-  // Each user from the first tier that has it; a tier is asked only for users the tiers before
-  // it lacked.
+  // Each user from the first local tier that has it; a tier is asked only for users the tiers
+  // before it lacked. The remote tier is not asked: the runtime reads it ahead (remote()).
   std::vector<std::optional<OffloadedUser>> take_many(const std::vector<int64_t>& user_ids);
+  // The tier behind a network, if the chain has one. Tiers are never removed: the pointer lives as
+  // long as the chain.
+  OffloadTier* remote() const;
   std::optional<int64_t> num_tokens(int64_t user_id) const;
   int64_t used_pages() const { return tiers_.empty() ? 0 : tiers_.front()->used_pages(); }
   int64_t num_users() const { return tiers_.empty() ? 0 : tiers_.front()->num_users(); }

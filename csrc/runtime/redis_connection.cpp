@@ -50,9 +50,10 @@ RedisConnection::~RedisConnection() {
   if (context_) redisFree(context_);
 }
 
-bool RedisConnection::connect() {
+bool RedisConnection::connect(std::chrono::microseconds connect_timeout) {
   if (context_) return true;
-  redisContext* context = redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, to_timeval(timeout_));
+  redisContext* context =
+      redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, to_timeval(connect_timeout));
   if (context == nullptr || context->err || redisSetTimeout(context, to_timeval(timeout_)) != REDIS_OK) {
     if (context) redisFree(context);
     drop();
@@ -67,13 +68,14 @@ bool RedisConnection::connect() {
     }
   }
   backoff_ = kFirstBackoff;
+  ++num_connects_;
   return true;
 }
 
 RedisConnection::Status RedisConnection::ensure_connected() {
   if (context_) return Status::kOk;
   if (std::chrono::steady_clock::now() < retry_at_) return Status::kUnavailable;
-  return connect() ? Status::kOk : Status::kFailed;
+  return connect(timeout_) ? Status::kOk : Status::kFailed;
 }
 
 void RedisConnection::drop() {
@@ -107,10 +109,12 @@ RedisConnection::Status RedisConnection::get_many(const std::vector<std::string>
   return Status::kOk;
 }
 
-RedisConnection::Status RedisConnection::set(const std::string& key, const std::string& value) {
+RedisConnection::Status RedisConnection::set(const std::string& key, const std::string& value, int64_t ttl_s) {
   if (const auto status = ensure_connected(); status != Status::kOk) return status;
   Reply reply(static_cast<redisReply*>(
-      redisCommand(context_, "SET %b %b", key.data(), key.size(), value.data(), value.size())));
+      ttl_s > 0 ? redisCommand(context_, "SET %b %b EX %lld", key.data(), key.size(), value.data(), value.size(),
+                               static_cast<long long>(ttl_s))
+                : redisCommand(context_, "SET %b %b", key.data(), key.size(), value.data(), value.size())));
   if (!reply) {
     drop();
     return Status::kFailed;

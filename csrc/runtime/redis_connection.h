@@ -34,12 +34,16 @@ class RedisConnection {
   RedisConnection(const RedisConnection&) = delete;
   RedisConnection& operator=(const RedisConnection&) = delete;
 
-  // Connects now, ignoring the backoff.
-  bool connect();
+  // Connects now, ignoring the backoff, waiting up to connect_timeout (commands keep the
+  // connection's own timeout).
+  bool connect(std::chrono::microseconds connect_timeout);
   bool connected() const { return context_ != nullptr; }
+  // Connections made so far (the first one and every reconnect).
+  int64_t num_connects() const { return num_connects_; }
   // One MGET: values[i] is keys[i]'s value, or nullopt when absent.
   Status get_many(const std::vector<std::string>& keys, std::vector<std::optional<std::string>>& values);
-  Status set(const std::string& key, const std::string& value);
+  // SET, with an expiry of ttl_s seconds unless it is 0.
+  Status set(const std::string& key, const std::string& value, int64_t ttl_s);
 
  private:
   Status ensure_connected();
@@ -50,6 +54,7 @@ class RedisConnection {
   redisContext* context_ = nullptr;
   std::chrono::steady_clock::time_point retry_at_;
   std::chrono::milliseconds backoff_;
+  int64_t num_connects_ = 0;
 };
 
 }  // namespace kvexport::runtime

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "runtime/python_gil.h"
+
 namespace kvexport::runtime {
 
 namespace {
@@ -13,7 +15,7 @@ constexpr std::chrono::microseconds kWriteTimeout{1000000};
 }  // namespace
 
 RemoteSettings RemoteSettings::parse(const std::string& url, const std::string& write_policy,
-                                     int64_t read_budget_us) {
+                                     const RuntimeConfig& config) {
   RemoteSettings settings;
   settings.endpoint = RedisEndpoint::parse(url);
   if (write_policy == "on_evict") {
@@ -23,11 +25,8 @@ RemoteSettings RemoteSettings::parse(const std::string& url, const std::string& 
   } else {
     throw std::invalid_argument("remote write policy '" + write_policy + "': expected on_evict or after_batch");
   }
-  if (read_budget_us <= 0) {
-    throw std::invalid_argument("remote read budget must be positive, got " + std::to_string(read_budget_us) +
-                                " us");
-  }
-  settings.read_budget = std::chrono::microseconds(read_budget_us);
+  settings.read_budget = std::chrono::microseconds(config.remote_read_budget_us);
+  settings.ttl_s = config.remote_ttl_s;
   return settings;
 }
 
@@ -36,7 +35,10 @@ RemoteTier::RemoteTier(std::string runtime, RuntimeConfig config, RemoteSettings
       config_(std::move(config)),
       settings_(std::move(settings)),
       reader_(settings_.endpoint, settings_.read_budget) {
-  reachable_ = reader_.connect();
+  // The first connect is made at load time, not within a request: it may take longer than a read.
+  reachable_ = reader_.connect(std::max<std::chrono::microseconds>(settings_.read_budget, kWriteTimeout));
+  reader_connects_ = reader_.num_connects();
+  reader_connected_ = reachable_;
   if (reachable_) writer_ = std::thread([this] { write_loop(); });
 }
 
@@ -46,7 +48,10 @@ RemoteTier::~RemoteTier() {
     stopping_ = true;
   }
   queued_.notify_all();
-  if (writer_.joinable()) writer_.join();
+  if (writer_.joinable()) {
+    ScopedGilRelease gil;  // the write in progress may wait for the server
+    writer_.join();
+  }
 }
 
 std::string RemoteTier::key(int64_t user_id) const {
@@ -68,26 +73,39 @@ std::vector<HeldUser> RemoteTier::put(int64_t user_id, OffloadedUser user) {
 
 void RemoteTier::write_loop() {
   RedisConnection connection(settings_.endpoint, kWriteTimeout);
-  connection.connect();
+  connection.connect(kWriteTimeout);
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopping, and every queued write is done
+    if (stopping_) {
+      counters_.write_drops += static_cast<int64_t>(queue_.size());
+      queue_.clear();
+      drained_.notify_all();
+      return;
+    }
     Write next = std::move(queue_.front());
     queue_.pop_front();
+    writing_ = true;
     lock.unlock();
     // Offloads from a CUDA device are still being copied to the host on the copy stream.
     if (next.user.ready) next.user.ready->synchronize();
     const auto bytes = encode_entry(runtime_, config_, next.user.token_ids, next.user.pages);
-    const auto status = connection.set(key(next.user_id), bytes);
+    const auto status = connection.set(key(next.user_id), bytes, settings_.ttl_s);
     lock.lock();
+    writing_ = false;
     if (status == RedisConnection::Status::kOk) {
       ++counters_.writes;
       counters_.bytes_out += static_cast<int64_t>(bytes.size());
     } else {
       ++counters_.errors;
     }
+    if (queue_.empty()) drained_.notify_all();
   }
+}
+
+bool RemoteTier::flush(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return drained_.wait_for(lock, timeout, [&] { return queue_.empty() && !writing_; });
 }
 
 std::optional<OffloadedUser> RemoteTier::take(int64_t user_id) { return std::move(take_many({user_id}).front()); }
@@ -96,12 +114,28 @@ std::vector<std::optional<OffloadedUser>> RemoteTier::take_many(const std::vecto
   std::vector<std::string> keys;
   for (auto user_id : user_ids) keys.push_back(key(user_id));
   std::vector<std::optional<std::string>> values;
+  std::unique_lock<std::mutex> read_lock(read_mutex_);
   const auto started = std::chrono::steady_clock::now();
   const auto status = reader_.get_many(keys, values);
   const auto elapsed =
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started).count();
+  const auto connects = reader_.num_connects();
+  const int64_t reconnects = connects - reader_connects_;
+  reader_connects_ = connects;
+  const bool connected = reader_.connected();
+  read_lock.unlock();
+  // Decoded (checksum and copy: proportional to the entry) before the counters' lock, which the
+  // request holding the runtime may need meanwhile to queue a write.
+  std::vector<DecodedEntry> entries(values.size());
+  if (status == RedisConnection::Status::kOk) {
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (values[i]) entries[i] = decode_entry(*values[i], runtime_, config_);
+    }
+  }
   std::vector<std::optional<OffloadedUser>> users(user_ids.size());
   std::lock_guard<std::mutex> lock(mutex_);
+  counters_.reconnects += reconnects;
+  reader_connected_ = connected;
   if (status != RedisConnection::Status::kUnavailable) {
     ++counters_.reads;
     counters_.read_us += elapsed;
@@ -118,13 +152,12 @@ std::vector<std::optional<OffloadedUser>> RemoteTier::take_many(const std::vecto
       continue;
     }
     counters_.bytes_in += static_cast<int64_t>(values[i]->size());
-    users[i] = accept(*values[i]);
+    users[i] = accept(entries[i]);
   }
   return users;
 }
 
-std::optional<OffloadedUser> RemoteTier::accept(const std::string& bytes) {
-  auto entry = decode_entry(bytes, runtime_, config_);
+std::optional<OffloadedUser> RemoteTier::accept(DecodedEntry& entry) {
   switch (entry.fault) {
     case EntryFault::kNone:
       return OffloadedUser{std::move(entry.token_ids), std::move(entry.pages), nullptr, TierKind::kRemote};
@@ -161,7 +194,8 @@ void RemoteTier::add_counters(Counters& counters) const {
   r.reads += counters_.reads;
   r.read_us += counters_.read_us;
   r.read_us_max = std::max(r.read_us_max, counters_.read_us_max);
-  r.connected += reader_.connected() ? 1 : 0;
+  r.reconnects += counters_.reconnects;
+  r.connected += reader_connected_ ? 1 : 0;
 }
 
 }  // namespace kvexport::runtime

@@ -96,5 +96,10 @@ def _drop_runtime(runtime):
 
 
 @torch.library.register_fake("kvexport::attach_remote")
-def _attach_remote(runtime, url, write_policy, read_budget_us):
+def _attach_remote(runtime, url, write_policy):
     return False
+
+
+@torch.library.register_fake("kvexport::flush_remote")
+def _flush_remote(runtime, timeout_ms):
+    return True

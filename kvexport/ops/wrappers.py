@@ -12,6 +12,7 @@ import logging
 import torch
 
 from kvexport.ops import library
+from kvexport.remote import DEFAULT_WRITE_POLICY
 
 log = logging.getLogger(__name__)
 
@@ -141,16 +142,25 @@ def drop_runtime(runtime: str) -> bool:
     return _ops().drop_runtime(runtime)
 
 
-def attach_remote(runtime: str, url: str, write_policy: str = "on_evict", read_budget_us: int = 5000) -> bool:
-    """Adds the remote tier (a Redis/Valkey server at redis://host[:port][/db]) behind the host tier.
+def attach_remote(runtime: str, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> bool:
+    """Adds the remote tier (a Redis/Valkey server at redis://host[:port][/db]) behind the host tier;
+    write_policy is one of kvexport.remote.WRITE_POLICIES.
 
     Shared by every process whose runtime has this name. Users the host tier lets go are written
-    there (write_policy "after_batch": also every user of every committed batch), asynchronously;
-    a user missing from both local tiers is read from it within read_budget_us. Returns False, and
-    logs one warning, when the server does not answer: the runtime then runs without the tier.
-    ValueError for a bad URL, policy or budget, an unknown runtime, or a remote tier attached already.
+    there (write_policy "after_batch": also every user of every committed batch), asynchronously,
+    to expire after the runtime config's remote_ttl_s; a user missing from both local tiers is read
+    from it, ahead of its batch, within remote_read_budget_us. Returns False, and logs one warning,
+    when the server does not answer: the runtime then runs without the tier. ValueError for a bad
+    URL or policy, an unknown runtime, a remote tier attached already, or an op library built
+    without the remote tier.
     """
-    attached = _ops().attach_remote(runtime, url, write_policy, read_budget_us)
+    attached = _ops().attach_remote(runtime, url, write_policy)
     if not attached:
         log.warning("remote tier %s is unreachable; runtime '%s' runs without it", url, runtime)
     return attached
+
+
+def flush_remote(runtime: str, timeout_ms: int) -> bool:
+    """Waits up to timeout_ms (without the GIL) for the remote tier's queued writes to reach the
+    server; False if some are still queued. True at once when the runtime has no remote tier."""
+    return _ops().flush_remote(runtime, timeout_ms)
