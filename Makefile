@@ -7,7 +7,10 @@ OPS_LIB := kvexport/_lib/libkvexport_ops.so
 CONFIG ?= configs/hstu-tiny.yaml
 OUT ?= artifacts/hstu-tiny
 
-.PHONY: demo test setup native clean
+# The remote KV tier's server (tests) and client library (op library, found through pkg-config).
+REMOTE_PACKAGES := redis-server libhiredis-dev pkg-config
+
+.PHONY: demo test setup system-packages native clean
 
 demo: setup
 	$(VENV)/bin/kvexport score $(CONFIG)
@@ -16,7 +19,22 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-setup: $(STAMP) native
+setup: system-packages $(STAMP) native
+
+# Installs what of REMOTE_PACKAGES is missing when running as root with apt-get; otherwise names it in
+# one line (the op library then builds without the remote tier and its tests skip). Quick when present.
+system-packages:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v pkg-config >/dev/null 2>&1 || missing="$$missing pkg-config"; \
+	pkg-config --exists hiredis 2>/dev/null || missing="$$missing libhiredis-dev"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing$$missing (the remote KV tier)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
+	else \
+		echo "remote KV tier: install$$missing (sudo apt-get install$$missing); until then its tests skip"; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -25,16 +25,17 @@ if TYPE_CHECKING:
 
 
 def load(out: "str | Path | Artifact", device: "torch.device | str | None" = None, *,
-         check_files: bool = True) -> "Package":
+         check_files: bool = True, remote: "str | None" = None, remote_write: str = "on_evict") -> "Package":
     """Loads a built artifact directory (`kvexport build -o OUT`) and returns its `Package`.
 
     device: None runs it on the device it was built for; any other device raises UserError.
     check_files: check every file's sha256 and the manifest against the package first (as
-    `kvexport verify`). See kvexport.package_api.load.
+    `kvexport verify`). remote: a shared remote KV tier, "redis://host[:port][/db]";
+    remote_write: "on_evict" or "after_batch". See kvexport.package_api.load.
     """
     from kvexport.package_api import load as _load
 
-    return _load(out, device, check_files=check_files)
+    return _load(out, device, check_files=check_files, remote=remote, remote_write=remote_write)
 
 
 def __getattr__(name: str):

@@ -200,6 +200,48 @@ class ArtifactDirectory(click.ParamType):
         return path
 
 
+class RemoteWritePolicy(click.ParamType):
+    """One of kvexport.remote.WRITE_POLICIES."""
+
+    name = "policy"
+
+    def convert(self, value, param, ctx) -> str:
+        from kvexport.remote import check_write_policy
+
+        try:
+            return check_write_policy(value, _param_name(param))
+        except UserError as exc:
+            raise _BadValue(str(exc)) from None
+
+
+class Route(click.ParamType):
+    """I/N with 0 <= I < N: this process's share of a routed request stream."""
+
+    name = "I/N"
+
+    def convert(self, value, param, ctx) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        parts = str(value).split("/")
+        try:
+            index, count = (int(p) for p in parts)
+        except ValueError:
+            index, count = -1, 0
+        if len(parts) != 2 or not 0 <= index < count:
+            raise _BadValue(f"{_param_name(param)} must be I/N with 0 <= I < N, got {value}")
+        return index, count
+
+
+def remote_options(func):
+    """--remote URL and --remote-write POLICY: the shared remote KV tier (kvexport.load(remote=...))."""
+    func = click.option("--remote-write", type=RemoteWritePolicy(), default="on_evict", show_default=True,
+                        help="When users are written to the remote tier: on_evict (when the host tier lets "
+                             "them go) or after_batch (also after every request).")(func)
+    return click.option("--remote", metavar="URL",
+                        help="Share user caches through a remote KV tier: a Redis/Valkey server at "
+                             "redis://host[:port][/db] (unreachable: runs without it, with a warning).")(func)
+
+
 config_argument = click.argument("config", type=click.Path(path_type=Path))
 artifact_argument = click.argument("out", type=ArtifactDirectory())
 json_option = click.option("--json", "json_path", type=WritablePath(), help="Also write the report as JSON.")
@@ -328,9 +370,10 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
               help="torch.save'd list of request batches (dicts of int64 tensors).")
 @click.option("--output", "output_path", type=WritablePath(), required=True,
               help="File to write each batch's status, logits and row users to (format above).")
+@remote_options
 @_handle_errors
 @_aoti_errors_filtered
-def run(out: Path, requests_path: Path, output_path: Path) -> None:
+def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, remote_write: str) -> None:
     """Score a request file through OUT's package, in order (the cache carries across batches).
 
     Every batch is validated before any runs (a malformed one: nothing runs, no output). A batch the
@@ -348,7 +391,7 @@ def run(out: Path, requests_path: Path, output_path: Path) -> None:
     """
     from kvexport.serve import OK, score_request_file
 
-    results = score_request_file(out, requests_path, output_path)
+    results = score_request_file(out, requests_path, output_path, remote=remote, remote_write=remote_write)
     failed = [index for index, result in enumerate(results) if result["status"] != OK]
     click.echo(f"scored {len(results) - len(failed)}/{len(results)} batches -> {output_path}")
     if failed:
@@ -422,9 +465,11 @@ def _format_serving_signature(serving: dict) -> str:
 @click.option("--batching/--no-batching", default=True, show_default=True,
               help="Merge concurrent users into one package call (--no-batching: one request per call, "
                    "to measure what batching brings).")
+@remote_options
 @_handle_errors
 @_aoti_errors_filtered
-def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, batching: bool) -> None:
+def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, batching: bool,
+          remote: str | None, remote_write: str) -> None:
     """Serve OUT through a Triton Inference Server (needs the serve extra: pip install 'kvexport[serve]').
 
     \b
@@ -446,7 +491,7 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
                    f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}")
 
     run_server(out, ready, address=address, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-               batching=batching)
+               batching=batching, remote=remote, remote_write=remote_write)
     click.echo("stopped")
 
 
@@ -459,13 +504,14 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
               help="Threads replaying the trace concurrently through one loaded package.")
 @atol_option
 @rtol_option
+@remote_options
 @_handle_errors
 def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: float | None,
-           rtol: float | None) -> None:
+           rtol: float | None, remote: str | None, remote_write: str) -> None:
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
     from kvexport.replay import run_replay
 
-    sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol))
+    sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write))
 
 
 @main.command()
@@ -478,18 +524,27 @@ def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: f
 @click.option("--checkpoint", type=click.Path(path_type=Path),
               help="The checkpoint OUT was built from (needed when it was built from one).")
 @click.option("--json", "json_path", type=WritablePath(), help="Also write the result as JSON.")
+@remote_options
+@click.option("--route", type=Route(), default="0/1", show_default=True,
+              help="Score only the requests a seeded router sends to process I of N: N soaks with one seed "
+                   "and one --remote soak a fleet, each user's requests landing on any of them.")
 @_handle_errors
 @_aoti_errors_filtered
 def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None,
-         json_path: Path | None) -> None:
+         json_path: Path | None, remote: str | None, remote_write: str, route: tuple[int, int]) -> None:
     """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
     from kvexport.soak import soak as run_soak
 
-    report = run_soak(out, num_requests, num_users, seed, checkpoint)
+    report = run_soak(out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write,
+                      route=route)
     counters = ", ".join(f"{k} {v}" for k, v in report.counters.items())
-    click.echo(f"requests {report.requests}, users {report.users}, seed {report.seed}, {report.seconds:.1f} s")
+    click.echo(f"requests {report.requests} (route {report.route} of {num_requests}), users {report.users}, "
+               f"seed {report.seed}, {report.seconds:.1f} s")
     click.echo(f"counters: {counters}")
     click.echo(f"workload: {', '.join(f'{k} {v}' for k, v in sorted(report.workload.items()))}")
+    if remote and report.remote_hit_ratio is not None:
+        click.echo(f"remote: hit ratio {report.remote_hit_ratio:.3f} ({report.counters['remote_hits']} users served "
+                   f"from {remote}, {report.counters['remote_hit_tokens']} tokens)")
     verdict = "PASS" if report.passed else f"FAIL ({report.mismatches} mismatches, first at request {report.first_mismatch})"
     click.echo(f"worst abs error {report.worst_abs:.3e}; verdict: {verdict}")
     if json_path:

@@ -30,6 +30,7 @@ from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_req
 from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
+from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,10 @@ class Package:
     """
 
     def __init__(self, artifact: Artifact, device: torch.device | str | None = None, *,
-                 check_files: bool = False):
+                 check_files: bool = False, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY):
         self.artifact = artifact
         self._device = _resolve_device(artifact, device)
+        check_write_policy(remote_write)
         if check_files:
             check_artifact_files(artifact)
         check_host(artifact.manifest.get("isa", {}))  # before any of its machine code is loaded
@@ -103,6 +105,7 @@ class Package:
             check_manifest_against_package(artifact, metadata)
         # The runtime config travels inside the package, as every host reads it.
         kv.create_runtime(artifact.runtime_name, metadata["kvexport.runtime_config"], self._device)
+        self._remote = _attach_remote(artifact.runtime_name, remote, remote_write) if remote is not None else None
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
@@ -152,6 +155,12 @@ class Package:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def remote(self) -> str | None:
+        """The remote tier's URL while it is attached; None without one (or when its server did not
+        answer at load time)."""
+        return self._remote
 
     # -- scoring -----------------------------------------------------------------------------
 
@@ -208,7 +217,9 @@ class Package:
     # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for requests in flight, then drops the cache runtime and the loaded package.
+        """Waits for requests in flight, then for the remote tier's queued writes (at most
+        kvexport.remote.FLUSH_TIMEOUT_MS; what is left is dropped, with a warning), then drops the
+        cache runtime and the loaded package.
 
         Idempotent; afterwards score, score_users, run and stats raise UserError("package closed").
         """
@@ -217,6 +228,9 @@ class Package:
                 return
             self._closed = True
             self._state.wait_for(lambda: self._in_flight == 0)
+        if self._remote is not None and not kv.flush_remote(self.runtime_name, FLUSH_TIMEOUT_MS):
+            log.warning("remote tier %s: writes still queued after %d ms were dropped", self._remote,
+                        FLUSH_TIMEOUT_MS)
         kv.drop_runtime(self.runtime_name)
         self._compiled = None
 
@@ -251,6 +265,18 @@ class Package:
             raise RequestFailed(code, message) from exc
 
 
+def _attach_remote(runtime: str, url: str, write_policy: str) -> str | None:
+    """Attaches the remote tier to the new runtime; its URL, or None when the server did not answer
+    (the runtime runs without it; kv.attach_remote logs that once). A bad URL, or an op library
+    built without the remote tier: UserError, and the runtime is dropped."""
+    try:
+        attached = kv.attach_remote(runtime, url, write_policy)
+    except ValueError as exc:
+        kv.drop_runtime(runtime)
+        raise UserError(first_line(exc)) from None
+    return url if attached else None
+
+
 class _InFlight:
     """Counts a call in flight, so close() waits for it; refuses calls on a closed package."""
 
@@ -275,7 +301,7 @@ class _InFlight:
 
 
 def load(out: str | Path | Artifact, device: torch.device | str | None = None, *,
-         check_files: bool = True) -> Package:
+         check_files: bool = True, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY) -> Package:
     """Loads a built artifact directory (`kvexport build -o OUT`) into this process.
 
     device: None runs the package on the device it was built for (the manifest's, e.g. "cuda");
@@ -284,7 +310,15 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
     package's metadata, as `kvexport verify` does (UserError / VerificationError naming the file).
     Always checked: the op library the artifact ships is the one loaded in this process.
 
+    remote: a shared remote KV tier behind the host tier, a Redis/Valkey server at
+    "redis://host[:port][/db]", shared by every process that loads a package of the same runtime
+    name; remote_write: "on_evict" (users the host tier lets go) or "after_batch" (also every user
+    of every committed batch). A bad URL or policy, or an op library built without the remote tier:
+    UserError. A server that does not answer at load time: one warning, and the package runs
+    without the tier (`Package.remote` is None). Read budget and entry expiry are the config's
+    kv_cache.remote_read_budget_us and remote_ttl_s.
+
     Loading empties the cache runtime of any other copy of the same package in this process.
     """
     artifact = out if isinstance(out, Artifact) else open_artifact(out)
-    return Package(artifact, device, check_files=check_files)
+    return Package(artifact, device, check_files=check_files, remote=remote, remote_write=remote_write)

@@ -14,6 +14,7 @@ from kvexport.artifact import open_artifact
 from kvexport.errors import UserError
 from kvexport.native import REPLAY_BINARY, build_native
 from kvexport.ops import jagged
+from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy
 from kvexport.export.package import LIBRARIES
 
 
@@ -41,7 +42,8 @@ def library_flags(required: list[str]) -> list[str]:
 
 
 def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
-                   atol: float | None = None, rtol: float | None = None) -> list[str]:
+                   atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
+                   remote_write: str = DEFAULT_WRITE_POLICY) -> list[str]:
     artifact = open_artifact(out)
     command = [str(harness()), "--artifact", str(artifact.root), *library_flags(artifact.required_libraries),
                "--repeat", str(repeat), "--threads", str(threads)]
@@ -51,12 +53,19 @@ def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, th
         command += ["--atol", repr(atol)]
     if rtol is not None:
         command += ["--rtol", repr(rtol)]
+    if remote is not None:
+        command += ["--remote", remote, "--remote-write", check_write_policy(remote_write)]
     return command
 
 
 def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
-               atol: float | None = None, rtol: float | None = None) -> int:
-    """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable)."""
+               atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
+               remote_write: str = DEFAULT_WRITE_POLICY) -> int:
+    """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable).
+
+    remote, remote_write: the harness shares user caches through that remote tier (--remote URL).
+    """
     if repeat < 1 or threads < 1:
         raise UserError("--repeat and --threads must be >= 1")
-    return subprocess.run(replay_command(out, json_path, repeat, threads, atol, rtol)).returncode
+    command = replay_command(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write)
+    return subprocess.run(command).returncode

@@ -13,6 +13,7 @@ from kvexport.errors import UserError
 from kvexport.export.package import read_package
 from kvexport.io import first_line, load_tensor_file, write_atomically
 from kvexport.model.batch import Batch, RequestError, check_batch
+from kvexport.remote import DEFAULT_WRITE_POLICY
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,13 @@ def _score_batch(package, batch: Batch, index: int) -> dict:
     return {"status": OK, "logits": logits, "user_ids": rows}
 
 
-def score_request_file(out: Path, requests_path: Path, output_path: Path) -> list[dict]:
+def score_request_file(out: Path, requests_path: Path, output_path: Path, *, remote: str | None = None,
+                       remote_write: str = DEFAULT_WRITE_POLICY) -> list[dict]:
     """Scores every batch in order and writes one entry per batch to output_path (see `kvexport run --help`).
 
     Every batch is validated before any runs; a batch the package refuses gets its error as status
-    and no logits, and the following batches still run. Returns the entries written.
+    and no logits, and the following batches still run. Returns the entries written. remote,
+    remote_write: a shared remote KV tier, as kvexport.load takes them.
     """
     import kvexport
 
@@ -54,7 +57,7 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path) -> lis
     if not output_path.resolve().parent.is_dir():
         raise UserError(f"cannot write output {output_path}: its directory does not exist")
     # Files are not hashed here (`kvexport verify` does); the shipped op library is still checked.
-    with kvexport.load(artifact, check_files=False) as package:
+    with kvexport.load(artifact, check_files=False, remote=remote, remote_write=remote_write) as package:
         results = [_score_batch(package, batch, index) for index, batch in enumerate(batches)]
     write_atomically(output_path, lambda tmp: torch.save(results, tmp), "output")
     return results

@@ -15,6 +15,7 @@ from kvexport.artifact import Artifact, open_artifact, sha256_of
 from kvexport.errors import UserError
 from kvexport.model import build_model
 from kvexport.model.hstu import HSTURanker
+from kvexport.remote import DEFAULT_WRITE_POLICY
 from kvexport.trace.record import reference_model
 from kvexport.trace.verify import check_integrity, compare
 from kvexport.trace.workload import Workload, WorkloadSpec
@@ -33,13 +34,28 @@ class SoakReport:
     counters: dict[str, int]
     workload: dict[str, int]
     seconds: float
+    route: str = "0/1"  # this process's share of the stream: process I of N
 
     @property
     def passed(self) -> bool:
         return self.mismatches == 0
 
+    @property
+    def remote_hit_ratio(self) -> float | None:
+        return remote_hit_ratio(self.counters)
+
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "passed": self.passed}
+        return {**dataclasses.asdict(self), "passed": self.passed, "remote_hit_ratio": self.remote_hit_ratio}
+
+
+def remote_hit_ratio(counters: dict[str, int]) -> float | None:
+    """Of the users read from the remote tier, the share served from it (None: none was read).
+
+    Every remote read of a user ends as a hit, a miss (absent, or the server failed) or a rejection
+    (a bad, foreign or unrelated entry).
+    """
+    looked_up = counters["remote_hits"] + counters["remote_misses"] + counters["remote_rejected"]
+    return counters["remote_hits"] / looked_up if looked_up else None
 
 
 def eager_model_for(artifact: Artifact, checkpoint: Path | None) -> HSTURanker:
@@ -66,42 +82,57 @@ def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
     return max(1, min(artifact.config.serving.max_batch_size, c.device_pages // pages))
 
 
-def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None = None) -> SoakReport:
+def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None = None, *,
+         remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
+         route: tuple[int, int] = (0, 1)) -> SoakReport:
+    """Scores the seeded stream of num_requests requests, each checked against the float32 full recompute.
+
+    remote, remote_write: a shared remote KV tier, as kvexport.load takes them. route (I, N): score
+    only the requests a seeded router sends to process I of N; N processes with the same seed and
+    remote tier together score the whole stream, each user's requests landing on any of them.
+    """
     import kvexport
 
     if num_requests < 1 or num_users < 1:
         raise UserError("--requests and --users must be >= 1")
+    if not 0 <= route[0] < route[1]:
+        raise UserError(f"--route {route[0]}/{route[1]}: expected I/N with 0 <= I < N")
     artifact = open_artifact(out)
     check_integrity(artifact)
     model = eager_model_for(artifact, checkpoint)
-    with kvexport.load(artifact, check_files=False) as runner:  # checked just above
-        return _soak(artifact, runner, model, num_requests, num_users, seed)
+    with kvexport.load(artifact, check_files=False, remote=remote,  # files checked just above
+                       remote_write=remote_write) as runner:
+        return _soak(artifact, runner, model, num_requests, num_users, seed, route)
 
 
-def _soak(artifact: Artifact, runner, model, num_requests: int, num_users: int, seed: int) -> SoakReport:
+def _soak(artifact: Artifact, runner, model, num_requests: int, num_users: int, seed: int,
+          route: tuple[int, int]) -> SoakReport:
     t = artifact.config.trace
     spec = WorkloadSpec.from_trace_config(t, num_users, rewrite_fraction=0.1)
     workload = Workload(artifact.config.model, spec, seed)
     sizes = random.Random(seed + 1)
+    router = random.Random(seed + 2)  # drawn for every request, so all N processes agree
     max_batch = min(_largest_safe_batch(artifact, spec.max_history_length), num_users)
     tol = artifact.tolerance
     # The float32 recompute on the package's device: what the tolerance was measured against.
     reference = reference_model(model).to(runner.device)
-    mismatches, first, worst = 0, None, 0.0
+    mismatches, first, worst, scored = 0, None, 0.0, 0
     started = time.perf_counter()
     for index in range(num_requests):
         batch = workload.next_batch(sizes.randint(1, max_batch))
-        output = runner.score(batch).cpu()
-        with torch.no_grad():
-            expected = reference(batch.to(runner.device)).cpu()
-        result = compare(output, expected, tol["atol"], tol["rtol"])
-        worst = max(worst, result.max_abs)
-        if not result.passed:
-            mismatches += 1
-            first = index if first is None else first
-            log.error("request %d: max abs error %.3g outside tolerance", index, result.max_abs)
+        if router.randrange(route[1]) == route[0]:
+            scored += 1
+            output = runner.score(batch).cpu()
+            with torch.no_grad():
+                expected = reference(batch.to(runner.device)).cpu()
+            result = compare(output, expected, tol["atol"], tol["rtol"])
+            worst = max(worst, result.max_abs)
+            if not result.passed:
+                mismatches += 1
+                first = index if first is None else first
+                log.error("request %d: max abs error %.3g outside tolerance", index, result.max_abs)
         if (index + 1) % max(1, num_requests // 10) == 0:
             log.info("soak: %d/%d requests, worst abs error %.2e, %d mismatches", index + 1, num_requests,
                      worst, mismatches)
-    return SoakReport(num_requests, num_users, seed, mismatches, first, worst, runner.stats(),
-                      dict(workload.events), round(time.perf_counter() - started, 2))
+    return SoakReport(scored, num_users, seed, mismatches, first, worst, runner.stats(),
+                      dict(workload.events), round(time.perf_counter() - started, 2), f"{route[0]}/{route[1]}")

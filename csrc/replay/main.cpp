@@ -2,11 +2,15 @@
 // Python, and compares every step with the eager model's cached and full-recompute outputs.
 //
 //   kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE]
-//                   [--repeat N] [--threads N] [--hostile FILE]
+//                   [--repeat N] [--threads N] [--hostile FILE] [--remote URL [--remote-write POLICY]]
 //
 // --hostile FILE: a torch.save'd list of requests (dicts of tensors) the package must refuse;
 // each thread sends all of them before every trace step, and each must fail with the runtime's
 // "invalid_request" code while the trace's outputs stay correct.
+//
+// --remote URL: share user caches through a Redis/Valkey server (redis://host[:port][/db]) as
+// kvexport.load(remote=...) does; --remote-write is on_evict (default) or after_batch. A server that
+// does not answer: one warning line, and the replay runs without the tier.
 //
 // Exit codes: 0 pass, 1 mismatch (an output outside tolerance, or a file that differs from the
 // manifest), 2 unusable input. `kvexport replay` locates the libraries and passes these flags.
@@ -42,11 +46,16 @@ struct Options {
   int repeat = 1;
   int threads = 1;
   std::optional<fs::path> hostile;
+  std::optional<std::string> remote;
+  std::string remote_write = "on_evict";
 };
+
+// How long the harness waits at the end for the remote tier's queued writes (kvexport.remote.FLUSH_TIMEOUT_MS).
+constexpr int64_t kRemoteFlushTimeoutMs = 5000;
 
 const char* kUsage =
     "usage: kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE] "
-    "[--repeat N] [--threads N] [--hostile FILE]";
+    "[--repeat N] [--threads N] [--hostile FILE] [--remote URL [--remote-write POLICY]]";
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -79,6 +88,8 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--repeat") o.repeat = positive(flag, value(i));
     else if (flag == "--threads") o.threads = positive(flag, value(i));
     else if (flag == "--hostile") o.hostile = fs::path(value(i));
+    else if (flag == "--remote") o.remote = value(i);
+    else if (flag == "--remote-write") o.remote_write = value(i);
     else if (flag == "--help" || flag == "-h") throw ReplayError(kPass, kUsage);
     else throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
   }
@@ -122,6 +133,22 @@ std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
   std::map<std::string, int64_t> stats;
   for (size_t i = 0; i < names.size(); ++i) stats[names[i].toStringRef()] = values[i].item<int64_t>();
   return stats;
+}
+
+// The remote tier behind the runtime's host tier; a bad URL or policy (or an op library built
+// without the tier) is unusable input, a server that does not answer a warning.
+void attach_remote(const std::string& runtime, const std::string& url, const std::string& write_policy) {
+  bool attached = false;
+  try {
+    attached = call_op("kvexport::attach_remote", {runtime, url, write_policy})[0].toBool();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    throw ReplayError(kUnusable, what.substr(0, what.find('\n')));
+  }
+  if (!attached) {
+    std::fprintf(stderr, "warning: remote tier %s is unreachable; runtime '%s' runs without it\n", url.c_str(),
+                 runtime.c_str());
+  }
 }
 
 // Why this thread's last request failed, as the runtime recorded it: {code, message}.
@@ -439,6 +466,7 @@ int run(const Options& options) {
   // The package names its device; the runtime lives there and every request goes there.
   const c10::Device device(metadata.at("kvexport.device"));
   call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), device});
+  if (options.remote) attach_remote(runtime, *options.remote, options.remote_write);
   Replay replay{*loader, runtime, load_trace(manifest, signature, device), {}, atol, rtol};
   if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature, device);
 
@@ -450,6 +478,10 @@ int run(const Options& options) {
     } else {
       replay_concurrently(replay, options.threads, results);
     }
+  }
+  if (options.remote && !call_op("kvexport::flush_remote", {runtime, kRemoteFlushTimeoutMs})[0].toBool()) {
+    std::fprintf(stderr, "warning: remote tier %s: writes still queued after %lld ms were dropped\n",
+                 options.remote->c_str(), static_cast<long long>(kRemoteFlushTimeoutMs));
   }
   auto report = make_report(manifest, options, files_checked, atol, rtol, results);
   report["counters"] = runtime_stats(runtime);
