@@ -12,7 +12,9 @@ Two parts of an artifact carry machine code built for a CPU:
 A config's `serving.cpu_isa` picks both: `native` (the default), or a portable x86-64 baseline for
 which `inductor_configs()` sets the march and a vector width within it. `artifact_isa()` describes
 what was built for the manifest; `check_host()` refuses, in one line, a host that lacks a feature
-either part requires (csrc/replay/isa.cpp is the C++ harness's twin).
+either part requires (csrc/replay/isa.cpp is the C++ harness's twin). A CUDA package also records
+the build GPU (`gpu_isa()`): its Triton kernels run on that compute capability only, which
+`check_device()` checks.
 """
 
 from __future__ import annotations
@@ -179,3 +181,30 @@ def check_host(required: dict, flags: frozenset[str] | None = None) -> None:
                 raise UserError(f"this host lacks {feature} required by {label} "
                                 f"(compiled with -march={spec.get('march', '?')})")
     log.debug("host CPU has every feature the artifact requires")
+
+
+def gpu_isa(device: str) -> dict:
+    """What a CUDA package's GPU code is compiled for: the build GPU's compute capability (Inductor
+    compiles the package's Triton kernels for that architecture alone) and its name."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"capability": f"{major}.{minor}", "name": torch.cuda.get_device_name(device)}
+
+
+def check_device(required: dict, device) -> None:
+    """Raises UserError when `device` cannot run the GPU code of a package whose artifact_isa() is
+    `required`: no CUDA device, or one of another compute capability than the build GPU's."""
+    spec = required.get("gpu")
+    if not spec or device.type != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"this is a CUDA package (built on {spec.get('name', '?')}) and torch "
+                        f"{torch.__version__} sees no CUDA device here")
+    major, minor = torch.cuda.get_device_capability(device)
+    if f"{major}.{minor}" != spec.get("capability"):
+        raise UserError(f"the package's GPU code is compiled for compute capability {spec.get('capability')} "
+                        f"({spec.get('name', '?')}); {device} has {major}.{minor} "
+                        f"({torch.cuda.get_device_name(device)}): build the package on a GPU of this architecture")

@@ -25,7 +25,7 @@ from kvexport.artifact import LIB_DIR, Artifact, check_files as check_artifact_f
 from kvexport.config import Config
 from kvexport.errors import RequestError, RequestFailed, UserError
 from kvexport.io import first_line
-from kvexport.isa import check_host
+from kvexport.isa import check_device, check_host
 from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_request
 from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
@@ -91,6 +91,7 @@ class Package:
         if check_files:
             check_artifact_files(artifact)
         check_host(artifact.manifest.get("isa", {}))  # before any of its machine code is loaded
+        check_device(artifact.manifest.get("isa", {}), self._device)
         _load_shipped_library(artifact)
         if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
             raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")

@@ -42,13 +42,15 @@ step() {
 
 kvexport() { "$python" -m kvexport "$@"; }
 
-# package NAME CONFIG SOAK_REQUESTS: build, verify, replay and soak one config on the GPU.
+# package NAME CONFIG SOAK_REQUESTS SOAK_USERS: build, verify, replay and soak one config on the GPU,
+# with enough users that the soak's working set overflows the device tier (evictions, offloads and
+# onboards; kuairand-1k's 16,384 device pages hold about 250 of its soak users).
 package() {
-  local name=$1 config=$2 requests=$3 artifact="$out/artifacts/$1"
+  local name=$1 config=$2 requests=$3 users=$4 artifact="$out/artifacts/$1"
   step "build-$name" kvexport build "$config" -o "$artifact" --device cuda --force || return
   step "verify-$name" kvexport verify "$artifact" --json "$out/verify-$name.json"
   step "replay-$name" kvexport replay "$artifact" --json "$out/replay-$name.json"
-  step "soak-$name" kvexport soak "$artifact" --requests "$requests" --json "$out/soak-$name.json"
+  step "soak-$name" kvexport soak "$artifact" --requests "$requests" --users "$users" --json "$out/soak-$name.json"
 }
 
 step native "$python" -m kvexport.native || exit 1
@@ -61,19 +63,21 @@ step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
 step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
 if command -v ncu > /dev/null; then
   # Where the attention kernel's time goes at batch 8 (Nsight Compute: throughput, memory, occupancy, stalls).
-  step profile-attention ncu -k regex:kvexport --launch-skip 6 --launch-count 2 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats "$python" benchmarks/h200/attention_bench.py --batch 8 --warmup 1 --repeats 2
+  step profile-attention ncu --clock-control none -k regex:attention_mma --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    "$python" benchmarks/h200/attention_bench.py --profile --batch 8 --warmup 2 --repeats 1
 fi
-package tiny configs/hstu-tiny.yaml 500
+package tiny configs/hstu-tiny.yaml 500 40
 step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 256 \
   --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
 if [[ $quick == 0 ]]; then
-  package kuairand configs/hstu-kuairand-1k.yaml 500
-  # The H200 workload: 4096 cached events, 32 new events, 100 candidates, batch 1, 8 and 32.
+  package kuairand configs/hstu-kuairand-1k.yaml 500 400
+  # The H200 workload: 32 new events, 100 candidates, batch 1, 8 and 32, and as many cached events
+  # as the config's max_history_length (4096) leaves room for: 4064.
   step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \
     --json "$out/request-bench-kuairand.json"
-  step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4096 \
+  step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4064 \
     --json "$out/bench-kuairand.json"
 fi
 exit $failed

@@ -47,7 +47,8 @@ def users_for(page_size: int) -> list[tuple[int, int, int]]:
         (page_size, 0, 2),           # candidates that read exactly one page
         (2 * page_size + 1, 3, 5),   # one key into the third page
         (10, 0, 0),                  # a user with pages but no rows
-        (2500, 20, 70),              # 90 rows (two tiles), keys over several chunks
+        (2500, 20, 70),              # 90 rows, keys over several chunks
+        (1200, 150, 100),            # 250 rows: two tiles
         (700, 64, 0),                # prefix rows only, one full tile
     ]
 
@@ -129,6 +130,15 @@ def test_short_histories_and_strided_rows(ops, dtype):
     users = [(0, 1, 4), (31, 2, 3), (200, 5, 9), (500, 0, 40)]
     inputs = make_inputs(users, 4, 128, page_size, dtype, seed=7, fused_qkv=True)
     check_close(ops, inputs, alpha=0.3, inv_scaling=1.0 / 256)
+
+
+@pytest.mark.parametrize("rows", [40, 100, 190])
+def test_block_widths(ops, rows):
+    """Tiles of up to 64, 128 and 192 rows: blocks of 4, 8 and 12 warps, one of them partly empty."""
+    page_size = 32
+    users = [(1500 + 7 * u, rows // 2, rows - rows // 2) for u in range(5)] + [(300, 3, 2)]
+    inputs = make_inputs(users, 2, 128, page_size, torch.bfloat16, seed=rows)
+    check_close(ops, inputs, alpha=0.2, inv_scaling=1.0 / 2048)
 
 
 def test_many_users_one_head(ops):

@@ -278,3 +278,32 @@ def test_a_portable_artifact_needs_only_its_baseline(portable_artifact, tiny_art
     result = subprocess.run(replay_command(portable_artifact, tmp_path / "replay.json"), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+GPU = {"gpu": {"capability": "9.0", "name": "NVIDIA H200"}}
+
+
+def test_check_device_refuses_another_gpu_architecture(monkeypatch):
+    """A CUDA package's Triton kernels are compiled for the build GPU's architecture only."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(UserError) as refused:
+        isa.check_device(GPU, torch.device("cuda", 0))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "compute capability 9.0 (NVIDIA H200)" in message and "cuda:0 has 8.0 (NVIDIA A100)" in message
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    isa.check_device(GPU, torch.device("cuda", 0))
+
+
+def test_check_device_without_cuda_and_for_cpu_packages(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="CUDA package .*sees no CUDA device"):
+        isa.check_device(GPU, torch.device("cuda"))
+    isa.check_device(GPU, torch.device("cpu"))  # a CPU device of a CUDA package is refused elsewhere
+    isa.check_device({}, torch.device("cuda"))  # a CPU package records no GPU

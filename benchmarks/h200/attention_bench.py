@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the JSON object here")
+    parser.add_argument("--profile", action="store_true",
+                        help="only run the op (warmup + repeats calls per batch), for a profiler such as "
+                             "Nsight Compute, which takes the interface this script's own timing uses")
     return parser.parse_args()
 
 
@@ -191,6 +194,14 @@ def main() -> int:
 
     library.load()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is plain fp32
+    if args.profile:
+        for batch in args.batch.split(","):
+            request = Request(args, int(batch))
+            for i in range(args.warmup + args.repeats):
+                request.kernel(i % args.layers)
+            torch.cuda.synchronize()
+            del request
+        return 0
     results = [bench(args, int(b)) for b in args.batch.split(",")]
     report = {
         "device": torch.cuda.get_device_name(),

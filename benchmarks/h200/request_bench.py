@@ -11,7 +11,7 @@ exactly the cached prefix). Reported per batch size:
   the torch profiler (CUDA packages only).
 Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), medians of each.
 
-    python3 benchmarks/h200/request_bench.py OUT --length 4096 --new-events 32 --candidates 100 \
+    python3 benchmarks/h200/request_bench.py OUT --length 4064 --new-events 32 --candidates 100 \
         --batch 1,8,32 --json /tmp/request-bench.json
 """
 
@@ -37,7 +37,9 @@ from kvexport.soak import eager_model_for
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path, help="a built artifact directory (kvexport build -o OUT)")
-    parser.add_argument("--length", type=int, default=4096, help="cached history events per user")
+    parser.add_argument("--length", type=int,
+                        help="cached history events per user (default: the most the config admits beside "
+                             "--new-events, model.max_history_length - new events: 4064 for hstu-kuairand-1k)")
     parser.add_argument("--new-events", type=int, default=32)
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
@@ -105,6 +107,8 @@ def main() -> int:
     args = parse_args()
     with kvexport.load(args.artifact) as package:
         limit = package.config.model.max_history_length
+        if args.length is None:
+            args.length = limit - args.new_events
         if args.length + args.new_events > limit:
             print(f"error: --length + --new-events exceed model.max_history_length ({limit})", file=sys.stderr)
             return 2

@@ -3,11 +3,13 @@
 // its own k/v for candidates), accumulated in fp32.
 //
 // Two kernels compute it:
-// - attention_mma_kernel (bf16/fp16, head_dim 32/64/128): a block is one tile of up to 64 rows of
-//   one user (4 warps x 16 rows) x one head x one chunk of keys. Blocks of 64 keys are copied from
-//   the user's pages into shared memory (cp.async, double-buffered) and multiplied on the tensor
-//   cores (mma.sync m16n8k16, fp32 accumulation), 32 keys at a time: S = Q K^T stays in registers,
-//   P = SiLU(alpha S) is rounded to bf16/fp16 and O += P V. Without softmax, key chunks are
+// - attention_mma_kernel (bf16/fp16, head_dim 32/64/128): a block is one tile of one user's rows
+//   (up to 192: 4, 8 or 12 warps of 16 rows, as many as the widest tile of the batch needs) x one
+//   head x one chunk of keys, so that every row of a user reads each cached key from memory once.
+//   Blocks of 64 keys are copied from the user's pages into shared memory (cp.async, a pipeline
+//   of 2 to 4 stages) and multiplied on the tensor cores (mma.sync m16n8k16, fp32 accumulation),
+//   32 keys at a time: S = Q K^T stays in registers, P = SiLU(alpha S) is rounded to bf16/fp16
+//   and O += P V. Without softmax, key chunks are
 //   independent: when tiles x heads alone would not fill the GPU, the grid's third dimension
 //   splits each user's keys into chunks, each chunk writes fp32 partial sums, and combine_kernel
 //   adds them in chunk order (deterministic) with the candidates' self term and casts.
@@ -81,6 +83,25 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 // issue slots than the tensor-core work of the tile.
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
+// The same for bf16 weights, in one multi-function-unit instruction instead of two:
+// SiLU(x) = h + h tanh(h) with h = x / 2, tanh.approx's error (about 2^-11 relative to 1) below the
+// 2^-9 of the bf16 rounding that follows. Not for fp16, whose rounding is 8 times finer.
+__device__ __forceinline__ float silu_tanh(float x) {
+  const float h = 0.5f * x;
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+  return fmaf(h, t, h);
+}
+
+template <typename T>
+__device__ __forceinline__ float silu_weight(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return silu_tanh(x);
+  } else {
+    return silu_fast(x);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
@@ -90,20 +111,23 @@ __device__ __forceinline__ float warp_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // Tensor-core path.
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kTileRows = 16 * kWarps;  // rows of one block: 16 per warp (the mma's M)
-constexpr int kBlockKeys = 64;          // keys per shared-memory stage
-constexpr int kSubKeys = 32;            // keys per score tile in registers
+constexpr int kBlockKeys = 64;  // keys per shared-memory stage
+constexpr int kSubKeys = 32;    // keys per score tile in registers
 constexpr int64_t kMaxRowKeys = INT_MAX - kBlockKeys;  // key indices stay in int
+static_assert(runtime::kAttentionTileRows == 192, "the widest block is 12 warps of 16 rows");
 
-template <int kDim>
+// A block of kWarps warps, 16 rows each (the mma's M). 168 registers a thread: 4 warps fit 3
+// blocks on a multiprocessor, with 2 stages each; 8 or 12 warps fit one, which then takes 4.
+template <int kDim, int kWarps>
 struct MmaShape {
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTileRows = 16 * kWarps;
+  static constexpr int kStages = kWarps == 4 ? 2 : 4;
   // Shared-memory rows are padded by 16 bytes: the 8 row addresses of one ldmatrix then fall in
   // 8 different 16-byte bank groups (no conflicts).
   static constexpr int kPitch = kDim + 8;
   static constexpr int kStage = 2 * kBlockKeys * kPitch;  // K block then V block, in elements
-  static constexpr int kSmemBytes = 2 * kStage * 2;       // two stages of 16-bit elements
+  static constexpr int kSmemBytes = kStages * kStage * 2;  // 16-bit elements
 };
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
@@ -185,14 +209,18 @@ __device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_ca
 
 // Grid (tiles, heads, chunks). Fragment layouts are those of mma.m16n8k16 (PTX ISA): lane = 4 g + t
 // holds rows g and g + 8, columns 2t and 2t + 1 of each 8-column accumulator tile.
-template <typename T, int kDim>
-__global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p) {
-  using Shape = MmaShape<kDim>;
+template <typename T, int kDim, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params p) {
+  using Shape = MmaShape<kDim, kWarps>;
+  constexpr int kThreads = Shape::kThreads;
+  constexpr int kTileRows = Shape::kTileRows;
+  constexpr int kStages = Shape::kStages;
   constexpr int kPitch = Shape::kPitch;
   constexpr int kSteps = kDim / 16;        // k-steps of Q K^T, pairs of 8-wide tiles of P V
   constexpr int kPieces = kDim / 8;        // 16-byte pieces of one token's head slice
   constexpr int kKeysPerPass = kThreads / kPieces;
-  static_assert(kDim % 16 == 0 && kThreads % kPieces == 0 && kBlockKeys % kKeysPerPass == 0);
+  constexpr int kPasses = (kBlockKeys + kKeysPerPass - 1) / kKeysPerPass;
+  static_assert(kDim % 16 == 0 && kThreads % kPieces == 0);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
@@ -223,7 +251,10 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p)
           row < 0 ? 0 : int(p.row_keys[row] < kMaxRowKeys ? p.row_keys[row] : kMaxRowKeys);
     }
     __syncthreads();
-    const int tile_max = __reduce_max_sync(0xffffffffu, max(tile_keys[lane], tile_keys[lane + 32]));
+    int lane_max = 0;
+#pragma unroll
+    for (int i = lane; i < kTileRows; i += 32) lane_max = max(lane_max, tile_keys[i]);
+    const int tile_max = __reduce_max_sync(0xffffffffu, lane_max);
     const int warp_max = __reduce_max_sync(0xffffffffu, tile_keys[16 * warp + lane % 16]);
     const int start = chunk * p.chunk_keys;
     const int end = chunk == p.chunks - 1 ? tile_max : min(tile_max, start + p.chunk_keys);
@@ -256,8 +287,9 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p)
         T* const k_s = smem + stage * Shape::kStage;
         T* const v_s = k_s + kBlockKeys * kPitch;
 #pragma unroll
-        for (int pass = 0; pass < kBlockKeys / kKeysPerPass; ++pass) {
+        for (int pass = 0; pass < kPasses; ++pass) {
           const int key = threadIdx.x / kPieces + pass * kKeysPerPass;
+          if (kBlockKeys % kKeysPerPass != 0 && key >= kBlockKeys) break;
           const int j = first_key + key;
           const bool valid = j < end;
           const T* src = cache;
@@ -267,17 +299,27 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p)
         }
       };
 
+      // The pipeline: kStages - 1 blocks in flight while one is computed. Every thread commits one
+      // group per block (empty past the last), so "all but the newest kStages - 2 groups have
+      // landed" means block b has.
       const int num_blocks = start < end ? (end - start + kBlockKeys - 1) / kBlockKeys : 0;
-      if (num_blocks > 0) load_block(0, start);
-      cp_async_commit();
+#pragma unroll
+      for (int b = 0; b < kStages - 1; ++b) {
+        if (b < num_blocks) load_block(b, start + b * kBlockKeys);
+        cp_async_commit();
+      }
       for (int b = 0; b < num_blocks; ++b) {
         const int first_key = start + b * kBlockKeys;
-        if (b + 1 < num_blocks) load_block((b + 1) % 2, first_key + kBlockKeys);
-        cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<kStages - 2>();
+        // Block b is visible to every thread, and every thread is done with block b - 1, whose
+        // stage the next load refills.
         __syncthreads();
+        if (b + kStages - 1 < num_blocks) {
+          load_block((b + kStages - 1) % kStages, first_key + (kStages - 1) * kBlockKeys);
+        }
+        cp_async_commit();
         if (first_key < warp_end) {
-          const T* const k_s = smem + (b % 2) * Shape::kStage;
+          const T* const k_s = smem + (b % kStages) * Shape::kStage;
           const T* const v_s = k_s + kBlockKeys * kPitch;
           // 32 keys at a time: fewer score registers live at once.
 #pragma unroll
@@ -306,10 +348,10 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p)
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
               const int j = first_key + key0 + 8 * n + 2 * t;
-              const float w0 = j < limit0 ? silu_fast(p.alpha * s[n][0]) : 0.0f;
-              const float w1 = j + 1 < limit0 ? silu_fast(p.alpha * s[n][1]) : 0.0f;
-              const float w2 = j < limit1 ? silu_fast(p.alpha * s[n][2]) : 0.0f;
-              const float w3 = j + 1 < limit1 ? silu_fast(p.alpha * s[n][3]) : 0.0f;
+              const float w0 = j < limit0 ? silu_weight<T>(p.alpha * s[n][0]) : 0.0f;
+              const float w1 = j + 1 < limit0 ? silu_weight<T>(p.alpha * s[n][1]) : 0.0f;
+              const float w2 = j < limit1 ? silu_weight<T>(p.alpha * s[n][2]) : 0.0f;
+              const float w3 = j + 1 < limit1 ? silu_weight<T>(p.alpha * s[n][3]) : 0.0f;
               pf[n / 2][2 * (n % 2)] = pack2<T>(w0, w1);
               pf[n / 2][2 * (n % 2) + 1] = pack2<T>(w2, w3);
             }
@@ -327,8 +369,8 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const Params p)
             }
           }
         }
-        __syncthreads();  // the stage just read is refilled by the next iteration
       }
+      cp_async_wait<0>();  // no copy may land in shared memory the next rows reuse
 
       // Epilogue. Thread (g, t) holds dims 8 n + 2 t, +1 of rows g (acc[n][0..1]) and g + 8
       // (acc[n][2..3]); its Q fragments hold q at exactly those dims.
@@ -472,33 +514,35 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(c
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-constexpr int64_t kMinChunkKeys = 512;  // a chunk streams at least 8 key blocks: Q loads and the epilogue amortise
+constexpr int64_t kMinChunkKeys = 256;  // a chunk streams at least 4 key blocks: Q loads and the epilogue amortise
 constexpr int kMaxDevices = 64;
 
-// Blocks of attention_mma_kernel<T, kDim> resident on the whole device at once, cached per
-// device (the queries are driver calls; neither synchronises).
-template <typename T, int kDim>
+// Blocks of attention_mma_kernel<T, kDim, kWarps> resident on the whole device at once, cached
+// per device (the queries are driver calls; neither synchronises).
+template <typename T, int kDim, int kWarps>
 int64_t resident_blocks(int device) {
   static std::array<std::atomic<int64_t>, kMaxDevices> cached{};
   if (device < kMaxDevices) {
     if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
   }
   int per_sm = 0, sms = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_mma_kernel<T, kDim>, kThreads,
-                                                               MmaShape<kDim>::kSmemBytes));
+  using Shape = MmaShape<kDim, kWarps>;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_mma_kernel<T, kDim, kWarps>,
+                                                               Shape::kThreads, Shape::kSmemBytes));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t blocks = std::max<int64_t>(int64_t(per_sm) * sms, 1);
   if (device < kMaxDevices) cached[device].store(blocks, std::memory_order_relaxed);
   return blocks;
 }
 
-template <typename T, int kDim>
+template <typename T, int kDim, int kWarps>
 void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
-  const auto kernel = attention_mma_kernel<T, kDim>;
-  constexpr int smem = MmaShape<kDim>::kSmemBytes;
+  using Shape = MmaShape<kDim, kWarps>;
+  const auto kernel = attention_mma_kernel<T, kDim, kWarps>;
+  constexpr int smem = Shape::kSmemBytes;
   // Set on every launch: the attribute belongs to the device current at the time.
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int64_t slots = resident_blocks<T, kDim>(q.get_device());
+  const int64_t slots = resident_blocks<T, kDim, kWarps>(q.get_device());
   // Split the keys so that (tiles x heads x chunks) blocks fill one wave of resident blocks
   // (a partial second wave would cost a whole block's time), with chunks of at least
   // kMinChunkKeys keys. Enough tiles alone (large batches) need no split and no workspace.
@@ -516,7 +560,7 @@ void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor&
     partial = at::empty({chunks, p.rows, p.heads, kDim}, q.options().dtype(at::kFloat));
     p.partial = partial.data_ptr<float>();
   }
-  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), unsigned(chunks)), kThreads, smem, stream>>>(p);
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), unsigned(chunks)), Shape::kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (chunks > 1) {
     constexpr int kCombineThreads = 256;
@@ -539,12 +583,27 @@ void launch_generic(const Params& p, int64_t num_tiles, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// As many warps as the widest tile needs: narrow tiles keep small blocks, several to a
+// multiprocessor.
+template <typename T, int kDim>
+void launch_mma_rows(const Params& p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows,
+                     const at::Tensor& q, cudaStream_t stream) {
+  if (max_tile_rows <= 64) {
+    launch_mma<T, kDim, 4>(p, num_tiles, max_keys, q, stream);
+  } else if (max_tile_rows <= 128) {
+    launch_mma<T, kDim, 8>(p, num_tiles, max_keys, q, stream);
+  } else {
+    launch_mma<T, kDim, 12>(p, num_tiles, max_keys, q, stream);
+  }
+}
+
 template <typename T>
-bool try_launch_mma(const Params& p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
+bool try_launch_mma(const Params& p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows, const at::Tensor& q,
+                    cudaStream_t stream) {
   switch (p.head_dim) {
-    case 32: launch_mma<T, 32>(p, num_tiles, max_keys, q, stream); return true;
-    case 64: launch_mma<T, 64>(p, num_tiles, max_keys, q, stream); return true;
-    case 128: launch_mma<T, 128>(p, num_tiles, max_keys, q, stream); return true;
+    case 32: launch_mma_rows<T, 32>(p, num_tiles, max_keys, max_tile_rows, q, stream); return true;
+    case 64: launch_mma_rows<T, 64>(p, num_tiles, max_keys, max_tile_rows, q, stream); return true;
+    case 128: launch_mma_rows<T, 128>(p, num_tiles, max_keys, max_tile_rows, q, stream); return true;
     default: return false;
   }
 }
@@ -563,7 +622,7 @@ at::Tensor dense_rows(const at::Tensor& t) {
 at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                 const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& row_keys,
                                 const at::Tensor& row_candidate, const at::Tensor& row_order, const at::Tensor& tiles,
-                                int64_t max_keys, double alpha, double inv_scaling_seqlen) {
+                                int64_t max_keys, int64_t max_tile_rows, double alpha, double inv_scaling_seqlen) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.sizes() == k_in.sizes() && q_in.sizes() == v_in.sizes(), "paged_attention: q ",
               q_in.sizes(), ", k ", k_in.sizes(), ", v ", v_in.sizes(), " must be equal [N, H, dh]");
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(3) == q_in.size(1) &&
@@ -602,7 +661,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   }
   TORCH_CHECK(q_in.size(1) <= 65535 && tiles.size(0) <= std::numeric_limits<int32_t>::max(),
               "paged_attention: too many heads or tiles");
-  TORCH_CHECK(max_keys >= 0, "paged_attention: max_keys must be >= 0, got ", max_keys);
+  TORCH_CHECK(max_keys >= 0 && max_tile_rows >= 0, "paged_attention: max_keys and max_tile_rows must be >= 0, got ",
+              max_keys, " and ", max_tile_rows);
 
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
@@ -641,12 +701,12 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   const bool mma_ok = pairs_aligned && aligned(p.cache, 16);
   switch (dtype) {
     case at::kBFloat16:
-      if (!(mma_ok && try_launch_mma<__nv_bfloat16>(p, num_tiles, max_keys, q, stream))) {
+      if (!(mma_ok && try_launch_mma<__nv_bfloat16>(p, num_tiles, max_keys, max_tile_rows, q, stream))) {
         launch_generic<__nv_bfloat16>(p, num_tiles, stream);
       }
       break;
     case at::kHalf:
-      if (!(mma_ok && try_launch_mma<__half>(p, num_tiles, max_keys, q, stream))) {
+      if (!(mma_ok && try_launch_mma<__half>(p, num_tiles, max_keys, max_tile_rows, q, stream))) {
         launch_generic<__half>(p, num_tiles, stream);
       }
       break;
@@ -681,13 +741,14 @@ at::Tensor hstu_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, c
   auto [row_order, tiles] = runtime::user_tiles({users.data_ptr<int64_t>(), users.data_ptr<int64_t>() + users.numel()},
                                                 runtime::kAttentionTileRows);
   const auto num_rows = static_cast<int64_t>(row_order.size());
+  const int64_t max_tile_rows = runtime::widest_tile(tiles);
   row_order.insert(row_order.end(), tiles.begin(), tiles.end());
   const auto uploaded = at::tensor(row_order, at::kLong).to(q.device());
   return paged_attention_cuda(q, k, v, cache.contiguous(), page_table.to(at::kLong).contiguous(),
                               row_keys.to(at::kLong).contiguous(), row_candidate.to(at::kBool).contiguous(),
                               uploaded.narrow(0, 0, num_rows), uploaded.narrow(0, num_rows, uploaded.size(0) - num_rows)
                                                                    .view({-1, 3}),
-                              max_keys, alpha, inv_scaling_seqlen);
+                              max_keys, max_tile_rows, alpha, inv_scaling_seqlen);
 }
 
 }  // namespace

@@ -11,12 +11,14 @@ namespace kvexport::ops {
 // q, k, v [N, H, dh] (rows may be strided, each row's [H, dh] dense); cache [pages, 2, page_size, H, dh]
 // (contiguous); page_table [B, max_pages] int64; row_keys [N] int64; row_candidate [N] bool;
 // row_order [N] and tiles [T, 3] int64 as the runtime's plan lays them out (runtime::user_tiles).
-// max_keys: an upper bound of row_keys, known on the host (BatchPlan::max_row_keys). It only
-// sizes the split over keys: a row that reads more keys is still computed in full.
+// max_keys: an upper bound of row_keys, known on the host (BatchPlan::max_row_keys); it only
+// sizes the split over keys. max_tile_rows: the widest tile's row count (BatchPlan::max_tile_rows);
+// it only picks the block's width. A row that reads more keys or a wider tile is still computed
+// in full.
 // Runs on the current stream; never synchronises with the host. Output [N, H, dh] in q's dtype.
 at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
                                 const at::Tensor& page_table, const at::Tensor& row_keys,
                                 const at::Tensor& row_candidate, const at::Tensor& row_order, const at::Tensor& tiles,
-                                int64_t max_keys, double alpha, double inv_scaling_seqlen);
+                                int64_t max_keys, int64_t max_tile_rows, double alpha, double inv_scaling_seqlen);
 
 }  // namespace kvexport::ops

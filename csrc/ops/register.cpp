@@ -112,7 +112,8 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
 #ifdef KVEXPORT_WITH_CUDA
           if (q.is_cuda()) {
             return paged_attention_cuda(q, k, v, layer_cache, plan.page_table, plan.row_keys, plan.row_candidate,
-                                        plan.row_order, plan.tiles, plan.max_row_keys, alpha, inv_scaling_seqlen);
+                                        plan.row_order, plan.tiles, plan.max_row_keys, plan.max_tile_rows, alpha,
+                                        inv_scaling_seqlen);
           }
 #endif
           return paged_attention_cpu(q, k, v, layer_cache, plan.page_table, plan.row_user, plan.row_keys,

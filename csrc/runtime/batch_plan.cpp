@@ -27,6 +27,12 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vect
   return {std::move(row_order), std::move(tiles)};
 }
 
+int64_t widest_tile(const std::vector<int64_t>& tiles) {
+  int64_t widest = 0;
+  for (size_t i = 2; i < tiles.size(); i += 3) widest = std::max(widest, tiles[i]);
+  return widest;
+}
+
 void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
                         int64_t page_size, at::Device device) {
@@ -58,6 +64,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   plan.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
   plan.max_row_keys = row_keys.empty() ? 0 : *std::max_element(row_keys.begin(), row_keys.end());
   const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
+  plan.max_tile_rows = widest_tile(tiles);
   // One host-to-device copy per request: every per-request tensor is a view of one buffer (pinned
   // on CUDA, so the copy is asynchronous on the current stream).
   std::vector<int64_t> value_slots(write_slots);

@@ -31,16 +31,21 @@ struct BatchPlan {
   // [T, 3] int64 of (user, first index into row_order, row count <= kAttentionTileRows).
   at::Tensor row_order;  // [N] int64
   at::Tensor tiles;      // [T, 3] int64
-  int64_t max_row_keys = 0;  // the most cached keys any row reads
+  int64_t max_row_keys = 0;   // the most cached keys any row reads
+  int64_t max_tile_rows = 0;  // the most rows of any tile
 };
 
-// Rows per attention tile (one user's rows; the CUDA kernel's block).
-constexpr int64_t kAttentionTileRows = 64;
+// Rows per attention tile at most (one user's rows; the CUDA kernel's block: a user with the
+// reference shape's 164 new rows fits one, so its cached keys are read once per head).
+constexpr int64_t kAttentionTileRows = 192;
 
 // Rows grouped by user (stable) and cut into tiles of at most tile_rows rows of one user:
 // (row_order, tiles as flat (user, first index into row_order, count) triples).
 std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vector<int64_t>& row_user,
                                                                  int64_t tile_rows);
+
+// The most rows of any tile of user_tiles' flat triples (0 without tiles).
+int64_t widest_tile(const std::vector<int64_t>& tiles);
 
 // Fills plan's tensors from its user_ids and cached_lengths; user_pages[b] are user b's pages,
 // enough for token_lengths[b] tokens. The tensors land on `device` in one copy.

@@ -180,6 +180,8 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     tolerance = _tolerance(config, trace)
     weights = _weights(checkpoint)
     cpu = isa.artifact_isa(cpu_isa, shipped_library)
+    if torch.device(device).type == "cuda":
+        cpu["gpu"] = isa.gpu_isa(device)
     metadata = {
         "kvexport.version": kvexport.__version__,
         "kvexport.runtime_name": runtime_name,
