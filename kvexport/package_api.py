@@ -163,6 +163,18 @@ class Package:
         answer at load time)."""
         return self._remote
 
+    def attach_remote(self, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> str | None:
+        """Attaches a shared remote KV tier to a loaded package, as kvexport.load(remote=...) does at
+        load time: for a host that warms the package up first, so that its synthetic users never
+        reach the tier other hosts share. Returns the URL, or None when the server did not answer.
+        A bad URL or policy, a tier attached already: UserError (a bad URL also drops the runtime:
+        load the package again)."""
+        check_write_policy(write_policy)
+        if self._remote is not None:
+            raise UserError(f"a remote tier is attached already: {self._remote}")
+        self._remote = _attach_remote(self.runtime_name, url, write_policy)
+        return self._remote
+
     # -- scoring -----------------------------------------------------------------------------
 
     def score(self, batch: Batch | dict[str, torch.Tensor], index: int | None = None) -> torch.Tensor:

@@ -321,6 +321,24 @@ def test_scorer_splits_a_batch_the_cache_cannot_hold(tiny_artifact, tiny_config,
     assert (counters.split_batches, counters.batches, counters.requests_ok, counters.requests_refused) == (1, 3, 3, 0)
 
 
+def test_warm_up_never_reaches_the_shared_remote_tier(tiny_artifact, tiny_config, redis_server, redis):
+    """The server warms its package up with synthetic users 0..3 before it attaches the remote tier:
+    with after_batch writes they would otherwise overwrite those users' shared entries."""
+    from kvexport.serving.triton import load_warm
+
+    redis.command("FLUSHDB")
+    package = load_warm(tiny_artifact, remote=redis_server.url, remote_write="after_batch")
+    try:
+        assert package.remote == redis_server.url
+        assert redis.command("DBSIZE") == 0, "the warm-up wrote to the shared tier"
+        generator = torch.Generator().manual_seed(3)
+        package.score_users([random_user(tiny_config.model, generator, 7, 6, 3)])
+    finally:
+        package.close()  # flushes the queued writes
+    keys = redis.command("KEYS", "*")
+    assert keys == [f"kvexport:{package.runtime_name}:7".encode()], keys  # the real user, and only it
+
+
 def test_a_request_is_one_user():
     from kvexport.config import load_config
     from kvexport.serving.batcher import parse_request

@@ -144,6 +144,24 @@ def warm_up(package) -> None:
     kv.reset_runtime(package.runtime_name)
 
 
+def load_warm(out: Path, remote: str | None = None, remote_write: str = "on_evict"):
+    """kvexport.load(out), warmed up (warm_up), then the remote tier attached: the warm-up's
+    synthetic users (ids 0 and up) must neither overwrite real users' shared entries nor read them."""
+    import kvexport
+    from kvexport.remote import check_write_policy
+
+    check_write_policy(remote_write)  # before minutes of loading
+    package = kvexport.load(out)
+    try:
+        warm_up(package)
+        if remote is not None:
+            package.attach_remote(remote, remote_write)
+    except BaseException:
+        package.close()
+        raise
+    return package
+
+
 class Server:
     """One package behind Triton: start() returns once it serves; stop() drains and cleans up.
 
@@ -161,8 +179,7 @@ class Server:
         self.address = address
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.batching = batching
-        # kvexport.load's remote tier, passed only when one is asked for
-        self._load_options = {"remote": remote, "remote_write": remote_write} if remote else {}
+        self.remote, self.remote_write = remote, remote_write
         self.package = None
         self._scorer: BatchScorer | None = None
         self._metrics: MetricsServer | None = None
@@ -182,11 +199,8 @@ class Server:
     def start(self) -> "Server":
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port)):
             _check_port_free(self.address, port, option)
-        import kvexport
-
         try:
-            self.package = kvexport.load(self.out, **self._load_options)
-            warm_up(self.package)
+            self.package = load_warm(self.out, self.remote, self.remote_write)
             self._scorer = BatchScorer(self.package, self.max_batch_size)
             triton_metrics_port = _free_local_port()
             try:
