@@ -1,22 +1,14 @@
-"""A redis-server of a test's own on 127.0.0.1 (Debian's redis-server), and a minimal client."""
+"""The tests' redis-server (kvexport.bench.remote.RedisServer, on 127.0.0.1) and a minimal client."""
 
 from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
+from kvexport.bench.remote import RedisServer, free_port  # noqa: F401 (the tests' too)
 from kvexport.ops import wrappers as kv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Resp:
@@ -56,44 +48,6 @@ class Resp:
             self.buffer += self.sock.recv(1 << 16)
         value, self.buffer = self.buffer[:size], self.buffer[size + 2:]
         return value
-
-
-class RedisServer:
-    """A redis-server of the test's own on 127.0.0.1, with no persistence."""
-
-    def __init__(self, directory: Path, port: int | None = None, extra: tuple[str, ...] = ()):
-        self.directory = directory
-        self.port = port or free_port()
-        self.extra = extra  # more redis-server options, e.g. ("--maxmemory", "4mb")
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        self.process = subprocess.Popen(
-            [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), "--logfile", str(self.directory / "redis.log"),
-             *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                client = Resp(self.port)
-                client.command("PING")
-                client.close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port}; see {self.directory / 'redis.log'}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.process = None
 
 
 def need_redis() -> None:

@@ -29,33 +29,60 @@ RECOMPUTED_USER = 500_000
 WRITE_POLICIES = (None, "on_evict", "after_batch")  # None: no remote tier
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server of its own on 127.0.0.1 (no persistence; log in `directory`): the benchmark's,
+    and the tests', which stop and restart it on the same port to play an outage."""
+
+    def __init__(self, directory: Path, port: int | None = None, extra: tuple[str, ...] = ()):
+        self.directory = Path(directory)
+        self.port = port or free_port()
+        self.extra = extra  # more redis-server options, e.g. ("--maxmemory", "4mb")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise UserError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory), "--logfile", str(self.directory / "redis.log"), *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise UserError(f"redis-server did not listen on 127.0.0.1:{self.port} within {timeout_s:.0f} s; "
+                        f"see {self.directory / 'redis.log'}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
 @contextlib.contextmanager
 def local_redis() -> Iterator[str]:
-    """A redis-server without persistence on a free 127.0.0.1 port, in a temporary directory; its URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise UserError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
-    with tempfile.TemporaryDirectory(prefix="kvexport-redis-") as directory, socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
-        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                   "no", "--dir", directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """A RedisServer in a temporary directory for the duration; its URL."""
+    with tempfile.TemporaryDirectory(prefix="kvexport-redis-") as directory:
+        server = RedisServer(Path(directory)).start()
         try:
-            _wait_until_listening(port)
-            yield f"redis://127.0.0.1:{port}/0"
+            yield server.url
         finally:
-            server.kill()
-            server.wait()
-
-
-def _wait_until_listening(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.05)
-    raise UserError(f"redis-server did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
+            server.stop()
 
 
 def _score_ms(pkg, requests: SweepRequests, variant: int) -> float:
