@@ -20,6 +20,7 @@ import click
 
 from kvexport import __version__
 from kvexport.errors import UserError
+from kvexport.remote import DEFAULT_WRITE_POLICY
 
 log = logging.getLogger("kvexport")
 
@@ -234,7 +235,7 @@ class Route(click.ParamType):
 
 def remote_options(func):
     """--remote URL and --remote-write POLICY: the shared remote KV tier (kvexport.load(remote=...))."""
-    func = click.option("--remote-write", type=RemoteWritePolicy(), default="on_evict", show_default=True,
+    func = click.option("--remote-write", type=RemoteWritePolicy(), default=DEFAULT_WRITE_POLICY, show_default=True,
                         help="When users are written to the remote tier: on_evict (when the host tier lets "
                              "them go) or after_batch (also after every request).")(func)
     return click.option("--remote", metavar="URL",

@@ -34,7 +34,6 @@ from kvexport.model import Batch, build_model
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.errors import RequestError
 from kvexport.serving.batcher import BatchScorer, take_batch
-from kvexport.serving.signature import INPUT_NAMES
 
 ATOL = 1e-5  # server vs eager full recompute in float32 (measured ~1e-8)
 README_EXAMPLE = re.compile(r"<!-- example: tests/test_serve\.py[^>]*-->\n```python\n(.*?)```", re.S)
@@ -372,7 +371,8 @@ def test_inspect_prints_the_serving_signature(tiny_artifact):
     result = CliRunner().invoke(main, ["inspect", "--json", str(tiny_artifact)])
     serving = json.loads(result.output)["serving_signature"]
     assert serving["model"] == "hstu-tiny"
-    assert [(i["name"], i["datatype"]) for i in serving["inputs"]] == [(n, "INT64") for n in INPUT_NAMES]
+    assert [(i["name"], i["datatype"]) for i in serving["inputs"]] == [("user_id", "INT64"), ("item_ids", "INT64"), ("action_ids", "INT64"),
+                                                                          ("context_ids", "INT64"), ("candidate_ids", "INT64")]
     assert serving["output"] == {"name": "logits", "datatype": "FP32", "shape": [1, "T", 3]}
 
 

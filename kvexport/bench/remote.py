@@ -21,12 +21,13 @@ from kvexport.bench.timing import summary, timed_ms
 from kvexport.errors import UserError
 from kvexport.model.batch import check_batch
 from kvexport.ops import wrappers as kv
+from kvexport.remote import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 # User ids: each length's returning user, and users of the same history the server never saw.
 RETURNING_USER = 1
 RECOMPUTED_USER = 500_000
-WRITE_POLICIES = (None, "on_evict", "after_batch")  # None: no remote tier
+VARIANTS = (None, *WRITE_POLICIES)  # None: no remote tier
 
 
 def free_port() -> int:
@@ -148,9 +149,9 @@ def write_behind_cost(artifact: Artifact, url: str, lengths: list[int], warmup: 
     A runtime keeps its tiers while loaded, so each repetition loads the package once per policy, in
     turn; the ratio to no tier is taken within the repetition.
     """
-    samples = {(length, policy): [] for length in lengths for policy in WRITE_POLICIES}
+    samples = {(length, policy): [] for length in lengths for policy in VARIANTS}
     for _ in range(repeats):
-        for policy in WRITE_POLICIES:
+        for policy in VARIANTS:
             remote = {"remote": url, "remote_write": policy} if policy else {}
             with kvexport.load(artifact, check_files=False, **remote) as pkg:
                 for length in lengths:
@@ -163,7 +164,7 @@ def write_behind_cost(artifact: Artifact, url: str, lengths: list[int], warmup: 
     for length in lengths:
         plain = samples[(length, None)]
         row = {"cached_events": length, "new_events": NEW_EVENTS, "no_remote_ms": summary(plain)}
-        for policy in WRITE_POLICIES[1:]:
+        for policy in WRITE_POLICIES:
             row[f"{policy}_ms"] = summary(samples[(length, policy)])
             row[f"{policy}_over_no_remote"] = summary([p / n for p, n in zip(samples[(length, policy)], plain)])
         rows.append(row)

@@ -45,6 +45,7 @@ import torch
 
 from kvexport.errors import RequestFailed, UserError
 from kvexport.io import first_line
+from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy
 from kvexport.serving.batcher import BatchScorer
 from kvexport.serving.metrics import MetricsServer, render
 from kvexport.serving.signature import ACTION_IDS, CANDIDATE_IDS, CONTEXT_IDS, ITEM_IDS, LOGITS, USER_ID
@@ -144,11 +145,10 @@ def warm_up(package) -> None:
     kv.reset_runtime(package.runtime_name)
 
 
-def load_warm(out: Path, remote: str | None = None, remote_write: str = "on_evict"):
+def load_warm(out: Path, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY):
     """kvexport.load(out), warmed up (warm_up), then the remote tier attached: the warm-up's
     synthetic users (ids 0 and up) must neither overwrite real users' shared entries nor read them."""
     import kvexport
-    from kvexport.remote import check_write_policy
 
     check_write_policy(remote_write)  # before minutes of loading
     package = kvexport.load(out)
@@ -171,7 +171,7 @@ class Server:
 
     def __init__(self, out: Path, *, address: str = "0.0.0.0", http_port: int = DEFAULT_HTTP_PORT,
                  grpc_port: int = DEFAULT_GRPC_PORT, metrics_port: int = DEFAULT_METRICS_PORT,
-                 batching: bool = True, remote: str | None = None, remote_write: str = "on_evict"):
+                 batching: bool = True, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY):
         ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
         if len(set(ports.values())) != len(ports):
             raise UserError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
