@@ -73,6 +73,9 @@ step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifac
   --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
 if [[ $quick == 0 ]]; then
   package kuairand configs/hstu-kuairand-1k.yaml 500 400
+  # Its 1 GB item table inside the package's .so (as built) or beside it: size, compile, load.
+  step weights-bench-kuairand "$python" benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml \
+    --device cuda --json "$out/weights-bench-kuairand.json"
   # The H200 workload: 32 new events, 100 candidates, batch 1, 8 and 32, and as many cached events
   # as the config's max_history_length (4096) leaves room for: 4064.
   step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \

@@ -86,3 +86,25 @@ def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config, tiny_chec
     with torch.no_grad():
         expected = build_model(tiny_config, checkpoint=tiny_checkpoint)(Batch(**good))
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def test_the_harness_refuses_a_package_built_for_another_gpu(cuda_artifact, tmp_path):
+    """The C++ host checks the recorded build GPU against this one (kvexport::gpu_info) before it loads
+    the package, in the words the Python hosts use."""
+    import shutil
+
+    from kvexport.ops import wrappers as kv
+
+    major, minor = torch.cuda.get_device_capability()
+    assert kv.gpu_info(torch.device("cuda")) == (f"{major}.{minor}", torch.cuda.get_device_name())
+    artifact = shutil.copytree(cuda_artifact, tmp_path / "other-gpu")
+    path = artifact / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["isa"]["gpu"] = {"capability": "1.0", "name": "an older GPU"}
+    path.write_text(json.dumps(manifest))
+    result = subprocess.run(replay_command(artifact, tmp_path / "replay.json"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: the package's GPU code is compiled for compute capability 1.0 (an older GPU); cuda has "
+        f"{major}.{minor} ({torch.cuda.get_device_name()}): build the package on a GPU of this architecture"]

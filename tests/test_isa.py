@@ -10,6 +10,7 @@ import sys
 
 import nlohmann_json
 import pytest
+import torch
 
 from kvexport import isa
 from kvexport.errors import UserError
@@ -98,23 +99,29 @@ def test_portable_builds_have_their_own_directory():
 CPP_DRIVER = """
 #include "replay/isa.h"
 #include <iostream>
-int main(int, char** argv) {
-  std::cout << kvexport::replay::missing_cpu_feature(nlohmann::json::parse(argv[1])) << std::endl;
+int main(int argc, char** argv) {
+  const auto required = nlohmann::json::parse(argv[1]);
+  if (argc == 5) {
+    std::cout << kvexport::replay::wrong_gpu(required, argv[2], argv[3], argv[4]) << std::endl;
+  } else {
+    std::cout << kvexport::replay::missing_cpu_feature(required) << std::endl;
+  }
 }
 """
 
 
 @pytest.fixture(scope="module")
 def cpp_check(tmp_path_factory):
-    """The harness's check, compiled alone: a program that prints missing_cpu_feature(argv[1])."""
+    """The harness's checks, compiled alone: a program that prints missing_cpu_feature(argv[1]), or
+    wrong_gpu(argv[1], device, capability, name) when given those too."""
     workdir = tmp_path_factory.mktemp("isa-cpp")
     (workdir / "driver.cpp").write_text(CPP_DRIVER)
     binary = workdir / "isa_check"
     include = nlohmann_json.__file__.rsplit("/", 1)[0] + "/include"
     subprocess.run(["g++", "-std=c++20", "-O1", f"-I{ROOT / 'csrc'}", f"-I{include}", str(workdir / "driver.cpp"),
                     str(ROOT / "csrc" / "replay" / "isa.cpp"), "-o", str(binary)], check=True)
-    return lambda required: subprocess.run([str(binary), json.dumps(required)], check=True, capture_output=True,
-                                           text=True).stdout.strip()
+    return lambda required, *gpu: subprocess.run([str(binary), json.dumps(required), *gpu], check=True,
+                                                 capture_output=True, text=True).stdout.strip()
 
 
 def _python_message(required: dict) -> str:
@@ -297,6 +304,45 @@ def test_check_device_refuses_another_gpu_architecture(monkeypatch):
     assert "compute capability 9.0 (NVIDIA H200)" in message and "cuda:0 has 8.0 (NVIDIA A100)" in message
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     isa.check_device(GPU, torch.device("cuda", 0))
+
+
+@pytest.mark.slow  # compiles the harness check
+def test_cpp_harness_checks_the_gpu_as_python_does(cpp_check, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(UserError) as refused:
+        isa.check_device(GPU, torch.device("cuda", 0))
+    assert cpp_check(GPU, "cuda:0", "8.0", "NVIDIA A100") == str(refused.value)
+    assert cpp_check(GPU, "cuda:0", "9.0", "NVIDIA H200") == ""
+    assert cpp_check({"op_library": {}}, "cuda:0", "8.0", "NVIDIA A100") == ""  # a CPU package
+    assert cpp_check(GPU, "cuda", "", "") == (
+        "this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda")
+
+
+def test_gpu_info_names_no_gpu_for_cpu_devices():
+    from kvexport.ops import wrappers as kv
+
+    assert kv.gpu_info(torch.device("cpu")) == ("", "")
+    if not torch.cuda.is_available():
+        assert kv.gpu_info(torch.device("cuda", 0)) == ("", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA device")
+def test_replay_refuses_a_cuda_package_on_a_host_without_cuda(artifact_copy, tmp_path):
+    from kvexport.replay import replay_command
+
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["device"] = "cuda"
+    manifest["isa"].update(GPU)
+    path.write_text(json.dumps(manifest))
+    result = subprocess.run(replay_command(artifact_copy, tmp_path / "replay.json"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda"]
 
 
 def test_check_device_without_cuda_and_for_cpu_packages(monkeypatch):

@@ -9,6 +9,7 @@ exactly the cached prefix). Reported per batch size:
 - kernels_per_request and attention_us_per_request: CUDA kernels launched by one cached package
   call, and the device time of those whose name contains "kvexport" (the attention kernels), from
   the torch profiler (CUDA packages only).
+Also the package's size and how long kvexport.load took (first load in this process).
 Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), medians of each.
 
     python3 benchmarks/h200/request_bench.py OUT --length 4064 --new-events 32 --candidates 100 \
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -105,7 +107,9 @@ def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> di
 
 def main() -> int:
     args = parse_args()
+    started = time.perf_counter()
     with kvexport.load(args.artifact) as package:
+        load_s = time.perf_counter() - started
         limit = package.config.model.max_history_length
         if args.length is None:
             args.length = limit - args.new_events
@@ -120,6 +124,7 @@ def main() -> int:
         finally:
             eager.close()
         result = {"artifact": str(args.artifact), "device": str(package.device), "torch": torch.__version__,
+                  "load_s": round(load_s, 2), "package_bytes": package.artifact.package.stat().st_size,
                   "gpu": torch.cuda.get_device_name() if package.device.type == "cuda" else None, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -715,6 +717,20 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
       break;
   }
   return out;
+}
+
+std::pair<std::string, std::string> cuda_device_info(c10::DeviceIndex index) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: not an error of later CUDA calls
+    return {};
+  }
+  int device = index;
+  if (index < 0) C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= count) return {};
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return {std::to_string(prop.major) + "." + std::to_string(prop.minor), prop.name};
 }
 
 namespace {

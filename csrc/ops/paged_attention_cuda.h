@@ -4,9 +4,17 @@
 
 #include <ATen/Tensor.h>
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
+#include <string>
+#include <utility>
 
 namespace kvexport::ops {
+
+// CUDA device `index`'s compute capability ("major.minor") and name (-1: the current device);
+// empty strings when this host has no such device.
+std::pair<std::string, std::string> cuda_device_info(c10::DeviceIndex index);
 
 // q, k, v [N, H, dh] (rows may be strided, each row's [H, dh] dense); cache [pages, 2, page_size, H, dh]
 // (contiguous); page_table [B, max_pages] int64; row_keys [N] int64; row_candidate [N] bool;

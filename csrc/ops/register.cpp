@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ops/paged_attention.h"
@@ -205,6 +206,19 @@ bool flush_remote(const std::string& name, int64_t timeout_ms) {
   });
 }
 
+// The CUDA device's compute capability ("major.minor") and name; empty strings for a CPU device,
+// a host without that CUDA device, or an op library built without CUDA. Hosts without Python
+// (the replay harness) check a CUDA package's recorded build GPU against it.
+std::tuple<std::string, std::string> gpu_info([[maybe_unused]] const c10::Device& device) {
+#ifdef KVEXPORT_WITH_CUDA
+  if (device.is_cuda()) {
+    auto [capability, name] = cuda_device_info(device.index());
+    return {std::move(capability), std::move(name)};
+  }
+#endif
+  return {};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvexport, m) {
@@ -235,6 +249,7 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("device_users_lru(str runtime) -> Tensor");
   m.def("read_user_kv(str runtime, int user_id) -> Tensor");
   m.def("drop_runtime(str runtime) -> bool");
+  m.def("gpu_info(Device device) -> (str, str)");
   // Adds the remote tier (redis://host[:port][/db]) behind the host tier; write_policy is on_evict or
   // after_batch; read budget and expiry come from the runtime's config. False when the server does
   // not answer: the runtime then runs without it.
@@ -280,6 +295,7 @@ TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("device_users_lru", &device_users_lru);
   m.impl("read_user_kv", &read_user_kv);
   m.impl("drop_runtime", &drop_runtime);
+  m.impl("gpu_info", &gpu_info);
   m.impl("attach_remote", &attach_remote);
   m.impl("flush_remote", &flush_remote);
 }

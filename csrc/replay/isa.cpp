@@ -73,4 +73,18 @@ std::string missing_cpu_feature(const nlohmann::json& required) {
   return "";
 }
 
+std::string wrong_gpu(const nlohmann::json& required, const std::string& device, const std::string& capability,
+                      const std::string& name) {
+  if (!required.is_object() || !required.contains("gpu") || !required["gpu"].is_object()) return "";
+  const auto& spec = required["gpu"];
+  const auto built_on = spec.value("name", std::string("?"));
+  if (capability.empty()) {
+    return "this is a CUDA package (built on " + built_on + ") and this host has no CUDA device " + device;
+  }
+  const auto wanted = spec.value("capability", std::string("?"));
+  if (capability == wanted) return "";
+  return "the package's GPU code is compiled for compute capability " + wanted + " (" + built_on + "); " + device +
+         " has " + capability + " (" + name + "): build the package on a GPU of this architecture";
+}
+
 }  // namespace kvexport::replay

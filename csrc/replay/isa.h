@@ -13,4 +13,12 @@ namespace kvexport::replay {
 // features the CPU lacks can fail with SIGILL as soon as it is loaded.
 std::string missing_cpu_feature(const nlohmann::json& required);
 
+// The GPU check, the twin of kvexport/isa.py's check_device: a CUDA package records its build
+// GPU in `required["gpu"]` ({"capability": "9.0", "name": ...}); Inductor compiled its kernels for
+// that architecture alone. `capability` and `name` describe the device the package will run on
+// ("" when the host has no such CUDA device). Returns "" when the package can run there, else one
+// line saying why. Call it before loading the package.
+std::string wrong_gpu(const nlohmann::json& required, const std::string& device, const std::string& capability,
+                      const std::string& name);
+
 }  // namespace kvexport::replay

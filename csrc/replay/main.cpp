@@ -458,6 +458,16 @@ int run(const Options& options) {
     throw ReplayError(kUnusable, missing);
   }
   load_libraries(manifest, options);
+  // Before the package is loaded: its GPU kernels are compiled for the build GPU's architecture.
+  const auto manifest_device = manifest.json.value("device", std::string("cpu"));
+  if (c10::Device(manifest_device).is_cuda()) {
+    const auto info = call_op("kvexport::gpu_info", {c10::Device(manifest_device)});
+    if (const auto wrong = wrong_gpu(manifest.json.value("isa", nlohmann::json::object()), manifest_device,
+                                     info.at(0).toStringRef(), info.at(1).toStringRef());
+        !wrong.empty()) {
+      throw ReplayError(kUnusable, wrong);
+    }
+  }
   const double atol = options.atol.value_or(manifest.atol), rtol = options.rtol.value_or(manifest.rtol);
 
   PrivateTempDir temp_dir;

@@ -95,6 +95,11 @@ def _drop_runtime(runtime):
     return False
 
 
+@torch.library.register_fake("kvexport::gpu_info")
+def _gpu_info(device):
+    return "", ""
+
+
 @torch.library.register_fake("kvexport::attach_remote")
 def _attach_remote(runtime, url, write_policy):
     return False

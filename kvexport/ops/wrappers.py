@@ -142,6 +142,13 @@ def drop_runtime(runtime: str) -> bool:
     return _ops().drop_runtime(runtime)
 
 
+def gpu_info(device: torch.device) -> tuple[str, str]:
+    """The CUDA device's compute capability ("major.minor") and name as the op library sees them;
+    ("", "") for a CPU device, a device this host lacks, or an op library built without CUDA.
+    The replay harness checks a CUDA package's build GPU with it."""
+    return tuple(_ops().gpu_info(device))
+
+
 def attach_remote(runtime: str, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> bool:
     """Adds the remote tier (a Redis/Valkey server at redis://host[:port][/db]) behind the host tier;
     write_policy is one of kvexport.remote.WRITE_POLICIES.

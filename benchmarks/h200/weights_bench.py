@@ -1,0 +1,118 @@
+"""Weights inside the package's shared library (AOTInductor's default) or beside it on disk.
+
+Exports a config's KV-cached module once, then compiles it twice with AOTInductor: as kvexport
+builds it (constants linked into the .so) and with the constants written to a separate binary
+blob in the package (`aot_inductor.package_constants_on_disk_format = "binary_blob"`, which
+torch maps at load time). For each: compile seconds, package bytes, load seconds and the first
+call's seconds (each load in a fresh process, the file just written so in the page cache), and
+whether the two packages' logits are bitwise equal on the same request.
+
+    python3 benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
+        --json /tmp/weights-bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from kvexport.config import load_config
+from kvexport.export.build import runtime_name_for
+from kvexport.export.package import compile_package
+from kvexport.export.wrap import CachedRanker, export_cached
+from kvexport.model import build_model
+from kvexport.ops import library
+
+VARIANTS = {
+    "in_so": {},
+    "binary_blob": {"aot_inductor.package_constants_on_disk_format": "binary_blob"},
+}
+
+# Run in a fresh interpreter per variant: load the package, time it and one request, save the logits.
+LOAD_AND_RUN = """
+import json, sys, time, torch
+from kvexport.bench.suite import SweepRequests
+from kvexport.config import load_config
+from kvexport.ops import library, wrappers as kv
+config_path, package, device, runtime, logits_path = sys.argv[1:]
+config = load_config(config_path)
+library.load()
+device = torch.device(device)
+started = time.perf_counter()
+compiled = torch._inductor.aoti_load_package(package, device_index=device.index if device.index is not None else -1)
+load_s = time.perf_counter() - started
+kv.create_runtime(runtime, compiled.get_metadata()["kvexport.runtime_config"], device)
+batch = SweepRequests(config, 256, 2, first_user=0, new_events=8, candidates=16).variant(0).to(device)
+started = time.perf_counter()
+logits = compiled(*batch.tensors())
+if device.type == "cuda":
+    torch.cuda.synchronize()
+first_call_s = time.perf_counter() - started
+torch.save(logits.cpu(), logits_path)
+print(json.dumps({"load_s": round(load_s, 3), "first_call_s": round(first_call_s, 3)}))
+"""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path)
+    return parser.parse_args()
+
+
+def largest_members(package: Path, count: int = 3) -> dict[str, int]:
+    """Where the package's bytes are: its largest files, uncompressed."""
+    with zipfile.ZipFile(package) as archive:
+        members = sorted(archive.infolist(), key=lambda m: m.file_size, reverse=True)[:count]
+    return {m.filename.rsplit("/", 1)[-1].split(".", 1)[-1]: m.file_size for m in members}
+
+
+def main() -> int:
+    args = parse_args()
+    config = load_config(args.config)
+    library.load()
+    model = build_model(config, None)
+    runtime = runtime_name_for(config, model) + "-weights-bench"
+    model = model.to(args.device)
+    started = time.perf_counter()
+    program = export_cached(CachedRanker(model, runtime), config, args.device)
+    result = {"config": config.name, "device": args.device, "torch": torch.__version__,
+              "export_s": round(time.perf_counter() - started, 1), "variants": {}}
+    del model
+    logits = {}
+    with tempfile.TemporaryDirectory(prefix="kvexport-weights-") as tmp:
+        for name, options in VARIANTS.items():
+            package = Path(tmp) / f"{name}.pt2"
+            started = time.perf_counter()
+            compile_package(program, package, {"kvexport.runtime_config": config.runtime_json()}, options)
+            row = {"compile_s": round(time.perf_counter() - started, 1), "package_bytes": package.stat().st_size,
+                   "largest_members": largest_members(package)}
+            logits_path = Path(tmp) / f"{name}.logits"
+            done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(args.config), str(package), args.device,
+                                   runtime, str(logits_path)], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                row["error"] = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
+            else:
+                row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+                logits[name] = torch.load(logits_path, weights_only=True)
+            result["variants"][name] = row
+            print(json.dumps({name: row}), flush=True)
+    if len(logits) == len(VARIANTS):
+        result["logits_bitwise_equal"] = bool(torch.equal(logits["in_so"], logits["binary_blob"]))
+    print(json.dumps({k: v for k, v in result.items() if k != "variants"}))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if len(logits) == len(VARIANTS) and result["logits_bitwise_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
