@@ -93,7 +93,12 @@ def main() -> int:
         for name, options in VARIANTS.items():
             package = Path(tmp) / f"{name}.pt2"
             started = time.perf_counter()
-            compile_package(program, package, {"kvexport.runtime_config": config.runtime_json()}, options)
+            try:
+                compile_package(program, package, {"kvexport.runtime_config": config.runtime_json()}, options)
+            except Exception as exc:  # noqa: BLE001 — an option this torch lacks is a result too
+                result["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+                print(json.dumps({name: result["variants"][name]}), flush=True)
+                continue
             row = {"compile_s": round(time.perf_counter() - started, 1), "package_bytes": package.stat().st_size,
                    "largest_members": largest_members(package)}
             logits_path = Path(tmp) / f"{name}.logits"
