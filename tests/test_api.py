@@ -222,6 +222,22 @@ def test_close_then_score_raises(tiny_artifact, tiny_config):
 
 
 @pytest.mark.slow
+def test_load_runs_no_compiler_probe(tiny_artifact, tiny_config, eager, monkeypatch):
+    """torch's aoti_load_package compiles and runs CPU-ISA probe programs before it opens a package
+    (seconds to a minute on a fresh host) only to log a warning; kvexport checks the host itself."""
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    def probe(*args, **kwargs):
+        raise AssertionError("kvexport.load ran torch's CPU-ISA probe")
+
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", probe)
+    batch = random_batch(tiny_config.model, seed=3, history_lengths=[5], num_candidates=[2], first_user_id=820)
+    with kvexport.load(tiny_artifact) as package:
+        logits = package.score(batch)
+    torch.testing.assert_close(logits, eager(batch), rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
 def test_stats_keys_equal_stat_names(pkg):
     stats = pkg.stats()
     assert list(stats) == kv.stat_names()

@@ -168,3 +168,23 @@ def test_corpus_outcome_is_the_same_in_python_and_cpp(tiny_artifact, tmp_path, c
     assert exit_code == expected_exit, output
     assert needle in output, output
 
+
+
+def test_an_op_library_of_another_kvexport_version_is_refused_in_one_line(tiny_artifact, tmp_path):
+    """An artifact ships its own op library; one from another kvexport version may lack an op this
+    kvexport declares. Simulated by renaming gpu_info inside the shipped library (same length: the
+    library then defines kvexport::gpu_infX instead)."""
+    import sys
+
+    artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
+    library = artifact / "lib" / "libkvexport_ops.so"
+    data = library.read_bytes()
+    assert data.count(b"gpu_info") >= 2  # the schema and the kernel's registration
+    library.write_bytes(data.replace(b"gpu_info", b"gpu_infX"))
+    rehash(artifact, "lib/libkvexport_ops.so")
+    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(artifact)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {library} is an op library of another kvexport version (operator kvexport::gpu_info does not "
+        "exist): rebuild the artifact (or the op library: python -m kvexport.native) with this kvexport"]

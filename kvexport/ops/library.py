@@ -18,6 +18,7 @@ import torch
 from torch._library.effects import EffectType
 
 from kvexport.errors import UserError
+from kvexport.io import first_line
 from kvexport.native import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
@@ -36,7 +37,12 @@ def load(path: Path = OPS_LIBRARY) -> Path:
         if not path.exists():
             raise UserError(f"kvexport op library not built: {path} is missing (run `make setup`)")
         torch.ops.load_library(str(path))
-        from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
+        try:
+            from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
+        except RuntimeError as exc:  # a fake for an op this library does not define
+            raise UserError(f"{path} is an op library of another kvexport version ({first_line(exc)}): "
+                            "rebuild the artifact (or the op library: python -m kvexport.native) with this "
+                            "kvexport") from exc
 
         for name in STATEFUL_OPS:
             torch.library._register_effectful_op(f"{NAMESPACE}::{name}", EffectType.ORDERED)
