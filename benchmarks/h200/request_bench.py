@@ -38,7 +38,7 @@ from kvexport.soak import eager_model_for
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact", type=Path, help="a built artifact directory (kvexport build -o OUT)")
+    parser.add_argument("artifact", type=Path, nargs="?", help="a built artifact directory (kvexport build -o OUT)")
     parser.add_argument("--length", type=int,
                         help="cached history events per user (default: the most the config admits beside "
                              "--new-events, model.max_history_length - new events: 4064 for hstu-kuairand-1k)")
@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--full-repeats", type=int, default=5, help="repetitions of the full recompute")
     parser.add_argument("--checkpoint", type=Path, help="the checkpoint the artifact was built from, if any")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="write a PNG of the medians per batch size (needs matplotlib)")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="only draw --plot from an earlier run's --json (no artifact needed)")
     args = parser.parse_args()
     args.batch = [int(b) for b in args.batch.split(",")]
     return args
@@ -105,8 +108,51 @@ def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> di
     return row
 
 
+def plot(result: dict, path: Path) -> None:
+    """Package call (cached and full recompute), the eager cached path, and the device time of the
+    cached call's kernels, per batch size: the gap between the call and its kernels is host time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    batches = [r["batch_size"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(batches, [r["full_ms"]["median"] for r in rows], "o-", label="package, full recompute (empty cache)")
+    ax.plot(batches, [r["eager_cached_ms"]["median"] for r in rows], "^-", label="eager model, cached")
+    ax.plot(batches, [r["cached_ms"]["median"] for r in rows], "s-", label="package, cached")
+    if "all_kernels_us_per_request" in rows[0]:
+        ax.plot(batches, [r["all_kernels_us_per_request"] / 1000 for r in rows], "s--",
+                label="package, cached: its kernels' device time")
+        ax.plot(batches, [r["attention_us_per_request"] / 1000 for r in rows], "x:",
+                label="of which attention kernels")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("users per request (batch)")
+    ax.set_ylabel("ms per request (median)")
+    first = rows[0]
+    ax.set_title(f"{result.get('gpu') or result['device']}: {first['cached_events']} cached + {first['new_events']} new "
+                 f"events, {first['candidates']} candidates", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     args = parse_args()
+    if args.replot:
+        if not args.plot:
+            print("error: --replot needs --plot", file=sys.stderr)
+            return 2
+        plot(json.loads(args.replot.read_text()), args.plot)
+        return 0
+    if args.artifact is None:
+        print("error: give an artifact directory (or --replot JSON --plot PNG)", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     with kvexport.load(args.artifact) as package:
         load_s = time.perf_counter() - started
@@ -128,6 +174,8 @@ def main() -> int:
                   "gpu": torch.cuda.get_device_name() if package.device.type == "cuda" else None, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 
