@@ -79,7 +79,7 @@ if [[ $quick == 0 ]]; then
   # The H200 workload: 32 new events, 100 candidates, batch 1, 8 and 32, and as many cached events
   # as the config's max_history_length (4096) leaves room for: 4064.
   step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \
-    --json "$out/request-bench-kuairand.json"
+    --trace-dir "$out/traces" --json "$out/request-bench-kuairand.json"
   step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4064 \
     --json "$out/bench-kuairand.json"
 fi

@@ -8,7 +8,8 @@ exactly the cached prefix). Reported per batch size:
 - eager: the eager model's cached path on the same device, through its own runtime;
 - kernels_per_request and attention_us_per_request: CUDA kernels launched by one cached package
   call, and the device time of those whose name contains "kvexport" (the attention kernels), from
-  the torch profiler (CUDA packages only).
+  the torch profiler (CUDA packages only); "host": that call's time inside each kvexport op and
+  each CUDA runtime call (launches, copies, synchronisations), and --trace-dir its Chrome trace.
 Also the package's size and how long kvexport.load took (first load in this process).
 Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), medians of each.
 
@@ -50,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--full-repeats", type=int, default=5, help="repetitions of the full recompute")
     parser.add_argument("--checkpoint", type=Path, help="the checkpoint the artifact was built from, if any")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--trace-dir", type=Path,
+                        help="write a Chrome trace (host and device) of one cached call per batch size here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the medians per batch size (needs matplotlib)")
     parser.add_argument("--replot", type=Path, metavar="JSON",
                         help="only draw --plot from an earlier run's --json (no artifact needed)")
@@ -62,21 +65,42 @@ def times(run, warmup: int, repeats: int) -> list[float]:
     return [ms for i, ms in enumerate(timed_ms(lambda: run(i)) for i in range(warmup + repeats)) if i >= warmup]
 
 
-def cuda_profile(package, batch) -> dict:
-    """Kernels launched by one call and the device time of kvexport's own kernels in it."""
+OPS = ("kvexport::check_request", "kvexport::begin_batch", "kvexport::paged_attention", "kvexport::end_batch")
+
+
+def cuda_profile(package, batch, trace: Path | None) -> dict:
+    """Where one cached call's time goes: the kernels it launches and their device time (kvexport's
+    own: the attention kernels), and on the host the time inside each kvexport op and inside each
+    CUDA runtime call (launches, copies, synchronisations), from the torch profiler. `trace`: a
+    Chrome trace of the call."""
     from torch.profiler import ProfilerActivity, profile
 
     package.run(batch)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         package.run(batch)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+        call_us = (time.perf_counter() - started) * 1e6
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset"))]
     ours = [e for e in kernels if "kvexport" in e.name]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    api: dict[str, dict] = {}
+    for e in host:
+        if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+            row = api.setdefault(e.name, {"calls": 0, "us": 0.0})
+            row["calls"] += 1
+            row["us"] = round(row["us"] + e.cpu_time_total, 1)
     return {"kernels_per_request": len(kernels),
             "attention_us_per_request": round(sum(e.device_time_total for e in ours), 1),
-            "all_kernels_us_per_request": round(sum(e.device_time_total for e in kernels), 1)}
+            "all_kernels_us_per_request": round(sum(e.device_time_total for e in kernels), 1),
+            "host": {"profiled_call_us": round(call_us, 1),
+                     "op_us": {op: round(sum(e.cpu_time_total for e in host if e.name == op), 1) for op in OPS},
+                     "cuda_api": dict(sorted(api.items(), key=lambda item: -item[1]["us"]))}}
 
 
 def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> dict:
@@ -103,7 +127,8 @@ def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> di
     row["cache_speedup"] = round(row["full_ms"]["median"] / row["cached_ms"]["median"], 2)
     row["package_speedup_vs_eager"] = round(row["eager_cached_ms"]["median"] / row["cached_ms"]["median"], 2)
     if device.type == "cuda":
-        row.update(cuda_profile(package, variants[-1]))
+        trace = args.trace_dir / f"request-b{batch_size}.trace.json" if args.trace_dir else None
+        row.update(cuda_profile(package, variants[-1], trace))
     print(json.dumps(row), flush=True)
     return row
 
@@ -153,6 +178,8 @@ def main() -> int:
     if args.artifact is None:
         print("error: give an artifact directory (or --replot JSON --plot PNG)", file=sys.stderr)
         return 2
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with kvexport.load(args.artifact) as package:
         load_s = time.perf_counter() - started

@@ -28,12 +28,19 @@ using runtime::ErrorCode;
 using runtime::KVRuntime;
 using runtime::RequestError;
 
-std::vector<int64_t> to_vector(const at::Tensor& t, const char* what) {
+void check_ids(const at::Tensor& t, const char* what) {
   if (t.dim() != 1 || t.scalar_type() != at::kLong) {
     throw RequestError(ErrorCode::kInvalidRequest, std::string(what) + " must be 1-D int64");
   }
-  const auto cpu = t.to(at::kCPU).contiguous();
-  return {cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel()};
+}
+
+std::vector<int64_t> values_of(const at::Tensor& host) {
+  return {host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel()};
+}
+
+std::vector<int64_t> to_vector(const at::Tensor& t, const char* what) {
+  check_ids(t, what);
+  return values_of(t.to(at::kCPU).contiguous());
 }
 
 // Releases the calling thread's batch on `runtime`, if there is one: a request that failed
@@ -97,9 +104,12 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
                        const at::Tensor& num_candidates) {
   return request_op(name, [&] {
     auto rt = runtime::get_or_create_runtime(name, config, user_ids.device());
-    const auto& plan = rt->begin_batch(to_vector(user_ids, "user_ids"), to_vector(token_ids, "token_ids"),
-                                       to_vector(token_lengths, "token_lengths"),
-                                       to_vector(num_candidates, "num_candidates"));
+    check_ids(user_ids, "user_ids");
+    check_ids(token_ids, "token_ids");
+    check_ids(token_lengths, "token_lengths");
+    check_ids(num_candidates, "num_candidates");
+    const auto host = on_host({user_ids, token_ids, token_lengths, num_candidates});
+    const auto& plan = rt->begin_batch(values_of(host[0]), values_of(host[1]), values_of(host[2]), values_of(host[3]));
     if (plan.cached_lengths_tensor.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
     return plan.cached_lengths_tensor.clone();
   });

@@ -86,25 +86,6 @@ void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::D
   }
 }
 
-// The inputs' values on the host, contiguous: on a GPU in one device-to-host copy (one wait for
-// the device per request, not one per input).
-std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs) {
-  std::vector<at::Tensor> host;
-  if (inputs.front().is_cpu()) {
-    for (const auto& t : inputs) host.push_back(t.contiguous());
-    return host;
-  }
-  std::vector<at::Tensor> flat;
-  for (const auto& t : inputs) flat.push_back(t.reshape(-1));
-  const auto all = at::cat(flat).to(at::kCPU);
-  int64_t offset = 0;
-  for (const auto& t : inputs) {
-    host.push_back(all.narrow(0, offset, t.numel()).view(t.sizes()));
-    offset += t.numel();
-  }
-  return host;
-}
-
 void check_range(const char* name, const at::Tensor& values, int64_t low, int64_t high, const char* what) {
   const auto* data = values.const_data_ptr<int64_t>();
   const auto* end = data + values.numel();
@@ -145,6 +126,25 @@ void check_distinct(const at::Tensor& user_ids) {
 }
 
 }  // namespace
+
+// The inputs' values on the host, contiguous: on a GPU in one device-to-host copy (one wait for
+// the device per request, not one per input).
+std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> host;
+  if (inputs.front().is_cpu()) {
+    for (const auto& t : inputs) host.push_back(t.contiguous());
+    return host;
+  }
+  std::vector<at::Tensor> flat;
+  for (const auto& t : inputs) flat.push_back(t.reshape(-1));
+  const auto all = at::cat(flat).to(at::kCPU);
+  int64_t offset = 0;
+  for (const auto& t : inputs) {
+    host.push_back(all.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  return host;
+}
 
 RequestTensors check_request(const std::string& limits_json, const at::Tensor& user_ids,
                              const at::Tensor& history_lengths, const at::Tensor& item_ids,

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace kvexport::ops {
 
@@ -18,5 +19,9 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
                              const at::Tensor& history_lengths, const at::Tensor& item_ids,
                              const at::Tensor& action_ids, const at::Tensor& context_ids,
                              const at::Tensor& num_candidates, const at::Tensor& candidate_ids);
+
+// The tensors' values on the host, contiguous, in order; on a GPU in one device-to-host copy (one
+// wait for the device, not one per tensor). All must have one dtype and device.
+std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs);
 
 }  // namespace kvexport::ops
