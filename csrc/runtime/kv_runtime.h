@@ -108,7 +108,8 @@ class KVRuntime {
   PagePool pages_;
   UserTable users_;
   TierChain tiers_;
-  std::atomic<OffloadTier*> remote_{nullptr};  // tiers_.remote(), read without mutex_
+  // The chain's remote tier, if any, read without mutex_ (tiers are never removed from tiers_).
+  std::atomic<OffloadTier*> remote_{nullptr};
   // CUDA: offloads and onboards copy on this stream, ordered with the compute stream by events.
   std::optional<c10::Stream> copy_stream_;
   Counters counters_;

@@ -50,13 +50,6 @@ std::vector<std::optional<OffloadedUser>> TierChain::take_many(const std::vector
   return users;
 }
 
-OffloadTier* TierChain::remote() const {
-  for (const auto& tier : tiers_) {
-    if (tier->is_remote()) return tier.get();
-  }
-  return nullptr;
-}
-
 std::optional<int64_t> TierChain::num_tokens(int64_t user_id) const {
   for (const auto& tier : tiers_) {
     if (auto tokens = tier->num_tokens(user_id)) return tokens;

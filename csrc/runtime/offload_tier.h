@@ -69,11 +69,8 @@ class TierChain {
   // next, the last tier's are dropped. Returns how many users the first tier let go.
   int64_t put(int64_t user_id, OffloadedUser user);
   // Each user from the first local tier that has it; a tier is asked only for users the tiers
-  // before it lacked. The remote tier is not asked: the runtime reads it ahead (remote()).
+  // before it lacked. The remote tier is not asked: the runtime reads it ahead.
   std::vector<std::optional<OffloadedUser>> take_many(const std::vector<int64_t>& user_ids);
-  // The tier behind a network, if the chain has one. Tiers are never removed: the pointer lives as
-  // long as the chain.
-  OffloadTier* remote() const;
   std::optional<int64_t> num_tokens(int64_t user_id) const;
   int64_t used_pages() const { return tiers_.empty() ? 0 : tiers_.front()->used_pages(); }
   int64_t num_users() const { return tiers_.empty() ? 0 : tiers_.front()->num_users(); }
