@@ -1,6 +1,29 @@
 #include "runtime/counters.h"
 
+#include <algorithm>
+
 namespace kvexport::runtime {
+
+RemoteCounters& RemoteCounters::operator+=(const RemoteCounters& other) {
+  hits += other.hits;
+  hit_tokens += other.hit_tokens;
+  misses += other.misses;
+  rejected_format += other.rejected_format;
+  rejected_checksum += other.rejected_checksum;
+  rejected_runtime += other.rejected_runtime;
+  rejected_prefix += other.rejected_prefix;
+  writes += other.writes;
+  write_drops += other.write_drops;
+  errors += other.errors;
+  bytes_in += other.bytes_in;
+  bytes_out += other.bytes_out;
+  reads += other.reads;
+  read_us += other.read_us;
+  read_us_max = std::max(read_us_max, other.read_us_max);
+  connected += other.connected;
+  reconnects += other.reconnects;
+  return *this;
+}
 
 const std::vector<std::string>& stat_names() {
   // New names are appended: hosts may read values by position.

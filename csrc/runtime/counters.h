@@ -27,6 +27,8 @@ struct RemoteCounters {
   int64_t reconnects = 0;         // connections the reads re-established after losing the server
 
   int64_t rejected() const { return rejected_format + rejected_checksum + rejected_runtime + rejected_prefix; }
+  // Adds another set (one tier's counts into the runtime's); the maximum stays a maximum.
+  RemoteCounters& operator+=(const RemoteCounters& other);
 };
 
 struct Counters {

@@ -181,21 +181,8 @@ void RemoteTier::clear() {
 
 void RemoteTier::add_counters(Counters& counters) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto& r = counters.remote;
-  r.misses += counters_.misses;
-  r.rejected_format += counters_.rejected_format;
-  r.rejected_checksum += counters_.rejected_checksum;
-  r.rejected_runtime += counters_.rejected_runtime;
-  r.writes += counters_.writes;
-  r.write_drops += counters_.write_drops;
-  r.errors += counters_.errors;
-  r.bytes_in += counters_.bytes_in;
-  r.bytes_out += counters_.bytes_out;
-  r.reads += counters_.reads;
-  r.read_us += counters_.read_us;
-  r.read_us_max = std::max(r.read_us_max, counters_.read_us_max);
-  r.reconnects += counters_.reconnects;
-  r.connected += reader_connected_ ? 1 : 0;
+  counters.remote += counters_;
+  counters.remote.connected += reader_connected_ ? 1 : 0;
 }
 
 }  // namespace kvexport::runtime
