@@ -200,9 +200,10 @@ def check_device(required: dict, device) -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
-        raise UserError(f"this is a CUDA package (built on {spec.get('name', '?')}) and torch "
-                        f"{torch.__version__} sees no CUDA device here")
+    index = device.index if device.index is not None else 0
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise UserError(f"this is a CUDA package (built on {spec.get('name', '?')}) and this host has no CUDA "
+                        f"device {device}")
     major, minor = torch.cuda.get_device_capability(device)
     if f"{major}.{minor}" != spec.get("capability"):
         raise UserError(f"the package's GPU code is compiled for compute capability {spec.get('capability')} "

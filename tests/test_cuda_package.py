@@ -108,3 +108,17 @@ def test_the_harness_refuses_a_package_built_for_another_gpu(cuda_artifact, tmp_
     assert result.stderr.strip().splitlines() == [
         f"error: the package's GPU code is compiled for compute capability 1.0 (an older GPU); cuda has "
         f"{major}.{minor} ({torch.cuda.get_device_name()}): build the package on a GPU of this architecture"]
+
+
+def test_begin_batch_refuses_ids_on_two_devices():
+    """A direct caller of the op (not the package, whose graph keeps them together) gets one line."""
+    from kvexport.ops import wrappers as kv
+    from tests.conftest import scratch_runtime
+    from tests.test_ops import CONFIG, batch_inputs
+
+    user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
+    with scratch_runtime(CONFIG) as runtime:
+        with pytest.raises(RuntimeError):
+            kv.begin_batch(runtime, CONFIG, user_ids, token_ids.cuda(), token_lengths.cuda(), num_candidates.cuda())
+        code, message = torch.ops.kvexport.last_error(runtime)
+        assert code == "invalid_request" and "token_ids is on cuda:0, user_ids on cpu" in message, message

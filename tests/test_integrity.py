@@ -186,5 +186,5 @@ def test_an_op_library_of_another_kvexport_version_is_refused_in_one_line(tiny_a
                             text=True, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: {library} is an op library of another kvexport version (operator kvexport::gpu_info does not "
-        "exist): rebuild the artifact (or the op library: python -m kvexport.native) with this kvexport"]
+        f"error: {library} is an op library of another kvexport version (it lacks kvexport::gpu_info): "
+        "rebuild the artifact (or the op library: python -m kvexport.native) with this kvexport"]

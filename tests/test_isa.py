@@ -295,6 +295,7 @@ def test_check_device_refuses_another_gpu_architecture(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(UserError) as refused:
@@ -309,6 +310,7 @@ def test_check_device_refuses_another_gpu_architecture(monkeypatch):
 @pytest.mark.slow  # compiles the harness check
 def test_cpp_harness_checks_the_gpu_as_python_does(cpp_check, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(UserError) as refused:
@@ -316,7 +318,12 @@ def test_cpp_harness_checks_the_gpu_as_python_does(cpp_check, monkeypatch):
     assert cpp_check(GPU, "cuda:0", "8.0", "NVIDIA A100") == str(refused.value)
     assert cpp_check(GPU, "cuda:0", "9.0", "NVIDIA H200") == ""
     assert cpp_check({"op_library": {}}, "cuda:0", "8.0", "NVIDIA A100") == ""  # a CPU package
-    assert cpp_check(GPU, "cuda", "", "") == (
+    assert cpp_check({"gpu": {}}, "cuda:0", "8.0", "NVIDIA A100") == ""
+    isa.check_device({"gpu": {}}, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError) as refused:
+        isa.check_device(GPU, torch.device("cuda"))
+    assert cpp_check(GPU, "cuda", "", "") == str(refused.value) == (
         "this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda")
 
 
@@ -349,7 +356,11 @@ def test_check_device_without_cuda_and_for_cpu_packages(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match="CUDA package .*sees no CUDA device"):
+    with pytest.raises(UserError, match="CUDA package .*has no CUDA device cuda$"):
         isa.check_device(GPU, torch.device("cuda"))
     isa.check_device(GPU, torch.device("cpu"))  # a CPU device of a CUDA package is refused elsewhere
     isa.check_device({}, torch.device("cuda"))  # a CPU package records no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="has no CUDA device cuda:3$"):
+        isa.check_device(GPU, torch.device("cuda", 3))

@@ -211,3 +211,18 @@ def test_opcheck_read_user_kv_and_drop(runtime):
     kv.create_runtime(other, CONFIG)
     torch.library.opcheck(torch.ops.kvexport.drop_runtime.default, (other,), test_utils=("test_schema",))
     assert kv.drop_runtime(other) is False  # opcheck already dropped it
+
+
+def test_the_op_list_is_the_librarys():
+    """library.OPS (checked when a library is loaded) is exactly what register.cpp defines, and every
+    fake is for one of them."""
+    import re
+
+    from tests.conftest import ROOT
+
+    defined = re.findall(r'm\.def\("(\w+)\(', (ROOT / "csrc" / "ops" / "register.cpp").read_text())
+    assert list(library.OPS) == defined
+    faked = re.findall(r'register_fake\("kvexport::(\w+)"\)', (ROOT / "kvexport" / "ops" / "fakes.py").read_text())
+    assert faked and set(faked) <= set(library.OPS)
+    library.load()
+    assert all(hasattr(torch.ops.kvexport, name) for name in library.OPS)

@@ -5,7 +5,9 @@ builds it (constants linked into the .so) and with the constants written to a se
 blob in the package (`aot_inductor.package_constants_on_disk_format = "binary_blob"`, which
 torch maps at load time). For each: compile seconds, package bytes, load seconds and the first
 call's seconds (each load in a fresh process, the file just written so in the page cache), and
-whether the two packages' logits are bitwise equal on the same request.
+whether the two packages' logits are bitwise equal on the same request. Both compiles run in this
+process, one after the other: the second reuses kernels the first compiled, so compare their
+compile times with that in mind.
 
     python3 benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
         --json /tmp/weights-bench.json

@@ -104,10 +104,15 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
                        const at::Tensor& num_candidates) {
   return request_op(name, [&] {
     auto rt = runtime::get_or_create_runtime(name, config, user_ids.device());
-    check_ids(user_ids, "user_ids");
-    check_ids(token_ids, "token_ids");
-    check_ids(token_lengths, "token_lengths");
-    check_ids(num_candidates, "num_candidates");
+    for (const auto& [t, what] : {std::pair{&user_ids, "user_ids"}, std::pair{&token_ids, "token_ids"},
+                                  std::pair{&token_lengths, "token_lengths"},
+                                  std::pair{&num_candidates, "num_candidates"}}) {
+      check_ids(*t, what);
+      if (t->device() != user_ids.device()) {
+        throw RequestError(ErrorCode::kInvalidRequest, std::string(what) + " is on " + t->device().str() +
+                                                           ", user_ids on " + user_ids.device().str());
+      }
+    }
     const auto host = on_host({user_ids, token_ids, token_lengths, num_candidates});
     const auto& plan = rt->begin_batch(values_of(host[0]), values_of(host[1]), values_of(host[2]), values_of(host[3]));
     if (plan.cached_lengths_tensor.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));

@@ -75,7 +75,9 @@ std::string missing_cpu_feature(const nlohmann::json& required) {
 
 std::string wrong_gpu(const nlohmann::json& required, const std::string& device, const std::string& capability,
                       const std::string& name) {
-  if (!required.is_object() || !required.contains("gpu") || !required["gpu"].is_object()) return "";
+  if (!required.is_object() || !required.contains("gpu") || !required["gpu"].is_object() || required["gpu"].empty()) {
+    return "";
+  }
   const auto& spec = required["gpu"];
   const auto built_on = spec.value("name", std::string("?"));
   if (capability.empty()) {

@@ -461,6 +461,11 @@ int run(const Options& options) {
   // Before the package is loaded: its GPU kernels are compiled for the build GPU's architecture.
   const auto manifest_device = manifest.json.value("device", std::string("cpu"));
   if (c10::Device(manifest_device).is_cuda()) {
+    if (!c10::Dispatcher::singleton().findSchema({"kvexport::gpu_info", ""})) {
+      throw ReplayError(kUnusable,
+                        "the op library is of another kvexport version (it lacks kvexport::gpu_info): rebuild the "
+                        "artifact with this kvexport");
+    }
     const auto info = call_op("kvexport::gpu_info", {c10::Device(manifest_device)});
     if (const auto wrong = wrong_gpu(manifest.json.value("isa", nlohmann::json::object()), manifest_device,
                                      info.at(0).toStringRef(), info.at(1).toStringRef());

@@ -18,10 +18,13 @@ import torch
 from torch._library.effects import EffectType
 
 from kvexport.errors import UserError
-from kvexport.io import first_line
 from kvexport.native import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
+# Every op the library defines (csrc/ops/register.cpp's TORCH_LIBRARY block, in its order).
+OPS = ("check_request", "begin_batch", "paged_attention", "end_batch", "create_runtime", "abort_batch", "last_error",
+       "stat_names", "runtime_stats", "reset_runtime", "evict_user", "cached_length", "device_users_lru",
+       "read_user_kv", "drop_runtime", "gpu_info", "attach_remote", "flush_remote", "hstu_paged_attention")
 # Ops that read or write runtime state and may appear in an exported graph.
 STATEFUL_OPS = ("begin_batch", "paged_attention", "end_batch")
 _lock = threading.Lock()
@@ -37,12 +40,12 @@ def load(path: Path = OPS_LIBRARY) -> Path:
         if not path.exists():
             raise UserError(f"kvexport op library not built: {path} is missing (run `make setup`)")
         torch.ops.load_library(str(path))
-        try:
-            from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
-        except RuntimeError as exc:  # a fake for an op this library does not define
-            raise UserError(f"{path} is an op library of another kvexport version ({first_line(exc)}): "
-                            "rebuild the artifact (or the op library: python -m kvexport.native) with this "
-                            "kvexport") from exc
+        lacking = [name for name in OPS if not hasattr(getattr(torch.ops, NAMESPACE), name)]
+        if lacking:  # before any fake is registered for it
+            raise UserError(f"{path} is an op library of another kvexport version (it lacks "
+                            f"{NAMESPACE}::{lacking[0]}): rebuild the artifact (or the op library: "
+                            "python -m kvexport.native) with this kvexport")
+        from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
 
         for name in STATEFUL_OPS:
             torch.library._register_effectful_op(f"{NAMESPACE}::{name}", EffectType.ORDERED)
