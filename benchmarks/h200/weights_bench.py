@@ -3,8 +3,9 @@
 Exports a config's KV-cached module once, then compiles it twice with AOTInductor: as kvexport
 builds it (constants linked into the .so) and with the constants written to a separate binary
 blob in the package (`aot_inductor.package_constants_on_disk_format = "binary_blob"`, which
-torch maps at load time). For each: compile seconds, package bytes, load seconds and the first
-call's seconds (each load in a fresh process, the file just written so in the page cache), and
+torch maps at load time). For each: compile seconds, package bytes, load seconds (as kvexport.load
+loads: torch's loader without aoti_load_package's host probe) and the first call's seconds (each
+load in a fresh process, the file just written so in the page cache), and
 whether the two packages' logits are bitwise equal on the same request. Both compiles run in this
 process, one after the other: the second reuses kernels the first compiled, so compare their
 compile times with that in mind.
@@ -44,12 +45,13 @@ import json, sys, time, torch
 from kvexport.bench.suite import SweepRequests
 from kvexport.config import load_config
 from kvexport.ops import library, wrappers as kv
+from kvexport.package_api import _load_compiled
 config_path, package, device, runtime, logits_path = sys.argv[1:]
 config = load_config(config_path)
 library.load()
 device = torch.device(device)
 started = time.perf_counter()
-compiled = torch._inductor.aoti_load_package(package, device_index=device.index if device.index is not None else -1)
+compiled = _load_compiled(package, device.index if device.index is not None else -1)
 load_s = time.perf_counter() - started
 kv.create_runtime(runtime, compiled.get_metadata()["kvexport.runtime_config"], device)
 batch = SweepRequests(config, 256, 2, first_user=0, new_events=8, candidates=16).variant(0).to(device)
