@@ -520,6 +520,12 @@ int run(const Options& options) {
   return report["passed"].get<bool>() ? kPass : kMismatch;
 }
 
+// An error's first line: the harness reports one line, and torch's messages can run to several.
+std::string first_line(const char* text) {
+  const std::string all(text);
+  return all.substr(0, all.find('\n'));
+}
+
 }  // namespace
 }  // namespace kvexport::replay
 
@@ -533,10 +539,10 @@ int main(int argc, char** argv) {
     std::fprintf(e.code == kPass ? stdout : stderr, "%s%s\n", e.code == kPass ? "" : "error: ", e.what());
     return e.code;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+    std::fprintf(stderr, "error: %s\n", first_line(e.what_without_backtrace()).c_str());
     return kUnusable;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "error: %s\n", first_line(e.what()).c_str());
     return kUnusable;
   }
 }
