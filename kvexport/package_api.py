@@ -24,6 +24,7 @@ from kvexport.artifact import LIB_DIR, Artifact, check_files as check_artifact_f
     check_manifest_against_package, open_artifact, sha256_of
 from kvexport.config import Config
 from kvexport.errors import RequestError, RequestFailed, UserError
+from kvexport.export.package import check_shared_objects
 from kvexport.io import first_line
 from kvexport.isa import check_device, check_host
 from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_request
@@ -97,6 +98,7 @@ class Package:
             raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
         kv.drop_runtime(artifact.runtime_name)
         index = self._device.index if self._device.index is not None else -1
+        check_shared_objects(artifact.package)  # a truncated one would kill this process in the loader
         try:
             self._compiled = _load_compiled(artifact.package, index)
         except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package

@@ -188,3 +188,59 @@ def test_an_op_library_of_another_kvexport_version_is_refused_in_one_line(tiny_a
     assert result.stderr.strip().splitlines() == [
         f"error: {library} is an op library of another kvexport version (it lacks kvexport::gpu_info): "
         "rebuild the artifact (or the op library: python -m kvexport.native) with this kvexport"]
+
+
+def _truncate_shared_objects(package) -> None:
+    """Rewrites the package with every .so cut to half its bytes (the zip itself stays valid)."""
+    import zipfile
+
+    rewritten = package.with_suffix(".tmp")
+    with zipfile.ZipFile(package) as source, zipfile.ZipFile(rewritten, "w") as target:
+        for member in source.infolist():
+            data = source.read(member.filename)
+            target.writestr(member, data[: len(data) // 2] if member.filename.endswith(".so") else data)
+    rewritten.replace(package)
+
+
+def test_a_truncated_shared_object_is_refused_before_loading(tiny_artifact, tmp_path):
+    """torch's loader maps a .so whose bytes end early and the process dies of SIGBUS, with no message;
+    kvexport reads the ELF tables first. The manifest's hash is updated, as for a package written
+    short before it was hashed."""
+    import sys
+
+    artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
+    _truncate_shared_objects(artifact / "model.pt2")
+    rehash(artifact, "model.pt2")
+    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(artifact)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "is truncated or corrupt" in lines[0], lines
+
+
+def test_elf_segments_and_tables_are_checked_against_the_size():
+    import io
+    import struct
+
+    from kvexport.errors import UserError
+    from kvexport.export.package import _check_elf
+
+    def elf(segment_bytes: int, section_table_at: int = 0) -> bytes:
+        header = bytearray(64)
+        header[:6] = b"\x7fELF\x02\x01"
+        struct.pack_into("<QQ", header, 0x20, 64, section_table_at)
+        struct.pack_into("<HHHH", header, 0x36, 56, 1, 64, 1 if section_table_at else 0)
+        segment = struct.pack("<IIQQQQQQ", 1, 5, 0, 0, 0, segment_bytes, segment_bytes, 4096)
+        return bytes(header) + segment + bytes(100)  # 220 bytes
+
+    whole = elf(220)
+    _check_elf(io.BytesIO(whole), len(whole), "whole.so")
+    short = elf(500)
+    with pytest.raises(UserError, match="^short.so is truncated or corrupt: a loadable segment ends at byte 500, "
+                                        "past its 220 bytes$"):
+        _check_elf(io.BytesIO(short), len(short), "short.so")
+    tables = elf(220, section_table_at=200)
+    with pytest.raises(UserError, match="its ELF tables lie past its 220 bytes"):
+        _check_elf(io.BytesIO(tables), len(tables), "tables.so")
+    with pytest.raises(UserError, match="not a 64-bit little-endian ELF"):
+        _check_elf(io.BytesIO(b"#!/bin/sh\n"), 10, "script.so")

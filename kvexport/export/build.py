@@ -22,7 +22,7 @@ import kvexport
 from kvexport import artifact, isa
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
-from kvexport.export.package import (check_package_ops, compile_package, graph_custom_ops,
+from kvexport.export.package import (check_package_ops, check_shared_objects, compile_package, graph_custom_ops,
                                      required_libraries)
 from kvexport.export.wrap import CachedRanker, export_cached
 from kvexport.io import exclusive_lock, remove_stale_staging, rename_no_replace
@@ -199,6 +199,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     with stages.stage("compile", f"AOTInductor compile and package (CPU code for {cpu_isa})"):
         package = compile_package(program, staging / artifact.PACKAGE, metadata, package_configs)
         package_ops = check_package_ops(package, ops)
+        check_shared_objects(package)
     with stages.stage("manifest", "op library copy, sha256 of every file"):
         (staging / artifact.LIB_DIR).mkdir()
         shutil.copy2(shipped_library, staging / artifact.LIB_DIR / OPS_LIBRARY_NAME)

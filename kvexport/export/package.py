@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -74,3 +75,39 @@ def check_package_ops(path: Path, expected: Counter[str]) -> Counter[str]:
         detail = ", ".join(f"{op} (missing {n})" for op, n in sorted(missing.items()))
         raise RuntimeError(f"kvexport bug: the compiled package lost custom ops: {detail}")
     return found
+
+
+ELF_HEADER = 64
+PT_LOAD = 1
+
+
+def check_shared_objects(path: Path) -> None:
+    """Every shared object inside the package is whole: its loadable segments and its section table
+    lie within its bytes. torch's loader maps a truncated one, and the process then dies of SIGBUS
+    with no message; UserError naming the member instead."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                if member.filename.endswith(".so"):
+                    with archive.open(member) as data:
+                        _check_elf(data, member.file_size, f"{path}: {member.filename}")
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise UserError(f"{path} is not a readable AOTInductor package ({type(exc).__name__})") from exc
+
+
+def _check_elf(data, size: int, name: str) -> None:
+    """A 64-bit little-endian ELF file's header, program headers and section table against its size."""
+    header = data.read(ELF_HEADER)
+    if len(header) < ELF_HEADER or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+        raise UserError(f"{name} is not a 64-bit little-endian ELF shared object")
+    phoff, shoff = struct.unpack_from("<QQ", header, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
+    if phoff < ELF_HEADER or phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
+        raise UserError(f"{name} is truncated or corrupt: its ELF tables lie past its {size} bytes")
+    data.read(phoff - ELF_HEADER)
+    table = data.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _, offset, _, _, file_size = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if kind == PT_LOAD and offset + file_size > size:
+            raise UserError(f"{name} is truncated or corrupt: a loadable segment ends at byte "
+                            f"{offset + file_size}, past its {size} bytes")
