@@ -28,19 +28,8 @@ using runtime::ErrorCode;
 using runtime::KVRuntime;
 using runtime::RequestError;
 
-void check_ids(const at::Tensor& t, const char* what) {
-  if (t.dim() != 1 || t.scalar_type() != at::kLong) {
-    throw RequestError(ErrorCode::kInvalidRequest, std::string(what) + " must be 1-D int64");
-  }
-}
-
 std::vector<int64_t> values_of(const at::Tensor& host) {
   return {host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel()};
-}
-
-std::vector<int64_t> to_vector(const at::Tensor& t, const char* what) {
-  check_ids(t, what);
-  return values_of(t.to(at::kCPU).contiguous());
 }
 
 // Releases the calling thread's batch on `runtime`, if there is one: a request that failed
@@ -104,15 +93,10 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
                        const at::Tensor& num_candidates) {
   return request_op(name, [&] {
     auto rt = runtime::get_or_create_runtime(name, config, user_ids.device());
-    for (const auto& [t, what] : {std::pair{&user_ids, "user_ids"}, std::pair{&token_ids, "token_ids"},
-                                  std::pair{&token_lengths, "token_lengths"},
-                                  std::pair{&num_candidates, "num_candidates"}}) {
-      check_ids(*t, what);
-      if (t->device() != user_ids.device()) {
-        throw RequestError(ErrorCode::kInvalidRequest, std::string(what) + " is on " + t->device().str() +
-                                                           ", user_ids on " + user_ids.device().str());
-      }
-    }
+    check_kind("user_ids", user_ids, 1, user_ids.device());
+    check_kind("token_ids", token_ids, 1, user_ids.device());
+    check_kind("token_lengths", token_lengths, 1, user_ids.device());
+    check_kind("num_candidates", num_candidates, 1, user_ids.device());
     const auto host = on_host({user_ids, token_ids, token_lengths, num_candidates});
     const auto& plan = rt->begin_batch(values_of(host[0]), values_of(host[1]), values_of(host[2]), values_of(host[3]));
     if (plan.cached_lengths_tensor.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
@@ -143,7 +127,8 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
 // moved an end_batch ordered only by its ORDERED effect before begin_batch.)
 void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Tensor& after) {
   request_op(name, [&] {
-    runtime::find_runtime(name)->end_batch(to_vector(user_ids, "user_ids"));
+    check_kind("user_ids", user_ids, 1, user_ids.device());
+    runtime::find_runtime(name)->end_batch(values_of(on_host({user_ids})[0]));
     end_request_threads();
     return 0;
   });
@@ -226,10 +211,7 @@ bool flush_remote(const std::string& name, int64_t timeout_ms) {
 // (the replay harness) check a CUDA package's recorded build GPU against it.
 std::tuple<std::string, std::string> gpu_info([[maybe_unused]] const c10::Device& device) {
 #ifdef KVEXPORT_WITH_CUDA
-  if (device.is_cuda()) {
-    auto [capability, name] = cuda_device_info(device.index());
-    return {std::move(capability), std::move(name)};
-  }
+  if (device.is_cuda()) return cuda_device_info(device.index());
 #endif
   return {};
 }

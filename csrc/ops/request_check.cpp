@@ -74,18 +74,6 @@ std::string dtype_name(at::ScalarType type) {
   }
 }
 
-// dtype, rank and device first: nothing else may read a tensor whose bytes are not int64.
-void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::Device& device) {
-  if (t.scalar_type() != at::kLong) {
-    refuse(std::string(name) + " must be int64, got " + dtype_name(t.scalar_type()));
-  }
-  if (t.dim() != ndim) refuse(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " + shape_of(t));
-  if (t.device() != device) {
-    refuse(std::string(name) + " is on " + t.device().str() + ", user_ids on " + device.str() +
-           ": every input must be on one device");
-  }
-}
-
 void check_range(const char* name, const at::Tensor& values, int64_t low, int64_t high, const char* what) {
   const auto* data = values.const_data_ptr<int64_t>();
   const auto* end = data + values.numel();
@@ -126,6 +114,18 @@ void check_distinct(const at::Tensor& user_ids) {
 }
 
 }  // namespace
+
+// dtype, rank and device first: nothing else may read a tensor whose bytes are not int64.
+void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::Device& device) {
+  if (t.scalar_type() != at::kLong) {
+    refuse(std::string(name) + " must be int64, got " + dtype_name(t.scalar_type()));
+  }
+  if (t.dim() != ndim) refuse(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " + shape_of(t));
+  if (t.device() != device) {
+    refuse(std::string(name) + " is on " + t.device().str() + ", user_ids on " + device.str() +
+           ": every input must be on one device");
+  }
+}
 
 // The inputs' values on the host, contiguous: on a GPU in one device-to-host copy (one wait for
 // the device per request, not one per input).

@@ -20,6 +20,10 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
                              const at::Tensor& action_ids, const at::Tensor& context_ids,
                              const at::Tensor& num_candidates, const at::Tensor& candidate_ids);
 
+// dtype (int64), rank and device of one input, `name`d in the one-line refusal
+// (RequestError kInvalidRequest): nothing else may read a tensor whose bytes are not int64.
+void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::Device& device);
+
 // The tensors' values on the host, contiguous, in order; on a GPU in one device-to-host copy (one
 // wait for the device, not one per tensor). All must have one dtype and device.
 std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs);

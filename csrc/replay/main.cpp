@@ -118,9 +118,14 @@ void load_libraries(const Manifest& manifest, const Options& options) {
   }
 }
 
+// An op the loaded library lacks means a library of another kvexport version: one line, exit 2.
 std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> args) {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-  op.callBoxed(&args);
+  const auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+  if (!op) {
+    throw ReplayError(kUnusable, std::string("the op library is of another kvexport version (it lacks ") + name +
+                                     "): rebuild the artifact with this kvexport");
+  }
+  op->callBoxed(&args);
   return args;
 }
 
@@ -466,11 +471,6 @@ int run(const Options& options) {
   // Before the package is loaded: its GPU kernels are compiled for the build GPU's architecture.
   const auto manifest_device = manifest.json.value("device", std::string("cpu"));
   if (c10::Device(manifest_device).is_cuda()) {
-    if (!c10::Dispatcher::singleton().findSchema({"kvexport::gpu_info", ""})) {
-      throw ReplayError(kUnusable,
-                        "the op library is of another kvexport version (it lacks kvexport::gpu_info): rebuild the "
-                        "artifact with this kvexport");
-    }
     const auto info = call_op("kvexport::gpu_info", {c10::Device(manifest_device)});
     if (const auto wrong = wrong_gpu(manifest.json.value("isa", nlohmann::json::object()), manifest_device,
                                      info.at(0).toStringRef(), info.at(1).toStringRef());
