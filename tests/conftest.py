@@ -87,6 +87,17 @@ def mismatched_artifact(tmp_path_factory) -> Path:
         return build.build_artifact(TINY, out)
 
 
+def edit_manifest(artifact: Path, edit) -> None:
+    """Applies edit(manifest dict) and writes manifest.json back, as a hand edit would."""
+    import json
+
+    from kvexport.artifact import MANIFEST
+
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    edit(manifest)
+    (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
 def rehash(artifact: Path, rel: str) -> None:
     """Records a changed file's sha256 in the artifact's manifest, as a tamperer would."""
     import json

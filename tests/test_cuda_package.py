@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvexport.replay import replay_command
-from tests.conftest import TINY
+from tests.conftest import TINY, edit_manifest
 from tests.test_package_safety import host_corpus, run_plain_host  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
@@ -98,10 +98,7 @@ def test_the_harness_refuses_a_package_built_for_another_gpu(cuda_artifact, tmp_
     major, minor = torch.cuda.get_device_capability()
     assert kv.gpu_info(torch.device("cuda")) == (f"{major}.{minor}", torch.cuda.get_device_name())
     artifact = shutil.copytree(cuda_artifact, tmp_path / "other-gpu")
-    path = artifact / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["isa"]["gpu"] = {"capability": "1.0", "name": "an older GPU"}
-    path.write_text(json.dumps(manifest))
+    edit_manifest(artifact, lambda m: m["isa"].update(gpu={"capability": "1.0", "name": "an older GPU"}))
     result = subprocess.run(replay_command(artifact, tmp_path / "replay.json"), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2

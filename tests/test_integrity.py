@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from kvexport.artifact import MANIFEST, open_artifact
 from kvexport.cli import main
 from kvexport.replay import harness, library_flags
-from tests.conftest import rehash
+from tests.conftest import edit_manifest, rehash
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +33,6 @@ def flip_byte(path) -> None:
 
 def truncate(path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
-def edit_manifest(artifact, edit) -> None:
-    """Applies edit(manifest dict) and writes manifest.json back, as a hand edit would."""
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    edit(manifest)
-    (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
 def perturb_and_rehash(artifact, rel: str) -> None:
@@ -170,22 +164,26 @@ def test_corpus_outcome_is_the_same_in_python_and_cpp(tiny_artifact, tmp_path, c
 
 
 
+def refusal_in_a_fresh_process(artifact) -> list[str]:
+    """`kvexport verify` in a new interpreter (its op library and package load there first): asserts
+    exit 2 and returns its stderr lines."""
+    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(artifact)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    return result.stderr.strip().splitlines()
+
+
 def test_an_op_library_of_another_kvexport_version_is_refused_in_one_line(tiny_artifact, tmp_path):
     """An artifact ships its own op library; one from another kvexport version may lack an op this
     kvexport declares. Simulated by renaming gpu_info inside the shipped library (same length: the
     library then defines kvexport::gpu_infX instead)."""
-    import sys
-
     artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
     library = artifact / "lib" / "libkvexport_ops.so"
     data = library.read_bytes()
     assert data.count(b"gpu_info") >= 2  # the schema and the kernel's registration
     library.write_bytes(data.replace(b"gpu_info", b"gpu_infX"))
     rehash(artifact, "lib/libkvexport_ops.so")
-    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(artifact)], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines() == [
+    assert refusal_in_a_fresh_process(artifact) == [
         f"error: {library} is an op library of another kvexport version (it lacks kvexport::gpu_info): "
         "rebuild the artifact (or the op library: python -m kvexport.native) with this kvexport"]
 
@@ -206,15 +204,10 @@ def test_a_truncated_shared_object_is_refused_before_loading(tiny_artifact, tmp_
     """torch's loader maps a .so whose bytes end early and the process dies of SIGBUS, with no message;
     kvexport reads the ELF tables first. The manifest's hash is updated, as for a package written
     short before it was hashed."""
-    import sys
-
     artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
     _truncate_shared_objects(artifact / "model.pt2")
     rehash(artifact, "model.pt2")
-    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(artifact)], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = refusal_in_a_fresh_process(artifact)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "is truncated or corrupt" in lines[0], lines
 
 

@@ -15,7 +15,7 @@ import torch
 from kvexport import isa
 from kvexport.errors import UserError
 from kvexport.native import NATIVE_ISA, OPS_LIBRARY, PORTABLE_ISAS, build_dir_for
-from tests.conftest import ROOT
+from tests.conftest import ROOT, edit_manifest
 
 # Every feature isa.py knows, as Linux would show a CPU that has them all.
 ALL_FLAGS = frozenset(flag for _, flags in isa.FEATURES.values() for flag in flags)
@@ -290,14 +290,17 @@ def test_a_portable_artifact_needs_only_its_baseline(portable_artifact, tiny_art
 GPU = {"gpu": {"capability": "9.0", "name": "NVIDIA H200"}}
 
 
-def test_check_device_refuses_another_gpu_architecture(monkeypatch):
-    """A CUDA package's Triton kernels are compiled for the build GPU's architecture only."""
-    import torch
-
+@pytest.fixture
+def a100_host(monkeypatch):
+    """torch sees one CUDA device, an A100 (compute capability 8.0)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+
+
+def test_check_device_refuses_another_gpu_architecture(a100_host, monkeypatch):
+    """A CUDA package's Triton kernels are compiled for the build GPU's architecture only."""
     with pytest.raises(UserError) as refused:
         isa.check_device(GPU, torch.device("cuda", 0))
     message = str(refused.value)
@@ -308,11 +311,7 @@ def test_check_device_refuses_another_gpu_architecture(monkeypatch):
 
 
 @pytest.mark.slow  # compiles the harness check
-def test_cpp_harness_checks_the_gpu_as_python_does(cpp_check, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+def test_cpp_harness_checks_the_gpu_as_python_does(cpp_check, a100_host, monkeypatch):
     with pytest.raises(UserError) as refused:
         isa.check_device(GPU, torch.device("cuda", 0))
     assert cpp_check(GPU, "cuda:0", "8.0", "NVIDIA A100") == str(refused.value)
@@ -340,11 +339,11 @@ def test_gpu_info_names_no_gpu_for_cpu_devices():
 def test_replay_refuses_a_cuda_package_on_a_host_without_cuda(artifact_copy, tmp_path):
     from kvexport.replay import replay_command
 
-    path = artifact_copy / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["device"] = "cuda"
-    manifest["isa"].update(GPU)
-    path.write_text(json.dumps(manifest))
+    def make_cuda(manifest):
+        manifest["device"] = "cuda"
+        manifest["isa"].update(GPU)
+
+    edit_manifest(artifact_copy, make_cuda)
     result = subprocess.run(replay_command(artifact_copy, tmp_path / "replay.json"), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2
@@ -353,8 +352,6 @@ def test_replay_refuses_a_cuda_package_on_a_host_without_cuda(artifact_copy, tmp
 
 
 def test_check_device_without_cuda_and_for_cpu_packages(monkeypatch):
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="CUDA package .*has no CUDA device cuda$"):
         isa.check_device(GPU, torch.device("cuda"))
