@@ -69,7 +69,7 @@ if command -v ncu > /dev/null; then
     "$python" benchmarks/h200/attention_bench.py --profile --batch 8 --warmup 2 --repeats 1
 fi
 package tiny configs/hstu-tiny.yaml 500 40
-step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 256 \
+step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 96 \
   --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
 if [[ $quick == 0 ]]; then
   package kuairand configs/hstu-kuairand-1k.yaml 500 400

@@ -115,7 +115,7 @@ def test_begin_batch_refuses_ids_on_two_devices():
 
     user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
     with scratch_runtime(CONFIG) as runtime:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError, match="token_ids is on cuda:0, user_ids on cpu"):
             kv.begin_batch(runtime, CONFIG, user_ids, token_ids.cuda(), token_lengths.cuda(), num_candidates.cuda())
         code, message = torch.ops.kvexport.last_error(runtime)
         assert code == "invalid_request" and "token_ids is on cuda:0, user_ids on cpu" in message, message
