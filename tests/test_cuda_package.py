@@ -119,3 +119,18 @@ def test_begin_batch_refuses_ids_on_two_devices():
             kv.begin_batch(runtime, CONFIG, user_ids, token_ids.cuda(), token_lengths.cuda(), num_candidates.cuda())
         code, message = torch.ops.kvexport.last_error(runtime)
         assert code == "invalid_request" and "token_ids is on cuda:0, user_ids on cpu" in message, message
+
+
+def test_a_batch_goes_to_the_gpu_in_one_aligned_copy():
+    """Batch.to: the same values and shapes on the GPU, each tensor a view of one upload starting on
+    a 128-byte boundary (AOTInductor's kernels assume aligned inputs)."""
+    from kvexport.model.batch import Batch
+
+    batch = Batch(torch.arange(3), torch.tensor([2, 0, 5]), torch.arange(7) * 3, torch.arange(7) % 4,
+                  torch.arange(12).view(3, 4), torch.tensor([1, 2, 1]), torch.arange(4) + 9)
+    moved = batch.to("cuda")
+    storages = {t.untyped_storage().data_ptr() for t in moved.tensors()}
+    assert len(storages) == 1
+    for before, after in zip(batch.tensors(), moved.tensors()):
+        assert after.is_cuda and after.shape == before.shape and torch.equal(after.cpu(), before)
+        assert after.data_ptr() % 128 == 0
