@@ -124,8 +124,8 @@ def test_stateful_ops_match_reference_attention(runtime):
     g = torch.Generator().manual_seed(0)
     rows = 3 + 7  # candidates first, then every prefix token (cold cache)
     q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
-    cached = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
-    assert cached.tolist() == [0, 0]
+    new_tokens = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
+    assert new_tokens.tolist() == list(range(7))  # a cold cache: every token is new
     got = kv.paged_attention(runtime, 0, q, k, v, ALPHA, INV_S)
     kv.end_batch(runtime, user_ids, got)
     # Dense reference: user 0 = prefix rows 3..6 + candidates 0, 1; user 1 = prefix rows 7..9 + candidate 2.

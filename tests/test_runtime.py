@@ -30,12 +30,17 @@ def kv_values(tokens: list[int], layer: int) -> torch.Tensor:
 
 
 def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, config: str = CONFIG) -> list[int]:
-    """Runs one batch through the runtime ops, writing kv_values for the new tokens; returns cached lengths."""
+    """Runs one batch through the runtime ops, writing kv_values for the new tokens; returns cached
+    lengths (each user's tokens before its first new one, as begin_batch's index of the new tokens
+    says; checked to be a suffix of each user's tokens)."""
     user_ids = torch.tensor(list(users), dtype=torch.int64)
     tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
     lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
     candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
-    cached = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates).tolist()
+    new_index = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates).tolist()
+    firsts = [sum(len(ts) for ts in list(users.values())[:b]) for b in range(len(users))]
+    cached = [len(ts) - sum(first <= i < first + len(ts) for i in new_index) for first, ts in zip(firsts, users.values())]
+    assert new_index == [first + p for first, ts, c in zip(firsts, users.values(), cached) for p in range(c, len(ts))]
     new_tokens = [t for (ts, c) in zip(users.values(), cached) for t in ts[c:]]
     num_rows = num_candidates * len(users) + len(new_tokens)
     for layer in range(2):

@@ -99,8 +99,8 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
     check_kind("num_candidates", num_candidates, 1, user_ids.device());
     const auto host = on_host({user_ids, token_ids, token_lengths, num_candidates});
     const auto& plan = rt->begin_batch(values_of(host[0]), values_of(host[1]), values_of(host[2]), values_of(host[3]));
-    if (plan.cached_lengths_tensor.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
-    return plan.cached_lengths_tensor.clone();
+    if (plan.new_tokens.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
+    return plan.new_tokens.clone();
   });
 }
 
@@ -225,9 +225,10 @@ TORCH_LIBRARY(kvexport, m) {
         "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py). Each also depends on
-  // the previous one by data: begin_batch's cached lengths select the rows every layer computes,
-  // each layer's paged_attention (which stores the layer's new k/v, then attends) feeds the next
-  // layer, and end_batch takes the logits.
+  // the previous one by data: begin_batch returns the index of the uncached tokens, which selects
+  // the rows every layer computes; each layer's paged_attention (which stores the layer's new k/v,
+  // then attends) feeds the next layer, and end_batch takes the logits. (One output: torch 2.13's
+  // Inductor cannot lower an effectful op whose second output has a data-dependent size.)
   m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
         "Tensor num_candidates) -> Tensor");
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "

@@ -40,7 +40,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   int64_t max_pages = 1;
   for (auto length : token_lengths) max_pages = std::max(max_pages, (length + page_size - 1) / page_size);
   std::vector<int64_t> page_table(num_users * max_pages, 0);
-  std::vector<int64_t> row_user, row_keys, write_slots;
+  std::vector<int64_t> row_user, row_keys, write_slots, new_tokens;
   std::vector<uint8_t> row_candidate;
   for (int64_t b = 0; b < num_users; ++b) {
     const auto& pages = *user_pages[b];
@@ -52,13 +52,14 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
     }
   }
   plan.num_candidate_rows = static_cast<int64_t>(row_user.size());
-  for (int64_t b = 0; b < num_users; ++b) {
+  for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
     const auto& pages = *user_pages[b];
     for (int64_t p = plan.cached_lengths[b]; p < token_lengths[b]; ++p) {
       row_user.push_back(b);
       row_keys.push_back(p + 1);
       row_candidate.push_back(0);
       write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
+      new_tokens.push_back(first_token + p);
     }
   }
   plan.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
@@ -70,7 +71,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   std::vector<int64_t> value_slots(write_slots);
   for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
   const std::vector<const std::vector<int64_t>*> parts = {
-      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &plan.cached_lengths, &row_order, &tiles};
+      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &new_tokens, &row_order, &tiles};
   int64_t total = static_cast<int64_t>(row_candidate.size());
   for (const auto* part : parts) total += static_cast<int64_t>(part->size());
   auto host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
@@ -89,7 +90,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   plan.row_keys = next(row_keys.size());
   plan.write_slots = next(write_slots.size());
   plan.value_slots = next(value_slots.size());
-  plan.cached_lengths_tensor = next(plan.cached_lengths.size());
+  plan.new_tokens = next(new_tokens.size());
   plan.row_order = next(row_order.size());
   plan.tiles = next(tiles.size()).view({-1, 3});
   plan.row_candidate = next(row_candidate.size()).ne(0);

@@ -197,11 +197,9 @@ class HSTURanker(nn.Module):
         (user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
          candidate_ids) = kv.check_request(runtime, self.request_limits, user_ids, history_lengths, item_ids,
                                            action_ids, context_ids, num_candidates, candidate_ids)
-        token_ids, positions, token_lengths, token_user = prefix_tokens(history_lengths, item_ids, action_ids,
-                                                                        context_ids)
-        cached_lengths = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates)
-        # Uncached tokens, users in order, positions ascending: the runtime's row order too.
-        new_index = torch.nonzero(positions >= cached_lengths[token_user]).squeeze(1)  # [N_new]
+        token_ids, positions, token_lengths, _ = prefix_tokens(history_lengths, item_ids, action_ids, context_ids)
+        # The uncached tokens [N_new], users in order, positions ascending: the runtime's row order.
+        new_index = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates)
         new_tokens = self.embed_prefix(token_ids[new_index], positions[new_index])
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         x = torch.cat([candidates, new_tokens])  # [T + N_new, d]

@@ -25,7 +25,11 @@ def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candid
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
     torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")
-    return user_ids.new_empty(user_ids.shape)
+    # How many tokens are not cached is known only when the runtime has planned the batch; the op
+    # returns their index, so the model needs no data-dependent op (and no wait for the device) of its own.
+    num_new = torch.library.get_ctx().new_dynamic_size()
+    torch._check(num_new <= token_ids.shape[0], lambda: "more uncached tokens than tokens")
+    return token_ids.new_empty(num_new)
 
 
 @torch.library.register_fake("kvexport::paged_attention")

@@ -55,10 +55,11 @@ def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_id
     """Plans a request: reuses each user's longest cached common prefix, evicts and allocates.
 
     user_ids [B], token_ids [sum(P)] (each user's prefix tokens, jagged), token_lengths [B] (P),
-    num_candidates [B]. Creates the runtime from `config_json` on first use. Returns
-    cached_lengths [B]: how many leading prefix tokens of each user are served from the cache.
-    The model then computes new rows laid out as [all candidates][uncached prefix tokens,
-    users in order, positions ascending], which paged_attention relies on.
+    num_candidates [B]. Creates the runtime from `config_json` on first use. Returns new_tokens
+    [N_new]: the index into token_ids of the tokens not served from the cache (each user's
+    tokens after its longest cached prefix), users in order, positions ascending. The model then
+    computes new rows laid out as [all candidates][token_ids[new_tokens]], which paged_attention
+    relies on.
     """
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates)
 
