@@ -122,15 +122,26 @@ def test_begin_batch_refuses_ids_on_two_devices():
 
 
 def test_a_batch_goes_to_the_gpu_in_one_aligned_copy():
-    """Batch.to: the same values and shapes on the GPU, each tensor a view of one upload starting on
-    a 128-byte boundary (AOTInductor's kernels assume aligned inputs)."""
+    """Batch.to: the same values and shapes on the GPU (a user without history: empty item and
+    action ids; a transposed context), each tensor a view of one upload starting on a 128-byte
+    boundary; uploads queued behind a busy stream keep their values although each staging buffer
+    is freed at once; a batch that is not all int64 moves tensor by tensor."""
     from kvexport.model.batch import Batch
 
-    batch = Batch(torch.arange(3), torch.tensor([2, 0, 5]), torch.arange(7) * 3, torch.arange(7) % 4,
-                  torch.arange(12).view(3, 4), torch.tensor([1, 2, 1]), torch.arange(4) + 9)
-    moved = batch.to("cuda")
-    storages = {t.untyped_storage().data_ptr() for t in moved.tensors()}
-    assert len(storages) == 1
-    for before, after in zip(batch.tensors(), moved.tensors()):
+    def batch(seed: int) -> Batch:
+        return Batch(torch.tensor([seed, seed + 1]), torch.tensor([0, 3]), torch.arange(3) + seed,
+                     torch.arange(3) % 4, (torch.arange(8).view(4, 2) + seed).t(), torch.tensor([1, 2]),
+                     torch.arange(3) + 9 * seed)
+
+    moved = batch(0).to("cuda")
+    assert len({t.untyped_storage().data_ptr() for t in moved.tensors()}) == 1
+    for before, after in zip(batch(0).tensors(), moved.tensors()):
         assert after.is_cuda and after.shape == before.shape and torch.equal(after.cpu(), before)
         assert after.data_ptr() % 128 == 0
+    torch.cuda._sleep(100_000_000)  # the uploads below wait behind this on the stream
+    uploads = [batch(seed).to("cuda") for seed in range(200)]
+    for seed, upload in enumerate(uploads):
+        for before, after in zip(batch(seed).tensors(), upload.tensors()):
+            assert torch.equal(after.cpu(), before), seed
+    mixed = Batch(*(t.float() if i == 2 else t for i, t in enumerate(batch(1).tensors()))).to("cuda")
+    assert len({t.untyped_storage().data_ptr() for t in mixed.tensors()}) == 7

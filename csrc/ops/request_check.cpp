@@ -128,8 +128,8 @@ void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::D
 }
 
 // The inputs' values on the host, contiguous: on a GPU in one device-to-host copy into pinned
-// memory (one wait for the device per request, not one per input, and no staging through pageable
-// memory).
+// memory (one wait for the device per request, not one per input, and no copy through the
+// driver's staging buffer that a pageable destination needs).
 std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs) {
   std::vector<at::Tensor> host;
   if (inputs.front().is_cpu()) {

@@ -47,5 +47,7 @@ def export_cached(module: CachedRanker, config: Config, device: torch.device | s
     one new token and the maxima."""
     library.load()  # effects must be declared before tracing
     with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        return torch.export.export(module.eval(), example_batch(config).to(device).tensors(),
+        # Each input its own tensor (Batch.to would make them views of one upload).
+        example = tuple(t.to(device) for t in example_batch(config).tensors())
+        return torch.export.export(module.eval(), example,
                                    dynamic_shapes=dynamic_shapes(config), strict=False)

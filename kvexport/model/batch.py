@@ -43,12 +43,14 @@ class Batch:
         return {name: getattr(self, name) for name in SIGNATURE}
 
     def to(self, device: torch.device | str) -> "Batch":
-        """The batch on `device`. From the host to a GPU it travels in one asynchronous copy through
-        pinned memory (not seven blocking ones); each tensor is a view of that copy, starting on a
-        128-byte boundary."""
+        """The batch on `device`. Seven int64 host tensors go to a GPU in one copy through pinned
+        memory, not seven blocking ones: the copy is asynchronous on the device's current stream
+        (work queued later on that stream sees the data), and each tensor is a view of the one
+        uploaded buffer, starting on a 128-byte boundary. Anything else moves tensor by tensor."""
         device = torch.device(device)
         tensors = self.tensors()
-        if device.type != "cuda" or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in tensors):
+        if (device.type != "cuda" or not torch.cuda.is_available()
+                or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in tensors)):
             return Batch(*(t.to(device) for t in tensors))
         starts = [0]
         for t in tensors:
