@@ -4,30 +4,62 @@
 # kuairand-1k configs on the GPU and benchmarks them. Every step runs even if an earlier one
 # failed (unless it needs that one's artifact); each writes OUT/STEP.log, the JSON reports go to
 # OUT/, packages to OUT/artifacts/, and OUT/summary.txt says how each step ended.
-#   scripts/gpu-check.sh OUT [PYTHON] [--quick]
+#   scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]
 # PYTHON: the interpreter that has torch with CUDA and kvexport importable (default python3).
 # --quick: the tiny config only (no kuairand-1k build, which takes minutes).
+# --resume: after a run into the same OUT, keep the steps its summary.txt records as passed and run
+#   the others. A config's steps all run again when its package is rebuilt (its build had not
+#   passed, or its package is gone from OUT/artifacts/); the native build always runs (it is quick
+#   when up to date).
 # Exit 0 when every step passed, 1 otherwise, 2 on bad usage.
 set -uo pipefail
-if [[ $# -lt 1 || $# -gt 3 ]]; then
-  echo "usage: scripts/gpu-check.sh OUT [PYTHON] [--quick]" >&2
+usage="usage: scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]"
+if [[ $# -lt 1 || $# -gt 4 ]]; then
+  echo "$usage" >&2
   exit 2
 fi
 out=$1
 python=python3
 quick=0
+resume=0
 for arg in "${@:2}"; do
-  if [[ $arg == --quick ]]; then quick=1; else python=$arg; fi
+  case $arg in
+    --quick) quick=1 ;;
+    --resume) resume=1 ;;
+    -*) echo "gpu-check: unknown option $arg; $usage" >&2; exit 2 ;;
+    *) python=$arg ;;
+  esac
 done
 cd "$(dirname "$0")/.."
 mkdir -p "$out/artifacts"
+previous=""
+if [[ $resume == 1 && -f $out/summary.txt ]]; then previous=$(< "$out/summary.txt"); fi
 : > "$out/summary.txt"
 failed=0
+rebuilt=""  # configs whose package this run builds: none of their earlier passes are kept
+
+# kept NAME: whether --resume keeps step NAME's earlier pass.
+kept() {
+  local name=$1 config
+  [[ $name != native ]] && grep -q "^$name: passed" <<< "$previous" || return 1
+  if [[ $name == build-* ]]; then
+    [[ -f $out/artifacts/${name#build-}/manifest.json ]] || return 1
+  fi
+  for config in $rebuilt; do
+    [[ $name == *-$config ]] && return 1
+  done
+  return 0
+}
 
 # step NAME COMMAND...: runs COMMAND with its output in OUT/NAME.log and records how it ended.
 step() {
   local name=$1 started status
   shift
+  if kept "$name"; then
+    echo "$name: passed in an earlier run (kept by --resume)" | tee -a "$out/summary.txt"
+    return 0
+  fi
+  [[ $name == build-* ]] && rebuilt+=" ${name#build-}"
   started=$(date +%s)
   echo "[$(date +%H:%M:%S)] $name: $*"
   if "$@" > "$out/$name.log" 2>&1; then

@@ -1,0 +1,105 @@
+"""scripts/gpu-check.sh's bookkeeping, with a stand-in interpreter (no GPU needed): every step runs
+and is recorded, a failed step does not stop the others, and --resume runs again only what had
+not passed — and everything of a config whose package it has to rebuild."""
+
+from __future__ import annotations
+
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+
+# Stands in for PYTHON: succeeds, except for a command line containing a line of fail.txt (beside
+# it); `-m kvexport build ... -o DIR` leaves a package's manifest in DIR, as a build does.
+STAND_IN = """#!/usr/bin/env bash
+here=$(dirname "$0")
+if [[ $1 == - ]]; then cat > /dev/null; exit 0; fi
+while read -r pattern; do
+  if [[ -n $pattern && "$*" == *"$pattern"* ]]; then exit 3; fi
+done < "$here/fail.txt"
+if [[ $1 == -m && $2 == kvexport && $3 == build ]]; then
+  previous=""
+  for arg in "$@"; do
+    if [[ $previous == -o ]]; then mkdir -p "$arg" && echo '{}' > "$arg/manifest.json"; fi
+    previous=$arg
+  done
+fi
+exit 0
+"""
+
+TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "soak-tiny", "request-bench-tiny"}
+
+
+@pytest.fixture
+def stand_in(tmp_path) -> Path:
+    interpreter = tmp_path / "python"
+    interpreter.write_text(STAND_IN)
+    interpreter.chmod(interpreter.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "fail.txt").write_text("")
+    return interpreter
+
+
+def gpu_check(out: Path, interpreter: Path, *options: str, failing: str = "") -> tuple[int, dict[str, str]]:
+    """Runs the script; returns its exit code and each step's outcome: 'ran' (passed this time),
+    'kept' (kept by --resume) or 'failed'."""
+    (interpreter.parent / "fail.txt").write_text(failing + "\n")
+    result = subprocess.run(["bash", str(SCRIPT), str(out), str(interpreter), *options], capture_output=True,
+                            text=True, timeout=120)
+    outcomes = {}
+    for line in (out / "summary.txt").read_text().splitlines():
+        name, how = line.split(": ", 1)
+        outcomes[name] = "kept" if "kept by --resume" in how else "failed" if how.startswith("FAILED") else "ran"
+    return result.returncode, outcomes
+
+
+def ran(outcomes: dict[str, str]) -> set[str]:
+    return {name for name, how in outcomes.items() if how == "ran"}
+
+
+def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_not_passed(tmp_path, stand_in):
+    out = tmp_path / "out"
+    code, first = gpu_check(out, stand_in, "--quick", failing="soak")
+    assert code == 1
+    assert first["soak-tiny"] == "failed" and first["request-bench-tiny"] == "ran"
+    assert set(first) == {"native", "pytest-cuda", "attention-bench"} | TINY_STEPS | (
+        {"profile-attention"} if "profile-attention" in first else set())
+
+    code, second = gpu_check(out, stand_in, "--quick", "--resume")
+    assert code == 0
+    assert set(second) == set(first)
+    assert ran(second) == {"native", "soak-tiny"}
+
+    code, third = gpu_check(out, stand_in, "--quick", "--resume")
+    assert code == 0 and ran(third) == {"native"}
+
+
+def test_resume_runs_every_step_of_a_config_whose_package_is_gone(tmp_path, stand_in):
+    out = tmp_path / "out"
+    assert gpu_check(out, stand_in)[0] == 0
+    (out / "artifacts" / "tiny" / "manifest.json").unlink()
+    code, outcomes = gpu_check(out, stand_in, "--resume")
+    assert code == 0
+    assert ran(outcomes) == {"native"} | TINY_STEPS
+    assert all(outcomes[name] == "kept" for name in outcomes if name.endswith("-kuairand"))
+
+
+def test_a_failed_build_is_rebuilt_with_all_its_steps(tmp_path, stand_in):
+    out = tmp_path / "out"
+    code, first = gpu_check(out, stand_in, "--quick", failing="hstu-tiny.yaml")
+    assert code == 1 and first["build-tiny"] == "failed"
+    assert not TINY_STEPS - {"build-tiny", "request-bench-tiny"} & set(first)  # they need its package
+    code, second = gpu_check(out, stand_in, "--quick", "--resume")
+    assert code == 0 and ran(second) == {"native"} | TINY_STEPS
+
+
+def test_an_unknown_option_is_refused_with_the_usage(tmp_path, stand_in):
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), str(stand_in), "--resum"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh OUT .*\n", result.stderr)
