@@ -7,10 +7,11 @@
 #   scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]
 # PYTHON: the interpreter that has torch with CUDA and kvexport importable (default python3).
 # --quick: the tiny config only (no kuairand-1k build, which takes minutes).
-# --resume: after a run into the same OUT, keep the steps its summary.txt records as passed and run
-#   the others. A config's steps all run again when its package is rebuilt (its build had not
-#   passed, or its package is gone from OUT/artifacts/); the native build always runs (it is quick
-#   when up to date).
+# --resume: after a run of the same sources into the same OUT, keep the steps its summary.txt
+#   records as passed and run the others. A config's steps all run again when its package is
+#   rebuilt (its build had not passed, or its package is gone from OUT/artifacts/); the native
+#   build always runs (it is quick when up to date); after any change to the sources every step
+#   runs.
 # Exit 0 when every step passed, 1 otherwise, 2 on bad usage.
 set -uo pipefail
 usage="usage: scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]"
@@ -32,8 +33,19 @@ for arg in "${@:2}"; do
 done
 cd "$(dirname "$0")/.."
 mkdir -p "$out/artifacts"
+# The sources a run tests, as one hash: --resume keeps nothing from a run of other sources.
+sources=$( { find csrc kvexport configs scripts tests pyproject.toml -type f ! -path '*/__pycache__/*' -print0
+  find benchmarks -name '*.py' -print0; } 2> /dev/null | LC_ALL=C sort -z | xargs -0 -r sha256sum | sha256sum |
+  cut -c1-64)
 previous=""
-if [[ $resume == 1 && -f $out/summary.txt ]]; then previous=$(< "$out/summary.txt"); fi
+if [[ $resume == 1 && -f $out/summary.txt ]]; then
+  if [[ $(cat "$out/sources.sha256" 2> /dev/null) == "$sources" ]]; then
+    previous=$(< "$out/summary.txt")
+  else
+    echo "gpu-check: the sources changed since the run in $out: every step runs again" >&2
+  fi
+fi
+echo "$sources" > "$out/sources.sha256"
 : > "$out/summary.txt"
 failed=0
 rebuilt=""  # configs whose package this run builds: none of their earlier passes are kept
@@ -46,7 +58,9 @@ kept() {
     [[ -f $out/artifacts/${name#build-}/manifest.json ]] || return 1
   fi
   for config in $rebuilt; do
-    [[ $name == *-$config ]] && return 1
+    case $name in
+      verify-$config | replay-$config | soak-$config | request-bench-$config | bench-$config) return 1 ;;
+    esac
   done
   return 0
 }

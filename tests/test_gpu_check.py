@@ -1,10 +1,12 @@
-"""scripts/gpu-check.sh's bookkeeping, with a stand-in interpreter (no GPU needed): every step runs
-and is recorded, a failed step does not stop the others, and --resume runs again only what had
-not passed — and everything of a config whose package it has to rebuild."""
+"""scripts/gpu-check.sh's bookkeeping, with a stand-in interpreter (no GPU needed) and a copy of the
+script in a tree of its own: every step runs and is recorded, a failed step does not stop the
+others, and --resume runs again only what had not passed — and everything of a config whose
+package it has to rebuild, and everything after a change to the sources."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -37,6 +39,18 @@ TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "soak-tiny", "request-
 
 
 @pytest.fixture
+def script(tmp_path) -> Path:
+    """The script in a source tree of its own (one source file besides it), so that a test can
+    change the sources."""
+    copy = tmp_path / "tree" / "scripts" / "gpu-check.sh"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(SCRIPT, copy)
+    (tmp_path / "tree" / "kvexport").mkdir()
+    (tmp_path / "tree" / "kvexport" / "model.py").write_text("version = 1\n")
+    return copy
+
+
+@pytest.fixture
 def stand_in(tmp_path) -> Path:
     interpreter = tmp_path / "python"
     interpreter.write_text(STAND_IN)
@@ -45,11 +59,12 @@ def stand_in(tmp_path) -> Path:
     return interpreter
 
 
-def gpu_check(out: Path, interpreter: Path, *options: str, failing: str = "") -> tuple[int, dict[str, str]]:
+def gpu_check(script: Path, out: Path, interpreter: Path, *options: str,
+              failing: str = "") -> tuple[int, dict[str, str]]:
     """Runs the script; returns its exit code and each step's outcome: 'ran' (passed this time),
     'kept' (kept by --resume) or 'failed'."""
     (interpreter.parent / "fail.txt").write_text(failing + "\n")
-    result = subprocess.run(["bash", str(SCRIPT), str(out), str(interpreter), *options], capture_output=True,
+    result = subprocess.run(["bash", str(script), str(out), str(interpreter), *options], capture_output=True,
                             text=True, timeout=120)
     outcomes = {}
     for line in (out / "summary.txt").read_text().splitlines():
@@ -62,44 +77,61 @@ def ran(outcomes: dict[str, str]) -> set[str]:
     return {name for name, how in outcomes.items() if how == "ran"}
 
 
-def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_not_passed(tmp_path, stand_in):
+def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_not_passed(tmp_path, script, stand_in):
     out = tmp_path / "out"
-    code, first = gpu_check(out, stand_in, "--quick", failing="soak")
+    code, first = gpu_check(script, out, stand_in, "--quick", failing="soak")
     assert code == 1
     assert first["soak-tiny"] == "failed" and first["request-bench-tiny"] == "ran"
     assert set(first) == {"native", "pytest-cuda", "attention-bench"} | TINY_STEPS | (
         {"profile-attention"} if "profile-attention" in first else set())
 
-    code, second = gpu_check(out, stand_in, "--quick", "--resume")
+    code, second = gpu_check(script, out, stand_in, "--quick", "--resume")
     assert code == 0
     assert set(second) == set(first)
     assert ran(second) == {"native", "soak-tiny"}
 
-    code, third = gpu_check(out, stand_in, "--quick", "--resume")
+    code, third = gpu_check(script, out, stand_in, "--quick", "--resume")
     assert code == 0 and ran(third) == {"native"}
 
 
-def test_resume_runs_every_step_of_a_config_whose_package_is_gone(tmp_path, stand_in):
+def test_resume_runs_every_step_of_a_config_whose_package_is_gone(tmp_path, script, stand_in):
     out = tmp_path / "out"
-    assert gpu_check(out, stand_in)[0] == 0
+    assert gpu_check(script, out, stand_in)[0] == 0
     (out / "artifacts" / "tiny" / "manifest.json").unlink()
-    code, outcomes = gpu_check(out, stand_in, "--resume")
+    code, outcomes = gpu_check(script, out, stand_in, "--resume")
     assert code == 0
     assert ran(outcomes) == {"native"} | TINY_STEPS
     assert all(outcomes[name] == "kept" for name in outcomes if name.endswith("-kuairand"))
 
 
-def test_a_failed_build_is_rebuilt_with_all_its_steps(tmp_path, stand_in):
+def test_resume_tells_a_step_from_one_whose_name_ends_like_it(tmp_path, script, stand_in):
+    """bench-kuairand failed, request-bench-kuairand passed: only the first runs again."""
     out = tmp_path / "out"
-    code, first = gpu_check(out, stand_in, "--quick", failing="hstu-tiny.yaml")
+    code, first = gpu_check(script, out, stand_in, failing="--lengths 1024,4064")
+    assert code == 1 and first["bench-kuairand"] == "failed" and first["request-bench-kuairand"] == "ran"
+    code, second = gpu_check(script, out, stand_in, "--resume")
+    assert code == 0 and ran(second) == {"native", "bench-kuairand"}
+
+
+def test_resume_runs_every_step_after_the_sources_changed(tmp_path, script, stand_in):
+    out = tmp_path / "out"
+    assert gpu_check(script, out, stand_in, "--quick")[0] == 0
+    (script.parent.parent / "kvexport" / "model.py").write_text("version = 2\n")
+    code, outcomes = gpu_check(script, out, stand_in, "--quick", "--resume")
+    assert code == 0 and set(ran(outcomes)) == set(outcomes)
+
+
+def test_a_failed_build_is_rebuilt_with_all_its_steps(tmp_path, script, stand_in):
+    out = tmp_path / "out"
+    code, first = gpu_check(script, out, stand_in, "--quick", failing="hstu-tiny.yaml")
     assert code == 1 and first["build-tiny"] == "failed"
     assert not TINY_STEPS - {"build-tiny", "request-bench-tiny"} & set(first)  # they need its package
-    code, second = gpu_check(out, stand_in, "--quick", "--resume")
+    code, second = gpu_check(script, out, stand_in, "--quick", "--resume")
     assert code == 0 and ran(second) == {"native"} | TINY_STEPS
 
 
-def test_an_unknown_option_is_refused_with_the_usage(tmp_path, stand_in):
-    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), str(stand_in), "--resum"],
+def test_an_unknown_option_is_refused_with_the_usage(tmp_path, script, stand_in):
+    result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(stand_in), "--resum"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh OUT .*\n", result.stderr)

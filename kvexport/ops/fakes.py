@@ -29,7 +29,7 @@ def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candid
     # returns their index, so the model needs no data-dependent op (and no wait for the device) of its own.
     num_new = torch.library.get_ctx().new_dynamic_size()
     torch._check(num_new <= token_ids.shape[0], lambda: "more uncached tokens than tokens")
-    return token_ids.new_empty(num_new)
+    return token_ids.new_empty(num_new, dtype=torch.int64)
 
 
 @torch.library.register_fake("kvexport::paged_attention")
