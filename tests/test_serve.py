@@ -188,12 +188,14 @@ class Served:
             raise AssertionError(f"kvexport serve did not stop within {STOP_TIMEOUT_S} s\n{self.output()}") from None
 
     def session_processes(self) -> list[str]:
-        """Processes still in the server's session (it is the session leader)."""
+        """Processes still running in the server's session (it is the session leader); a zombie
+        has ended and only waits for its parent to collect it."""
         left = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError):
                 fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[3]) == self.process.pid:  # field 6 of stat, the session id
+                # fields 3 and 6 of stat: the state and the session id
+                if fields[0] != "Z" and int(fields[3]) == self.process.pid:
                     left.append(stat.parent.name)
         return left
 
@@ -779,3 +781,27 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
         assert not workspace.exists(), f"PyTriton's workspace {workspace} was left behind"
         regions = [name for name in os.listdir("/dev/shm") if name.startswith(f"pytrtion{served.process.pid}-")]
         assert regions == [], "the Python backend's shared memory was left behind"
+
+
+@needs_pytriton
+def test_a_stop_waits_until_the_processes_it_killed_have_ended():
+    """end_leftovers' wait: a killed process is done once it is a zombie (here: until this test, its
+    parent, collects it); one still running is waited for no longer than the timeout."""
+    from kvexport.serving.triton import _wait_until_ended
+
+    killed = subprocess.Popen(["sleep", "60"])
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        killed.kill()
+        started = time.monotonic()
+        _wait_until_ended([Path(f"/proc/{killed.pid}")], timeout_s=10)
+        assert time.monotonic() - started < 5
+        state = (Path(f"/proc/{killed.pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "Z"
+        started = time.monotonic()
+        _wait_until_ended([Path(f"/proc/{running.pid}")], timeout_s=0.3)
+        assert 0.3 <= time.monotonic() - started < 5 and running.poll() is None
+    finally:
+        running.kill()
+        killed.wait()
+        running.wait()

@@ -71,6 +71,7 @@ DRAIN_TIMEOUT_S = 30
 # connections (it would wait its whole exit timeout for idle keep-alive connections).
 TRITON_EXIT_TIMEOUT_S = 5
 MONITOR_S = 1.0  # how often serve() checks that tritonserver is still running
+LEFTOVER_END_TIMEOUT_S = 5  # the longest a stop waits for the processes it killed to end
 UNLOAD_POLL_S = 0.05
 WARMUP_EVENTS = 8
 RAGGED_INPUTS = (ITEM_IDS, ACTION_IDS, CANDIDATE_IDS)
@@ -92,18 +93,37 @@ def failure_reason(lines: list[str]) -> str:
 def end_leftovers(workspace: Path, shm_prefix: str) -> None:
     """Python-backend stubs outlive a tritonserver that exits without unloading its model (they
     ignore SIGTERM), and keep their shared memory: ends every process still running from this
-    start's workspace (its tritonserver, its stubs) and removes the regions named with its prefix."""
+    start's workspace (its tritonserver, its stubs), waits until they have ended, and removes the
+    regions named with its prefix."""
     marker = os.fsencode(workspace)
+    ended = []
     for process in Path("/proc").glob("[0-9]*"):
         try:
             if marker in (process / "cmdline").read_bytes():
                 os.kill(int(process.name), signal.SIGKILL)
                 log.warning("ended %s, left running by tritonserver", process.name)
+                ended.append(process)
         except (OSError, ValueError):  # gone meanwhile, or not ours to read
             continue
+    _wait_until_ended(ended, LEFTOVER_END_TIMEOUT_S)
     for region in Path("/dev/shm").glob(f"{shm_prefix}*"):
         with contextlib.suppress(OSError):
             region.unlink()
+
+
+def _wait_until_ended(processes: list[Path], timeout_s: float) -> None:
+    """Waits (at most timeout_s) until each /proc entry is gone or a zombie: a process killed with
+    SIGKILL ends a moment later, not when kill() returns."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        while time.monotonic() < deadline:
+            try:
+                state = (process / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                break
+            if state == "Z":
+                break
+            time.sleep(0.01)
 
 
 def _check_port_free(address: str, port: int, option: str) -> None:
