@@ -100,13 +100,9 @@ def edit_manifest(artifact: Path, edit) -> None:
 
 def rehash(artifact: Path, rel: str) -> None:
     """Records a changed file's sha256 in the artifact's manifest, as a tamperer would."""
-    import json
+    from kvexport.artifact import sha256_of
 
-    from kvexport.artifact import MANIFEST, sha256_of
-
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    manifest["files"][rel] = sha256_of(artifact / rel)
-    (artifact / MANIFEST).write_text(json.dumps(manifest))
+    edit_manifest(artifact, lambda manifest: manifest["files"].update({rel: sha256_of(artifact / rel)}))
 
 
 @pytest.fixture(scope="session")

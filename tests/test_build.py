@@ -14,7 +14,7 @@ from kvexport.model import build_model, random_batch
 from kvexport.runner import PackageRunner, load_trace_step
 from kvexport.trace.verify import verify_artifact
 from tests.hostile import good_request, package_corpus
-from tests.conftest import TINY, rehash
+from tests.conftest import TINY, edit_manifest, rehash
 
 pytestmark = pytest.mark.slow
 
@@ -115,11 +115,7 @@ def test_perturbed_expectation_with_rehashed_manifest_is_caught(artifact_copy):
 @pytest.mark.parametrize("field,value", [("tolerance", {"atol": 1.0, "rtol": 1.0}),
                                          ("required_libraries", ["fbgemm_gpu_py", "kvexport_ops"])])
 def test_edited_manifest_is_caught(artifact_copy, field, value):
-    from kvexport.artifact import MANIFEST
-
-    manifest = json.loads((artifact_copy / MANIFEST).read_text())
-    manifest[field] = value
-    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    edit_manifest(artifact_copy, lambda manifest: manifest.update({field: value}))
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
     assert result.exit_code == 1
     assert f"manifest.json was edited: its {field} does not match" in result.output

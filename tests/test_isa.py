@@ -167,11 +167,9 @@ LACKING = "this host lacks NOT_A_FEATURE required by the op library (compiled wi
 
 def _require_missing_feature(artifact) -> str:
     """Makes the artifact's manifest ask for a CPU feature no host has; returns the expected line."""
-    path = artifact / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["isa"]["op_library"]["cpu_features"].append("NOT_A_FEATURE")
-    path.write_text(json.dumps(manifest))
-    return LACKING.format(march=manifest["isa"]["op_library"]["march"])
+    edit_manifest(artifact, lambda manifest: manifest["isa"]["op_library"]["cpu_features"].append("NOT_A_FEATURE"))
+    march = json.loads((artifact / "manifest.json").read_text())["isa"]["op_library"]["march"]
+    return LACKING.format(march=march)
 
 
 def _package_disassembly(package) -> str:

@@ -10,11 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvexport.artifact import MANIFEST
 from kvexport.cli import main
 from kvexport.replay import harness, replay_command
 from kvexport.trace.verify import verify_artifact
-from tests.conftest import rehash
+from tests.conftest import edit_manifest, rehash
 
 pytestmark = pytest.mark.slow
 
@@ -100,9 +99,7 @@ def test_replay_fails_on_modified_file(replay_binary, artifact_copy, tmp_path):
 
 def test_missing_required_library_is_named(replay_binary, artifact_copy, tmp_path):
     """A library the manifest requires and nobody passes is named before the package is loaded."""
-    manifest = json.loads((artifact_copy / MANIFEST).read_text())
-    manifest["required_libraries"] = ["fbgemm_gpu_py", "kvexport_ops"]
-    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    edit_manifest(artifact_copy, lambda manifest: manifest.update(required_libraries=["fbgemm_gpu_py", "kvexport_ops"]))
     result, _ = run_harness([str(replay_binary), "--artifact", str(artifact_copy)], tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: the package needs op library fbgemm_gpu_py; pass it with --library PATH"

@@ -32,7 +32,7 @@ from kvexport.bench.suite import SweepRequests
 from kvexport.bench.timing import summary, timed_ms
 from kvexport.errors import UserError
 from kvexport.model.batch import check_batch
-from kvexport.ops import wrappers as kv
+from kvexport.ops import library, wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.soak import eager_model_for
 
@@ -57,6 +57,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replot", type=Path, metavar="JSON",
                         help="only draw --plot from an earlier run's --json (no artifact needed)")
     args = parser.parse_args()
+    if args.replot and not args.plot:
+        parser.error("--replot needs --plot")
+    if not args.replot and args.artifact is None:
+        parser.error("give an artifact directory (or --replot JSON --plot PNG)")
     args.batch = [int(b) for b in args.batch.split(",")]
     return args
 
@@ -65,7 +69,8 @@ def times(run, warmup: int, repeats: int) -> list[float]:
     return [ms for i, ms in enumerate(timed_ms(lambda: run(i)) for i in range(warmup + repeats)) if i >= warmup]
 
 
-OPS = ("kvexport::check_request", "kvexport::begin_batch", "kvexport::paged_attention", "kvexport::end_batch")
+# The ops a request runs, as the profiler names them.
+OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", *library.STATEFUL_OPS))
 
 
 def cuda_profile(package, batch, trace: Path | None) -> dict:
@@ -170,14 +175,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     args = parse_args()
     if args.replot:
-        if not args.plot:
-            print("error: --replot needs --plot", file=sys.stderr)
-            return 2
         plot(json.loads(args.replot.read_text()), args.plot)
         return 0
-    if args.artifact is None:
-        print("error: give an artifact directory (or --replot JSON --plot PNG)", file=sys.stderr)
-        return 2
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -303,18 +303,21 @@ void replay_pass(const Replay& replay, std::vector<StepResult>& results, bool co
     const auto before = count_cache ? runtime_stats(runtime) : std::map<std::string, int64_t>{};
     // The latency is the package call's alone (as the Python runner's): comparisons are not timed.
     const auto started = std::chrono::steady_clock::now();
+    const auto elapsed_ms = [&] {
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+    };
     double ms = 0;
     Comparison vs_cached, vs_full, vs_reference;
     if (steps[i].expect_error.empty()) {
       const auto output = run_step(loader, runtime, i, steps[i]);
       if (output.is_cuda()) torch::cuda::synchronize(output.get_device());  // as Python times it
-      ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+      ms = elapsed_ms();
       vs_cached = compare(output, steps[i].expected_cached, atol, rtol);
       vs_full = compare(output, steps[i].expected_full, atol, rtol);
       vs_reference = compare(output, steps[i].expected_reference, atol, rtol);
     } else {
       vs_cached.passed = expect_failure(loader, runtime, steps[i].inputs, steps[i].expect_error);
-      ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+      ms = elapsed_ms();
       vs_full = vs_cached;
     }
     if (hostile_accepted) vs_cached.passed = vs_full.passed = false;
