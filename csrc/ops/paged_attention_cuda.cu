@@ -519,8 +519,10 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(c
 constexpr int64_t kMinChunkKeys = 256;  // a chunk streams at least 4 key blocks: Q loads and the epilogue amortise
 constexpr int kMaxDevices = 64;
 
-// Blocks of attention_mma_kernel<T, kDim, kWarps> resident on the whole device at once, cached
-// per device (the queries are driver calls; neither synchronises).
+// Prepares attention_mma_kernel<T, kDim, kWarps> on `device` (the current device) once: allows
+// its dynamic shared memory, which is a per-device attribute, and returns how many of its blocks
+// are resident on the whole device at once. Cached per device, so a launch makes no driver call
+// for either; a race only repeats the idempotent calls.
 template <typename T, int kDim, int kWarps>
 int64_t resident_blocks(int device) {
   static std::array<std::atomic<int64_t>, kMaxDevices> cached{};
@@ -529,8 +531,9 @@ int64_t resident_blocks(int device) {
   }
   int per_sm = 0, sms = 0;
   using Shape = MmaShape<kDim, kWarps>;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_mma_kernel<T, kDim, kWarps>,
-                                                               Shape::kThreads, Shape::kSmemBytes));
+  const auto kernel = attention_mma_kernel<T, kDim, kWarps>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Shape::kThreads, Shape::kSmemBytes));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t blocks = std::max<int64_t>(int64_t(per_sm) * sms, 1);
   if (device < kMaxDevices) cached[device].store(blocks, std::memory_order_relaxed);
@@ -542,8 +545,6 @@ void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor&
   using Shape = MmaShape<kDim, kWarps>;
   const auto kernel = attention_mma_kernel<T, kDim, kWarps>;
   constexpr int smem = Shape::kSmemBytes;
-  // Set on every launch: the attribute belongs to the device current at the time.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t slots = resident_blocks<T, kDim, kWarps>(q.get_device());
   // Split the keys so that (tiles x heads x chunks) blocks fill one wave of resident blocks
   // (a partial second wave would cost a whole block's time), with chunks of at least
