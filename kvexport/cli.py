@@ -433,10 +433,12 @@ def inspect(target: Path, as_json: bool) -> None:
 
 
 def _format_signature(signature: dict) -> str:
-    """One line per input and for the output: name, dtype and shape."""
+    """One line per input and for the output: name, dtype, shape and (packages since inputs stay on
+    the host) device."""
     def line(label: str, spec: dict) -> str:
         shape = ", ".join(str(d) for d in spec["shape"])
-        return f"{label:>20}{':' if label else ' '} {spec['name']:<16} {spec['dtype']:<8} [{shape}]"
+        device = f" on {spec['device']}" if "device" in spec else ""
+        return f"{label:>20}{':' if label else ' '} {spec['name']:<16} {spec['dtype']:<8} [{shape}]{device}"
 
     lines = [line("inputs" if i == 0 else "", spec) for i, spec in enumerate(signature["inputs"])]
     return "\n".join([*lines, line("output", signature["output"])])

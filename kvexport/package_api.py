@@ -268,8 +268,6 @@ class Package:
         return self._run(check_batch(batch, self.config, index, runtime=self.runtime_name))
 
     def _run(self, batch: Batch) -> torch.Tensor:
-        if self._device.type != "cpu":
-            batch = batch.to(self._device)
         try:
             return self._compiled(*batch.tensors())
         except RuntimeError as exc:

@@ -64,7 +64,8 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path, *, rem
 
 
 def _signature(metadata: dict[str, str], manifest: dict | None) -> dict:
-    """Inputs and output with dtype and shape: the manifest's, or derived from the package's own config."""
+    """Inputs and output with dtype, shape and device: the manifest's, or derived from the package's
+    own config and device."""
     from kvexport.config import config_from_dict
     from kvexport.export.build import signature
 
@@ -72,7 +73,7 @@ def _signature(metadata: dict[str, str], manifest: dict | None) -> dict:
         return manifest["signature"]
     if "kvexport.config" not in metadata:
         return {}
-    return signature(config_from_dict(json.loads(metadata["kvexport.config"])))
+    return signature(config_from_dict(json.loads(metadata["kvexport.config"])), metadata.get("kvexport.device", "cpu"))
 
 
 def describe(target: Path) -> dict:

@@ -20,6 +20,13 @@ def scratch_runtime_name() -> str:
     return f"test-runtime-{next(_runtime_names)}"
 
 
+def host_placement():
+    """begin_batch's placement for a runtime on the CPU: any host tensor."""
+    import torch
+
+    return torch.empty(0)
+
+
 @contextlib.contextmanager
 def scratch_runtime(config_json: str):
     """A fresh cache runtime with the given config, dropped afterwards."""

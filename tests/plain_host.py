@@ -17,12 +17,11 @@ import torch
 
 SIGNATURE = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
              "candidate_ids")
-DEVICE = "cpu"  # set from the package's metadata (kvexport.device) in main
 
 
 def score(model, request):
-    """The package's logits, on the CPU; the inputs go to the device the package names."""
-    return model(*(request[name].to(DEVICE) for name in SIGNATURE)).cpu()
+    """The package's logits, on the CPU; the inputs stay on the host, whatever the package's device."""
+    return model(*(request[name] for name in SIGNATURE)).cpu()
 
 
 def refused_properly(model, runtime, request, message):
@@ -88,9 +87,7 @@ def main():
     out, corpus_path, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.ops.load_library(str(out / "lib" / "libkvexport_ops.so"))
     model = torch._inductor.aoti_load_package(str(out / "model.pt2"))
-    global DEVICE
     runtime = model.get_metadata()["kvexport.runtime_name"]
-    DEVICE = model.get_metadata()["kvexport.device"]
     atol = float(json.loads((out / "manifest.json").read_text())["tolerance"]["atol"])
     corpus = torch.load(corpus_path, weights_only=True)
     run = sequential if mode == "sequential" else threads

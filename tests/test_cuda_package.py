@@ -30,6 +30,8 @@ def cuda_artifact(tmp_path_factory, tiny_checkpoint):
 def test_the_package_names_its_device(cuda_artifact):
     manifest = json.loads((cuda_artifact / "manifest.json").read_text())
     assert manifest["device"] == "cuda"
+    assert {spec["device"] for spec in manifest["signature"]["inputs"]} == {"cpu"}
+    assert manifest["signature"]["output"]["device"] == "cuda"
 
 
 def test_verify_and_replay_pass_on_the_gpu(cuda_artifact, tmp_path):
@@ -107,18 +109,51 @@ def test_the_harness_refuses_a_package_built_for_another_gpu(cuda_artifact, tmp_
         f"{major}.{minor} ({torch.cuda.get_device_name()}): build the package on a GPU of this architecture"]
 
 
-def test_begin_batch_refuses_ids_on_two_devices():
-    """A direct caller of the op (not the package, whose graph keeps them together) gets one line."""
+def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
+    """A package takes its request on the host; a host that hands it GPU tensors gets one line and
+    the invalid_request code from the first op (called directly, and through the package)."""
+    from kvexport.config import load_config
+    from kvexport.model.batch import random_batch
     from kvexport.ops import wrappers as kv
-    from tests.conftest import scratch_runtime
-    from tests.test_ops import CONFIG, batch_inputs
+    from kvexport.package_api import _load_compiled
 
-    user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
-    with scratch_runtime(CONFIG) as runtime:
-        with pytest.raises(ValueError, match="token_ids is on cuda:0, user_ids on cpu"):
-            kv.begin_batch(runtime, CONFIG, user_ids, token_ids.cuda(), token_lengths.cuda(), num_candidates.cuda())
-        code, message = torch.ops.kvexport.last_error(runtime)
-        assert code == "invalid_request" and "token_ids is on cuda:0, user_ids on cpu" in message, message
+    config = load_config(TINY)
+    runtime = json.loads((cuda_artifact / "manifest.json").read_text())["runtime_name"]
+    batch = random_batch(config.model, seed=1, history_lengths=[3, 5], num_candidates=[2, 3])
+    on_gpu = [t.cuda() for t in batch.tensors()]
+    expected = "user_ids is on cuda:0: a request's tensors must be on the host (cpu), whatever the package's device"
+    with pytest.raises(ValueError, match=expected):
+        kv.check_request(runtime, config.request_limits_json(), *on_gpu)
+    assert kv.last_error(runtime) == ("invalid_request", expected)
+    compiled = _load_compiled(cuda_artifact / "model.pt2", 0)
+    kv.create_runtime(runtime, compiled.get_metadata()["kvexport.runtime_config"], "cuda")
+    with pytest.raises(RuntimeError):
+        compiled(*on_gpu)
+    assert kv.last_error(runtime) == ("invalid_request", expected)
+    compiled(*batch.tensors())  # the same request on the host is served
+    assert kv.last_error(runtime) == ("ok", "")
+
+
+def test_upload_puts_host_tensors_on_the_gpu_without_waiting():
+    """kvexport::upload: the same values and shapes on the GPU, each output its own storage (op
+    outputs must not alias); uploads queued behind a busy stream keep their values although each
+    pinned staging buffer is released at once; an empty tensor and a transposed one too."""
+    from kvexport.ops import wrappers as kv
+
+    placement = torch.empty(0, device="cuda")
+
+    def host(seed: int) -> list[torch.Tensor]:
+        return [torch.arange(5) + seed, torch.empty(0, dtype=torch.int64), (torch.arange(8).view(4, 2) + seed).t()]
+
+    moved = kv.upload(host(0), placement)
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 3
+    for before, after in zip(host(0), moved):
+        assert after.is_cuda and after.shape == before.shape and torch.equal(after.cpu(), before)
+    torch.cuda._sleep(100_000_000)  # the uploads below wait behind this on the stream
+    uploads = [kv.upload(host(seed), placement) for seed in range(200)]
+    for seed, upload in enumerate(uploads):
+        for before, after in zip(host(seed), upload):
+            assert torch.equal(after.cpu(), before), seed
 
 
 def test_a_batch_goes_to_the_gpu_in_one_aligned_copy():

@@ -213,12 +213,12 @@ def test_inspect_shows_dtypes_and_shapes(tiny_artifact):
         text = CliRunner().invoke(main, ["inspect", str(target)])
         assert text.exit_code == 0, text.output
         lines = [" ".join(line.split()) for line in text.stdout.splitlines()]
-        assert "inputs: user_ids int64 [B]" in lines
-        assert "context_ids int64 [B, 3]" in lines
-        assert "output: logits float32 [sum(num_candidates), 3]" in lines
+        assert "inputs: user_ids int64 [B] on cpu" in lines
+        assert "context_ids int64 [B, 3] on cpu" in lines
+        assert "output: logits float32 [sum(num_candidates), 3] on cpu" in lines
         info = json.loads(CliRunner().invoke(main, ["inspect", str(target), "--json"]).stdout)
         assert info["signature"]["inputs"][2] == {"name": "item_ids", "dtype": "int64",
-                                                  "shape": ["sum(history_lengths)"]}
+                                                  "shape": ["sum(history_lengths)"], "device": "cpu"}
 
 
 @pytest.mark.parametrize("command", [["verify"], ["replay"], ["soak"],

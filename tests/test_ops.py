@@ -10,7 +10,7 @@ from torch import nn
 
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
-from tests.conftest import scratch_runtime
+from tests.conftest import host_placement, scratch_runtime
 
 ALPHA, INV_S = 0.5, 1.0 / 64
 
@@ -124,7 +124,7 @@ def test_stateful_ops_match_reference_attention(runtime):
     g = torch.Generator().manual_seed(0)
     rows = 3 + 7  # candidates first, then every prefix token (cold cache)
     q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
-    new_tokens = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
+    new_tokens = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
     assert new_tokens.tolist() == list(range(7))  # a cold cache: every token is new
     got = kv.paged_attention(runtime, 0, q, k, v, ALPHA, INV_S)
     kv.end_batch(runtime, user_ids, got)
@@ -140,14 +140,29 @@ def test_stateful_ops_match_reference_attention(runtime):
             torch.testing.assert_close(got[r], torch.einsum("nh,nhd->hd", w, v[keys]), rtol=1e-5, atol=1e-6)
 
 
+def test_upload_on_the_host_copies_and_checks():
+    """upload with a host placement returns copies (never the inputs), and refuses what is not an
+    int64 host tensor as an internal error."""
+    host = [torch.arange(4), torch.arange(6).view(2, 3).t()]
+    copies = kv.upload(host, host_placement())
+    for before, after in zip(host, copies):
+        assert torch.equal(after, before) and after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
+    with pytest.raises(RuntimeError, match="upload takes int64 host tensors, got float32 on cpu"):
+        kv.upload([torch.zeros(2)], host_placement())
+
+
+def test_opcheck_upload():
+    torch.library.opcheck(torch.ops.kvexport.upload.default, ([torch.arange(4), torch.arange(3)], host_placement()))
+
+
 def _in_batch(runtime, rows):
     user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
-    kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates)
+    kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
     return torch.randn(rows, 2, 8)
 
 
 def test_opcheck_begin_batch(runtime):
-    torch.library.opcheck(torch.ops.kvexport.begin_batch.default, (runtime, CONFIG, *batch_inputs()))
+    torch.library.opcheck(torch.ops.kvexport.begin_batch.default, (runtime, CONFIG, *batch_inputs(), host_placement()))
 
 
 def test_opcheck_paged_attention(runtime):

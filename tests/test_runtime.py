@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvexport.ops import wrappers as kv
-from tests.conftest import scratch_runtime, scratch_runtime_name
+from tests.conftest import host_placement, scratch_runtime, scratch_runtime_name
 
 PAGE_SIZE = 2
 CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
@@ -37,7 +37,7 @@ def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, 
     tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
     lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
     candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
-    new_index = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates).tolist()
+    new_index = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates, host_placement()).tolist()
     firsts = [sum(len(ts) for ts in list(users.values())[:b]) for b in range(len(users))]
     cached = [len(ts) - sum(first <= i < first + len(ts) for i in new_index) for first, ts in zip(firsts, users.values())]
     assert new_index == [first + p for first, ts, c in zip(firsts, users.values(), cached) for p in range(c, len(ts))]
@@ -164,7 +164,7 @@ def test_batch_users_are_never_evicted_for_each_other(runtime):
 def test_duplicate_user_in_batch_is_rejected(runtime):
     with pytest.raises(ValueError, match="user id 1 appears twice in one batch"):
         kv.begin_batch(runtime, CONFIG, torch.tensor([1, 1]), torch.tensor([1, 2]), torch.tensor([1, 1]),
-                       torch.tensor([1, 1]))
+                       torch.tensor([1, 1]), host_placement())
 
 
 def test_reset_empties_everything(runtime):
@@ -200,7 +200,7 @@ def _in_thread(target) -> threading.Thread:
 def test_aborted_batch_releases_the_runtime_to_other_threads(runtime):
     request(runtime, {1: [1, 2, 3]})
     kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3, 4]), torch.tensor([4]),
-                   torch.tensor([1]))  # this thread now owns the runtime, as a request failing midway would
+                   torch.tensor([1]), host_placement())  # this thread now owns the runtime, as a request failing midway would
     kv.abort_batch(runtime)
     results = []
     assert not _in_thread(lambda: results.append(request(runtime, {1: [1, 2, 3, 4]}))).is_alive()
@@ -232,7 +232,8 @@ def test_refused_request_records_why_and_holds_nothing(tiny_config, tiny_model):
 
 
 def test_failing_op_releases_its_batch_at_once(runtime):
-    kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([1]))
+    kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([1]),
+                   host_placement())
     wrong_rows = torch.zeros(2, 1, 2)  # the plan has 1 candidate + 3 new prefix rows
     with pytest.raises(RuntimeError, match="expected k and v of 4 rows"):
         kv.paged_attention(runtime, 0, wrong_rows, wrong_rows, wrong_rows, 1.0, 1.0)
@@ -251,7 +252,7 @@ def test_stalled_batch_goes_to_the_next_request_and_its_ops_then_fail():
 
         def host_that_stops_between_ops():
             kv.begin_batch(name, config, torch.tensor([7]), torch.tensor([1, 2]), torch.tensor([2]),
-                           torch.tensor([1]))
+                           torch.tensor([1]), host_placement())
             begun.set()  # the host now fails this request without calling anything
             time.sleep(0.6)
             rows = torch.zeros(3, 1, 2)

@@ -123,8 +123,8 @@ def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> di
     full_ms = times(full, 1, args.full_repeats)
     with torch.no_grad():
         kv.reset_runtime(eager_runtime)
-        model.forward_cached(variants[0].to(device), eager_runtime)
-        eager = times(lambda i: model.forward_cached(variants[i + 1].to(device), eager_runtime), args.warmup,
+        model.forward_cached(variants[0], eager_runtime)
+        eager = times(lambda i: model.forward_cached(variants[i + 1], eager_runtime), args.warmup,
                       args.repeats)
     row = {"batch_size": batch_size, "cached_events": args.length, "new_events": args.new_events,
            "candidates": args.candidates, "cached_ms": summary(cached), "full_ms": summary(full_ms),

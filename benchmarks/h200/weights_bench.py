@@ -54,7 +54,7 @@ started = time.perf_counter()
 compiled = _load_compiled(package, device.index if device.index is not None else -1)
 load_s = time.perf_counter() - started
 kv.create_runtime(runtime, compiled.get_metadata()["kvexport.runtime_config"], device)
-batch = SweepRequests(config, 256, 2, first_user=0, new_events=8, candidates=16).variant(0).to(device)
+batch = SweepRequests(config, 256, 2, first_user=0, new_events=8, candidates=16).variant(0)
 started = time.perf_counter()
 logits = compiled(*batch.tensors())
 if device.type == "cuda":
@@ -88,7 +88,7 @@ def main() -> int:
     runtime = runtime_name_for(config, model) + "-weights-bench"
     model = model.to(args.device)
     started = time.perf_counter()
-    program = export_cached(CachedRanker(model, runtime), config, args.device)
+    program = export_cached(CachedRanker(model, runtime), config)
     result = {"config": config.name, "device": args.device, "torch": torch.__version__,
               "export_s": round(time.perf_counter() - started, 1), "variants": {}}
     del model

@@ -90,18 +90,22 @@ RequestTensors check_request_op(const std::string& name, const std::string& limi
 
 at::Tensor begin_batch(const std::string& name, const std::string& config, const at::Tensor& user_ids,
                        const at::Tensor& token_ids, const at::Tensor& token_lengths,
-                       const at::Tensor& num_candidates) {
+                       const at::Tensor& num_candidates, const at::Tensor& placement) {
   return request_op(name, [&] {
-    auto rt = runtime::get_or_create_runtime(name, config, user_ids.device());
-    check_kind("user_ids", user_ids, 1, user_ids.device());
-    check_kind("token_ids", token_ids, 1, user_ids.device());
-    check_kind("token_lengths", token_lengths, 1, user_ids.device());
-    check_kind("num_candidates", num_candidates, 1, user_ids.device());
-    const auto host = on_host({user_ids, token_ids, token_lengths, num_candidates});
-    const auto& plan = rt->begin_batch(values_of(host[0]), values_of(host[1]), values_of(host[2]), values_of(host[3]));
-    if (plan.new_tokens.device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
+    auto rt = runtime::get_or_create_runtime(name, config, placement.device());
+    check_kind("user_ids", user_ids, 1);
+    check_kind("token_ids", token_ids, 1);
+    check_kind("token_lengths", token_lengths, 1);
+    check_kind("num_candidates", num_candidates, 1);
+    const auto& plan = rt->begin_batch(values_of(user_ids.contiguous()), values_of(token_ids.contiguous()),
+                                       values_of(token_lengths.contiguous()), values_of(num_candidates.contiguous()));
+    if (rt->device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
     return plan.new_tokens.clone();
   });
+}
+
+std::vector<at::Tensor> upload_op(at::TensorList host, const at::Tensor& placement) {
+  return upload(host, placement.device());
 }
 
 at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Tensor& q, const at::Tensor& k,
@@ -127,8 +131,8 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
 // moved an end_batch ordered only by its ORDERED effect before begin_batch.)
 void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Tensor& after) {
   request_op(name, [&] {
-    check_kind("user_ids", user_ids, 1, user_ids.device());
-    runtime::find_runtime(name)->end_batch(values_of(on_host({user_ids})[0]));
+    check_kind("user_ids", user_ids, 1);
+    runtime::find_runtime(name)->end_batch(values_of(user_ids.contiguous()));
     end_request_threads();
     return 0;
   });
@@ -219,18 +223,24 @@ std::tuple<std::string, std::string> gpu_info([[maybe_unused]] const c10::Device
 }  // namespace
 
 TORCH_LIBRARY(kvexport, m) {
-  // The first op of every request: checks it against the package's limits and returns the
-  // tensors the rest of the graph reads (so nothing indexes with an unchecked id).
+  // The first op of every request: checks it (on the host, where every request's tensors are)
+  // against the package's limits and returns the host tensors the rest of the graph reads (so
+  // nothing indexes with an unchecked id).
   m.def("check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
         "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Copies of int64 host tensors on placement's device, in one asynchronous upload on a GPU.
+  m.def("upload(Tensor[] host, Tensor placement) -> Tensor[]");
   // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py). Each also depends on
-  // the previous one by data: begin_batch returns the index of the uncached tokens, which selects
-  // the rows every layer computes; each layer's paged_attention (which stores the layer's new k/v,
-  // then attends) feeds the next layer, and end_batch takes the logits. (One output: torch 2.13's
-  // Inductor cannot lower an effectful op whose second output has a data-dependent size.)
+  // the previous one by data: begin_batch returns the host index of the uncached tokens, which
+  // selects the rows every layer computes; each layer's paged_attention (which stores the layer's
+  // new k/v, then attends) feeds the next layer, and end_batch takes the logits. (One output:
+  // torch 2.13's Inductor cannot lower an effectful op whose second output has a data-dependent
+  // size.) begin_batch's request tensors and end_batch's user_ids are on the host, so neither waits
+  // for the device; `placement` is any tensor on the package's device (a weight): the runtime
+  // lives there.
   m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
-        "Tensor num_candidates) -> Tensor");
+        "Tensor num_candidates, Tensor placement) -> Tensor");
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "
         "float inv_scaling_seqlen) -> Tensor");
   m.def("end_batch(str runtime, Tensor user_ids, Tensor after) -> ()");
@@ -261,6 +271,7 @@ TORCH_LIBRARY(kvexport, m) {
 
 TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
   m.impl("check_request", &check_request_op);
+  m.impl("upload", &upload_op);
   m.impl("begin_batch", &begin_batch);
   m.impl("paged_attention", &paged_attention);
   m.impl("end_batch", &end_batch);
@@ -268,11 +279,14 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
 }
 
 #ifdef KVEXPORT_WITH_CUDA
-// The request ops are device-generic (the runtime lives on the device of the request's tensors);
-// only the attention kernel differs. hstu_paged_attention's CUDA kernel registers itself
+// The request ops are device-generic (the runtime lives on the device of begin_batch's
+// placement); only the attention kernel differs. A GPU package's begin_batch, upload and end_batch
+// dispatch here through their device tensor; check_request only when a host passes a request on
+// the GPU, to refuse it. hstu_paged_attention's CUDA kernel registers itself
 // (paged_attention_cuda.cu).
 TORCH_LIBRARY_IMPL(kvexport, CUDA, m) {
   m.impl("check_request", &check_request_op);
+  m.impl("upload", &upload_op);
   m.impl("begin_batch", &begin_batch);
   m.impl("paged_attention", &paged_attention);
   m.impl("end_batch", &end_batch);

@@ -115,38 +115,42 @@ void check_distinct(const at::Tensor& user_ids) {
 
 }  // namespace
 
-// dtype, rank and device first: nothing else may read a tensor whose bytes are not int64.
-void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::Device& device) {
+// dtype, rank and place first: nothing else may read a tensor whose bytes are not int64 or are
+// not on the host.
+void check_kind(const char* name, const at::Tensor& t, int64_t ndim) {
   if (t.scalar_type() != at::kLong) {
     refuse(std::string(name) + " must be int64, got " + dtype_name(t.scalar_type()));
   }
   if (t.dim() != ndim) refuse(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " + shape_of(t));
-  if (t.device() != device) {
-    refuse(std::string(name) + " is on " + t.device().str() + ", user_ids on " + device.str() +
-           ": every input must be on one device");
+  if (!t.is_cpu()) {
+    refuse(std::string(name) + " is on " + t.device().str() +
+           ": a request's tensors must be on the host (cpu), whatever the package's device");
   }
 }
 
-// The inputs' values on the host, contiguous: on a GPU in one device-to-host copy into pinned
-// memory (one wait for the device per request, not one per input, and no copy through the
-// driver's staging buffer that a pageable destination needs).
-std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs) {
-  std::vector<at::Tensor> host;
-  if (inputs.front().is_cpu()) {
-    for (const auto& t : inputs) host.push_back(t.contiguous());
-    return host;
+std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device) {
+  std::vector<at::Tensor> out;
+  int64_t total = 0;
+  for (const auto& t : host) {
+    TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kLong, "upload takes int64 host tensors, got ",
+                dtype_name(t.scalar_type()), " on ", t.device().str());
+    total += t.numel();
   }
-  std::vector<at::Tensor> flat;
-  for (const auto& t : inputs) flat.push_back(t.reshape(-1));
-  const auto on_device = at::cat(flat);
-  auto all = at::empty(on_device.sizes(), on_device.options().device(at::kCPU).pinned_memory(true));
-  all.copy_(on_device);
+  if (device.is_cpu()) {
+    for (const auto& t : host) out.push_back(t.clone());
+    return out;
+  }
+  // Pinned, so each copy is asynchronous; the host allocator keeps the buffer until the copies
+  // have run. Separate device tensors, not views of one: outputs of an op must not alias.
+  auto staged = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t offset = 0;
-  for (const auto& t : inputs) {
-    host.push_back(all.narrow(0, offset, t.numel()).view(t.sizes()));
+  for (const auto& t : host) {
+    auto part = staged.narrow(0, offset, t.numel()).view(t.sizes());
+    part.copy_(t);
+    out.push_back(part.to(device, /*non_blocking=*/true));
     offset += t.numel();
   }
-  return host;
+  return out;
 }
 
 RequestTensors check_request(const std::string& limits_json, const at::Tensor& user_ids,
@@ -154,18 +158,16 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
                              const at::Tensor& action_ids, const at::Tensor& context_ids,
                              const at::Tensor& num_candidates, const at::Tensor& candidate_ids) {
   const auto& l = limits_for(limits_json);
-  const auto device = user_ids.device();
-  check_kind("user_ids", user_ids, 1, device);
-  check_kind("history_lengths", history_lengths, 1, device);
-  check_kind("item_ids", item_ids, 1, device);
-  check_kind("action_ids", action_ids, 1, device);
-  check_kind("context_ids", context_ids, 2, device);
-  check_kind("num_candidates", num_candidates, 1, device);
-  check_kind("candidate_ids", candidate_ids, 1, device);
-  const auto host = on_host({user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
-                             candidate_ids});
-  const auto &users = host[0], &history = host[1], &items = host[2], &actions = host[3], &context = host[4],
-             &counts = host[5], &candidates = host[6];
+  check_kind("user_ids", user_ids, 1);
+  check_kind("history_lengths", history_lengths, 1);
+  check_kind("item_ids", item_ids, 1);
+  check_kind("action_ids", action_ids, 1);
+  check_kind("context_ids", context_ids, 2);
+  check_kind("num_candidates", num_candidates, 1);
+  check_kind("candidate_ids", candidate_ids, 1);
+  const auto users = user_ids.contiguous(), history = history_lengths.contiguous(), items = item_ids.contiguous(),
+             actions = action_ids.contiguous(), context = context_ids.contiguous(),
+             counts = num_candidates.contiguous(), candidates = candidate_ids.contiguous();
 
   const int64_t num_users = users.size(0);
   if (num_users == 0) refuse("empty batch (no users)");
@@ -193,14 +195,9 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
   check_range("context_ids", context, 0, l.context_vocab_size, "the context vocabulary");
 
-  // Copies for the rest of the graph: of the checked host values on the CPU; on a GPU, of the inputs
-  // on the device (ordered after the copy that was checked; no second trip through the host).
-  const auto out = [&](const at::Tensor& checked, const at::Tensor& input) {
-    return device.is_cpu() ? checked.clone() : input.contiguous().clone();
-  };
-  return {out(users, user_ids),     out(history, history_lengths), out(items, item_ids),
-          out(actions, action_ids), out(context, context_ids),     out(counts, num_candidates),
-          out(candidates, candidate_ids)};
+  // Copies for the rest of the graph (contiguous() may have returned the input itself).
+  return {users.clone(), history.clone(), items.clone(), actions.clone(), context.clone(), counts.clone(),
+          candidates.clone()};
 }
 
 }  // namespace kvexport::ops

@@ -12,20 +12,22 @@ namespace kvexport::ops {
 
 using RequestTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Validates one request against limits_json (Config.request_limits_json) and returns copies of
-// its tensors, which the rest of the graph reads, so no kernel can index with an unchecked id.
+// Validates one request (host tensors) against limits_json (Config.request_limits_json) and
+// returns host copies of its tensors, which the rest of the graph reads, so no kernel can index
+// with an unchecked id. Reads nothing from a device, so it never waits for one.
 // Throws runtime::RequestError(kInvalidRequest) with one line naming the field and value.
 RequestTensors check_request(const std::string& limits_json, const at::Tensor& user_ids,
                              const at::Tensor& history_lengths, const at::Tensor& item_ids,
                              const at::Tensor& action_ids, const at::Tensor& context_ids,
                              const at::Tensor& num_candidates, const at::Tensor& candidate_ids);
 
-// dtype (int64), rank and device of one input, `name`d in the one-line refusal
-// (RequestError kInvalidRequest): nothing else may read a tensor whose bytes are not int64.
-void check_kind(const char* name, const at::Tensor& t, int64_t ndim, const at::Device& device);
+// dtype (int64), rank and place of one request tensor, `name`d in the one-line refusal
+// (RequestError kInvalidRequest): a request is read on the host, whatever the package's device,
+// and nothing may read a tensor whose bytes are not int64.
+void check_kind(const char* name, const at::Tensor& t, int64_t ndim);
 
-// The tensors' values on the host, contiguous, in order; on a GPU in one device-to-host copy (one
-// wait for the device, not one per tensor). All must have one dtype and device.
-std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& inputs);
+// Copies of host tensors on `device`: on a GPU staged in one pinned buffer and copied
+// asynchronously on the current stream (no wait for the device). All must be int64 on the host.
+std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device);
 
 }  // namespace kvexport::ops

@@ -210,15 +210,15 @@ double percentile(std::vector<double> values, double q) {
   return values[std::min(index, values.size() - 1)];
 }
 
-// Loads every trace step once; inputs in the package's signature order, on its device.
+// Loads every trace step once; inputs in the package's signature order, on the host (where a
+// package takes its request, whatever its device).
 struct LoadedStep {
   std::vector<at::Tensor> inputs;
   at::Tensor expected_cached, expected_full, expected_reference;
   std::string expect_error;
 };
 
-std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature,
-                                   const c10::Device& device) {
+std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<std::string>& signature) {
   std::vector<LoadedStep> steps;
   for (const auto& step : manifest.steps) {
     auto tensors = load_step(manifest, step);
@@ -226,7 +226,7 @@ std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<s
     loaded.expect_error = step.expect_error;
     for (const auto& name : signature) {
       if (!tensors.count(name)) throw ReplayError(kUnusable, "trace file " + step.file + " lacks " + name);
-      loaded.inputs.push_back(tensors.at(name).to(device));
+      loaded.inputs.push_back(tensors.at(name));
     }
     if (loaded.expect_error.empty()) {
       loaded.expected_cached = tensors.at(trace_keys().expected_cached);
@@ -261,14 +261,13 @@ at::Tensor run_step(torch::inductor::AOTIModelPackageLoader& loader, const std::
   }
 }
 
-std::vector<std::vector<at::Tensor>> load_hostile(const fs::path& path, const std::vector<std::string>& signature,
-                                                  const c10::Device& device) {
+std::vector<std::vector<at::Tensor>> load_hostile(const fs::path& path, const std::vector<std::string>& signature) {
   std::vector<std::vector<at::Tensor>> requests;
   for (const auto& request : load_request_list(path)) {
     std::vector<at::Tensor> inputs;
     for (const auto& name : signature) {
       if (!request.count(name)) throw ReplayError(kUnusable, "a --hostile request lacks " + name);
-      inputs.push_back(request.at(name).to(device));
+      inputs.push_back(request.at(name));
     }
     requests.push_back(std::move(inputs));
   }
@@ -492,12 +491,12 @@ int run(const Options& options) {
   check_manifest_against_package(manifest, metadata);
   const std::string runtime = metadata.at("kvexport.runtime_name");
   const auto signature = nlohmann::json::parse(metadata.at("kvexport.signature")).get<std::vector<std::string>>();
-  // The package names its device; the runtime lives there and every request goes there.
+  // The package names its device; the runtime lives there (requests stay on the host).
   const c10::Device device(metadata.at("kvexport.device"));
   call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), device});
   if (options.remote) attach_remote(runtime, *options.remote, options.remote_write);
-  Replay replay{*loader, runtime, load_trace(manifest, signature, device), {}, atol, rtol};
-  if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature, device);
+  Replay replay{*loader, runtime, load_trace(manifest, signature), {}, atol, rtol};
+  if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature);
 
   std::vector<StepResult> results(replay.steps.size());
   for (int pass = 0; pass < options.repeat; ++pass) {

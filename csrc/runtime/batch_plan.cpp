@@ -66,12 +66,12 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   plan.max_row_keys = row_keys.empty() ? 0 : *std::max_element(row_keys.begin(), row_keys.end());
   const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
   plan.max_tile_rows = widest_tile(tiles);
-  // One host-to-device copy per request: every per-request tensor is a view of one buffer (pinned
+  // One host-to-device copy per request: every per-request device tensor is a view of one buffer (pinned
   // on CUDA, so the copy is asynchronous on the current stream).
   std::vector<int64_t> value_slots(write_slots);
   for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
   const std::vector<const std::vector<int64_t>*> parts = {
-      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &new_tokens, &row_order, &tiles};
+      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &row_order, &tiles};
   int64_t total = static_cast<int64_t>(row_candidate.size());
   for (const auto* part : parts) total += static_cast<int64_t>(part->size());
   auto host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
@@ -90,10 +90,10 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   plan.row_keys = next(row_keys.size());
   plan.write_slots = next(write_slots.size());
   plan.value_slots = next(value_slots.size());
-  plan.new_tokens = next(new_tokens.size());
   plan.row_order = next(row_order.size());
   plan.tiles = next(tiles.size()).view({-1, 3});
   plan.row_candidate = next(row_candidate.size()).ne(0);
+  plan.new_tokens = at::tensor(new_tokens, at::kLong);  // the model indexes the request on the host
 }
 
 }  // namespace kvexport::runtime

@@ -26,13 +26,14 @@ struct BatchPlan {
   at::Tensor write_slots;    // [num_new_prefix_rows] int64, slot of each new prefix row in a layer's
                              // cache viewed as [pages * 2 * page_size, heads, head_dim] (k; v is +page_size)
   at::Tensor value_slots;    // [num_new_prefix_rows] int64, write_slots + page_size: where the v rows go
-  at::Tensor new_tokens;     // [num_new_prefix_rows] int64, index of each new prefix row in the request's token_ids
   // For kernels that work on tiles of one user's rows (CUDA): rows grouped by user, and tiles
   // [T, 3] int64 of (user, first index into row_order, row count <= kAttentionTileRows).
   at::Tensor row_order;  // [N] int64
   at::Tensor tiles;      // [T, 3] int64
   int64_t max_row_keys = 0;   // the most cached keys any row reads
   int64_t max_tile_rows = 0;  // the most rows of any tile
+  // On the host: [num_new_prefix_rows] int64, index of each new prefix row in the request's token_ids.
+  at::Tensor new_tokens;
 };
 
 // Rows per attention tile at most (one user's rows; the CUDA kernel's block: a user with the

@@ -130,11 +130,11 @@ def package_vs_eager(runner: PackageRunner, model: HSTURanker, lengths: list[int
             eager.reset()
             kv.reset_runtime(runner.artifact.runtime_name)
             with torch.no_grad():
-                model.forward_cached(requests.variant(0).to(runner.device), eager.name)
+                model.forward_cached(requests.variant(0), eager.name)
             runner.score(requests.variant(0))
 
             def eager_ms(r: int) -> float:
-                batch = requests.variant(r + 1).to(runner.device)
+                batch = requests.variant(r + 1)
                 with torch.no_grad():
                     return timed_ms(lambda: model.forward_cached(batch, eager.name))
 

@@ -66,13 +66,16 @@ def versions() -> dict[str, str]:
             "fbgemm_gpu": installed("fbgemm-gpu-cpu", "fbgemm-gpu")}
 
 
-def signature(config: Config) -> dict:
+def signature(config: Config, device: str) -> dict:
+    """Inputs and output with dtype, shape and device: a request is on the host whatever the
+    package's device; the logits come back on the package's device."""
     m, b = config.model, "B"
     shapes = {"user_ids": [b], "history_lengths": [b], "item_ids": ["sum(history_lengths)"],
               "action_ids": ["sum(history_lengths)"], "context_ids": [b, m.num_contextual_features],
               "num_candidates": [b], "candidate_ids": ["sum(num_candidates)"]}
-    return {"inputs": [{"name": n, "dtype": "int64", "shape": shapes[n]} for n in SIGNATURE],
-            "output": {"name": "logits", "dtype": "float32", "shape": ["sum(num_candidates)", m.num_tasks]}}
+    return {"inputs": [{"name": n, "dtype": "int64", "shape": shapes[n], "device": "cpu"} for n in SIGNATURE],
+            "output": {"name": "logits", "dtype": "float32", "shape": ["sum(num_candidates)", m.num_tasks],
+                       "device": torch.device(device).type}}
 
 
 def dims(config: Config) -> dict[str, int]:
@@ -170,7 +173,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         model = model.to(device)
         library.load()
     with stages.stage("export", f"torch.export of the KV-cached module on {device}"):
-        program = export_cached(CachedRanker(model, runtime_name), config, device)
+        program = export_cached(CachedRanker(model, runtime_name), config)
         ops = graph_custom_ops(program)
     with stages.stage("trace", "recording requests with eager cached, full-recompute and float32 reference outputs"):
         trace = record_trace(config, model, staging / artifact.TRACE_DIR)
@@ -212,7 +215,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
             "config": config.to_dict(),
             "runtime_config": json.loads(config.runtime_json()),
             "weights": weights,
-            "signature": signature(config),
+            "signature": signature(config, device),
             "dims": dims(config),
             "tolerance": tolerance,
             "versions": versions(),

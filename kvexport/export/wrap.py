@@ -42,12 +42,12 @@ def example_batch(config: Config):
     return random_batch(config.model, seed=0, history_lengths=[3, 5], num_candidates=[2, 3])
 
 
-def export_cached(module: CachedRanker, config: Config, device: torch.device | str = "cpu") -> ExportedProgram:
-    """torch.export of the cached module (its parameters on `device`); one program serves batch 1,
-    one new token and the maxima."""
+def export_cached(module: CachedRanker, config: Config) -> ExportedProgram:
+    """torch.export of the cached module; one program serves batch 1, one new token and the
+    maxima. The request is on the host whatever the parameters' device (the model
+    checks, lays out and plans it there and uploads what it computes with)."""
     library.load()  # effects must be declared before tracing
     with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        # Each input its own tensor (Batch.to would make them views of one upload).
-        example = tuple(t.to(device) for t in example_batch(config).tensors())
+        example = example_batch(config).tensors()
         return torch.export.export(module.eval(), example,
                                    dynamic_shapes=dynamic_shapes(config), strict=False)

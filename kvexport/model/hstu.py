@@ -191,16 +191,24 @@ class HSTURanker(nn.Module):
         """Computes only each user's uncached prefix suffix plus its candidates.
 
         New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
-        cached tokens are neither re-embedded nor re-projected. The request is checked inside the
-        op library first, and everything after reads the checked copies.
+        cached tokens are neither re-embedded nor re-projected. The request's tensors are on the
+        host: they are checked inside the op library first, everything after reads the checked
+        copies, and the batch is laid out and planned there too; on a GPU, what the model computes
+        with is then uploaded at once, so no op waits for the device.
         """
+        placement = self.position_embedding.weight  # the runtime lives on the model's device
         (user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
          candidate_ids) = kv.check_request(runtime, self.request_limits, user_ids, history_lengths, item_ids,
                                            action_ids, context_ids, num_candidates, candidate_ids)
         token_ids, positions, token_lengths, _ = prefix_tokens(history_lengths, item_ids, action_ids, context_ids)
         # The uncached tokens [N_new], users in order, positions ascending: the runtime's row order.
-        new_index = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates)
-        new_tokens = self.embed_prefix(token_ids[new_index], positions[new_index])
+        new_index = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates,
+                                   placement)
+        new_ids, new_positions = token_ids[new_index], positions[new_index]
+        if placement.device.type != "cpu":
+            new_ids, new_positions, candidate_ids, token_lengths, num_candidates = kv.upload(
+                [new_ids, new_positions, candidate_ids, token_lengths, num_candidates], placement)
+        new_tokens = self.embed_prefix(new_ids, new_positions)
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         x = torch.cat([candidates, new_tokens])  # [T + N_new, d]
         for i, layer in enumerate(self.layers):

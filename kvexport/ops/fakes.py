@@ -20,8 +20,13 @@ def _check_request(runtime, limits, user_ids, history_lengths, item_ids, action_
                                                num_candidates, candidate_ids))
 
 
+@torch.library.register_fake("kvexport::upload")
+def _upload(host, placement):
+    return [torch.empty_like(t, device=placement.device) for t in host]
+
+
 @torch.library.register_fake("kvexport::begin_batch")
-def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candidates):
+def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candidates, placement):
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
     torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")

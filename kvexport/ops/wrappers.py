@@ -3,6 +3,9 @@
 A *runtime* is named by a string (the model's config name); each process holds at most one
 runtime per name. The stateful ops of one request run in this order:
 check_request -> begin_batch -> paged_attention per layer -> end_batch.
+A request's tensors are on the host, whatever the runtime's device: check_request, begin_batch
+and end_batch read them there without waiting for a device, and `upload` puts what the model
+computes with on the device in one asynchronous copy.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ def _ops():
 def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, history_lengths: torch.Tensor,
                   item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,
                   num_candidates: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Checks a request against the package's limits (Config.request_limits_json) inside the op library.
+    """Checks a request (host tensors) against the package's limits (Config.request_limits_json)
+    inside the op library.
 
-    Returns copies of the seven tensors, in signature order, for the rest of the graph to read:
-    no kernel then sees an unchecked id. A refused request raises ValueError and records
+    Returns host copies of the seven tensors, in signature order, for the rest of the graph to
+    read: no kernel then sees an unchecked id. A tensor on a GPU is refused. A refused request raises ValueError and records
     ("invalid_request", message) for last_error(runtime); every request starts by clearing it.
     """
     return _ops().check_request(runtime, limits_json, user_ids, history_lengths, item_ids, action_ids,
@@ -51,17 +55,24 @@ def stat_names() -> list[str]:
 
 
 def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids: torch.Tensor,
-                token_lengths: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
+                token_lengths: torch.Tensor, num_candidates: torch.Tensor, placement: torch.Tensor) -> torch.Tensor:
     """Plans a request: reuses each user's longest cached common prefix, evicts and allocates.
 
     user_ids [B], token_ids [sum(P)] (each user's prefix tokens, jagged), token_lengths [B] (P),
-    num_candidates [B]. Creates the runtime from `config_json` on first use. Returns new_tokens
-    [N_new]: the index into token_ids of the tokens not served from the cache (each user's
-    tokens after its longest cached prefix), users in order, positions ascending. The model then
-    computes new rows laid out as [all candidates][token_ids[new_tokens]], which paged_attention
-    relies on.
+    num_candidates [B], all on the host. placement: any tensor on the runtime's device (the model
+    passes a weight); the runtime is created there from `config_json` on first use. Returns
+    new_tokens [N_new] on the host: the index into token_ids of the tokens not served from the
+    cache (each user's tokens after its longest cached prefix), users in order, positions
+    ascending. The model then computes new rows laid out as [all candidates][token_ids[new_tokens]],
+    which paged_attention relies on.
     """
-    return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates)
+    return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
+
+
+def upload(host: list[torch.Tensor], placement: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of int64 host tensors on placement's device: on a GPU one pinned staging buffer and
+    asynchronous copies on the current stream, so the host does not wait for the device."""
+    return _ops().upload(host, placement)
 
 
 def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -77,7 +88,7 @@ def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, 
 def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None:
     """Commits the request: the users' caches now hold their whole prefix.
 
-    `after` (the request's logits) is not read; it makes end_batch depend on every layer by data.
+    user_ids are on the host. `after` (the request's logits) is not read; it makes end_batch depend on every layer by data.
     """
     _ops().end_batch(runtime, user_ids, after)
 

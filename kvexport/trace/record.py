@@ -77,7 +77,7 @@ class _Script:
             requests.append(self.workload.request(user, self.config.trace.num_candidates))
         batch = Batch.concat(requests)
         with torch.no_grad():
-            cached = self.model.forward_cached(batch.to(self.device), self.cache.name).cpu()
+            cached = self.model.forward_cached(batch, self.cache.name).cpu()
         self.steps.append((TraceStep(description, batch), cached))
         self.progress.step()
 
@@ -92,7 +92,7 @@ class _Script:
         before = self.cache.stats()
         try:
             with torch.no_grad():
-                self.model.forward_cached(batch.to(self.device), self.cache.name)
+                self.model.forward_cached(batch, self.cache.name)
         except ValueError:
             if kv.last_error(self.cache.name)[0] != error:
                 raise
