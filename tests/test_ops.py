@@ -140,19 +140,22 @@ def test_stateful_ops_match_reference_attention(runtime):
             torch.testing.assert_close(got[r], torch.einsum("nh,nhd->hd", w, v[keys]), rtol=1e-5, atol=1e-6)
 
 
-def test_upload_on_the_host_copies_and_checks():
-    """upload with a host placement returns copies (never the inputs), and refuses what is not an
-    int64 host tensor as an internal error."""
+def test_upload_on_the_host_copies_and_checks(runtime):
+    """upload with a host placement returns contiguous copies (never the inputs), and refuses what is
+    not an int64 host tensor as an internal error, released like any failing op of a request."""
     host = [torch.arange(4), torch.arange(6).view(2, 3).t()]
-    copies = kv.upload(host, host_placement())
+    copies = kv.upload(runtime, host, host_placement())
     for before, after in zip(host, copies):
-        assert torch.equal(after, before) and after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
+        assert torch.equal(after, before) and after.is_contiguous()
+        assert after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
     with pytest.raises(RuntimeError, match="upload takes int64 host tensors, got float32 on cpu"):
-        kv.upload([torch.zeros(2)], host_placement())
+        kv.upload(runtime, [torch.zeros(2)], host_placement())
+    assert kv.last_error(runtime)[0] == "internal"
 
 
-def test_opcheck_upload():
-    torch.library.opcheck(torch.ops.kvexport.upload.default, ([torch.arange(4), torch.arange(3)], host_placement()))
+def test_opcheck_upload(runtime):
+    torch.library.opcheck(torch.ops.kvexport.upload.default,
+                          (runtime, [torch.arange(4), torch.arange(6).view(2, 3).t()], host_placement()))
 
 
 def _in_batch(runtime, rows):

@@ -104,8 +104,8 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
   });
 }
 
-std::vector<at::Tensor> upload_op(at::TensorList host, const at::Tensor& placement) {
-  return upload(host, placement.device());
+std::vector<at::Tensor> upload_op(const std::string& name, at::TensorList host, const at::Tensor& placement) {
+  return request_op(name, [&] { return upload(host, placement.device()); });
 }
 
 at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Tensor& q, const at::Tensor& k,
@@ -229,8 +229,9 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
         "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // Copies of int64 host tensors on placement's device, in one asynchronous upload on a GPU.
-  m.def("upload(Tensor[] host, Tensor placement) -> Tensor[]");
+  // Contiguous copies of int64 host tensors on placement's device; on a GPU staged in one pinned
+  // buffer and copied asynchronously (a failure is one of request `runtime`'s).
+  m.def("upload(str runtime, Tensor[] host, Tensor placement) -> Tensor[]");
   // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py). Each also depends on
   // the previous one by data: begin_batch returns the host index of the uncached tokens, which
   // selects the rows every layer computes; each layer's paged_attention (which stores the layer's

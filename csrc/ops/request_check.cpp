@@ -137,7 +137,7 @@ std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device) {
     total += t.numel();
   }
   if (device.is_cpu()) {
-    for (const auto& t : host) out.push_back(t.clone());
+    for (const auto& t : host) out.push_back(t.clone(at::MemoryFormat::Contiguous));
     return out;
   }
   // Pinned, so each copy is asynchronous; the host allocator keeps the buffer until the copies

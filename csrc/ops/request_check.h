@@ -26,7 +26,7 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
 // and nothing may read a tensor whose bytes are not int64.
 void check_kind(const char* name, const at::Tensor& t, int64_t ndim);
 
-// Copies of host tensors on `device`: on a GPU staged in one pinned buffer and copied
+// Contiguous copies of host tensors on `device`: on a GPU staged in one pinned buffer and copied
 // asynchronously on the current stream (no wait for the device). All must be int64 on the host.
 std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device);
 

@@ -21,6 +21,15 @@ RequestError invalid_request(const std::string& message) {
   return RequestError(ErrorCode::kInvalidRequest, message);
 }
 
+// The first `count` of a user's pages as an index on `device`: on a GPU staged in pinned memory and
+// copied asynchronously on the current stream (from pageable memory the copy would wait for the
+// device).
+at::Tensor page_index(const std::vector<int64_t>& pages, int64_t count, const at::Device& device) {
+  auto host = at::empty({count}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  std::copy(pages.begin(), pages.begin() + count, host.data_ptr<int64_t>());
+  return host.to(device, /*non_blocking=*/true);
+}
+
 int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t b_len) {
   const int64_t n = std::min(a_len, b_len);
   int64_t i = 0;
@@ -244,9 +253,8 @@ void KVRuntime::evict(int64_t user_id) {
 
 at::Tensor KVRuntime::cached_pages(const UserEntry& entry) const {
   const int64_t num_pages = config_.pages_for(static_cast<int64_t>(entry.token_ids.size()));
-  const auto index = at::tensor(std::vector<int64_t>(entry.pages.begin(), entry.pages.begin() + num_pages), at::kLong)
-                         .to(cache_.device());
-  return cache_.index_select(1, index);  // [layers, num_pages, 2, page_size, H, dh]
+  // [layers, num_pages, 2, page_size, H, dh]
+  return cache_.index_select(1, page_index(entry.pages, num_pages, cache_.device()));
 }
 
 OffloadedUser KVRuntime::copy_to_host(const UserEntry& entry) {
@@ -282,7 +290,7 @@ void KVRuntime::offload(int64_t user_id, UserEntry entry) {
 
 void KVRuntime::onboard(UserEntry& entry, const OffloadedUser& offloaded, int64_t num_tokens) {
   const int64_t num_pages = config_.pages_for(num_tokens);
-  auto index = at::tensor(entry.pages, at::kLong).to(cache_.device());
+  const auto index = page_index(entry.pages, static_cast<int64_t>(entry.pages.size()), cache_.device());
   const auto source = offloaded.pages.narrow(1, 0, num_pages);
   if (!copy_stream_) {
     cache_.index_copy_(1, index, source.to(cache_.device()));

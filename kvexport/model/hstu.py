@@ -207,7 +207,7 @@ class HSTURanker(nn.Module):
         new_ids, new_positions = token_ids[new_index], positions[new_index]
         if placement.device.type != "cpu":
             new_ids, new_positions, candidate_ids, token_lengths, num_candidates = kv.upload(
-                [new_ids, new_positions, candidate_ids, token_lengths, num_candidates], placement)
+                runtime, [new_ids, new_positions, candidate_ids, token_lengths, num_candidates], placement)
         new_tokens = self.embed_prefix(new_ids, new_positions)
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         x = torch.cat([candidates, new_tokens])  # [T + N_new, d]

@@ -21,8 +21,8 @@ def _check_request(runtime, limits, user_ids, history_lengths, item_ids, action_
 
 
 @torch.library.register_fake("kvexport::upload")
-def _upload(host, placement):
-    return [torch.empty_like(t, device=placement.device) for t in host]
+def _upload(runtime, host, placement):
+    return [t.new_empty(t.shape, device=placement.device) for t in host]
 
 
 @torch.library.register_fake("kvexport::begin_batch")

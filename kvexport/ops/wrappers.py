@@ -69,10 +69,11 @@ def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_id
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
 
 
-def upload(host: list[torch.Tensor], placement: torch.Tensor) -> list[torch.Tensor]:
-    """Copies of int64 host tensors on placement's device: on a GPU one pinned staging buffer and
-    asynchronous copies on the current stream, so the host does not wait for the device."""
-    return _ops().upload(host, placement)
+def upload(runtime: str, host: list[torch.Tensor], placement: torch.Tensor) -> list[torch.Tensor]:
+    """Contiguous copies of int64 host tensors on placement's device: on a GPU staged in one pinned
+    buffer and copied asynchronously on the current stream, so the host does not wait for the
+    device. A failure is one of request `runtime`'s (last_error; its batch is released)."""
+    return _ops().upload(runtime, host, placement)
 
 
 def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
