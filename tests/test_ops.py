@@ -125,7 +125,7 @@ def test_stateful_ops_match_reference_attention(runtime):
     rows = 3 + 7  # candidates first, then every prefix token (cold cache)
     q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
     new_tokens = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
-    assert new_tokens.tolist() == list(range(7))  # a cold cache: every token is new
+    assert new_tokens.tolist() == [list(range(7)), [0, 1, 2, 3, 0, 1, 2]]  # a cold cache: every token is new
     got = kv.paged_attention(runtime, 0, q, k, v, ALPHA, INV_S)
     kv.end_batch(runtime, user_ids, got)
     # Dense reference: user 0 = prefix rows 3..6 + candidates 0, 1; user 1 = prefix rows 7..9 + candidate 2.
@@ -151,6 +151,29 @@ def test_upload_on_the_host_copies_and_checks(runtime):
     with pytest.raises(RuntimeError, match="upload takes int64 host tensors, got float32 on cpu"):
         kv.upload(runtime, [torch.zeros(2)], host_placement())
     assert kv.last_error(runtime)[0] == "internal"
+
+
+def test_token_layout_is_the_models_prefix_tokens(runtime):
+    """The op's C++ layout == the model's tensor one (prefix_tokens), for users with and without
+    history; inconsistent jagged sizes are refused in one line, recorded for last_error."""
+    from kvexport.model.hstu import prefix_tokens
+
+    history_lengths = torch.tensor([3, 0, 2])
+    item_ids, action_ids = torch.arange(5) + 100, torch.arange(5) + 200
+    context_ids = torch.arange(6).view(3, 2)
+    got = kv.token_layout(runtime, history_lengths, item_ids, action_ids, context_ids)
+    assert got.tolist() == prefix_tokens(history_lengths, item_ids, action_ids, context_ids).token_ids.tolist()
+    assert got[:8].tolist() == [0, 1, 100, 200, 101, 201, 102, 202]
+    with pytest.raises(ValueError, match="^history_lengths sum to 4 but item_ids has 5 entries"):
+        kv.token_layout(runtime, torch.tensor([3, 0, 1]), item_ids, action_ids, context_ids)
+    with pytest.raises(ValueError, match=r"^history_lengths has -1, outside the events given \[0, 5\]"):
+        kv.token_layout(runtime, torch.tensor([3, -1, 3]), item_ids, action_ids, context_ids)
+    assert kv.last_error(runtime)[0] == "invalid_request"
+
+
+def test_opcheck_token_layout(runtime):
+    torch.library.opcheck(torch.ops.kvexport.token_layout.default,
+                          (runtime, torch.tensor([1, 2]), torch.arange(3), torch.arange(3), torch.arange(4).view(2, 2)))
 
 
 def test_opcheck_upload(runtime):

@@ -128,6 +128,35 @@ void check_kind(const char* name, const at::Tensor& t, int64_t ndim) {
   }
 }
 
+at::Tensor token_layout(const at::Tensor& history_lengths, const at::Tensor& item_ids, const at::Tensor& action_ids,
+                        const at::Tensor& context_ids) {
+  check_kind("history_lengths", history_lengths, 1);
+  check_kind("item_ids", item_ids, 1);
+  check_kind("action_ids", action_ids, 1);
+  check_kind("context_ids", context_ids, 2);
+  const auto lengths = history_lengths.contiguous(), items = item_ids.contiguous(),
+             actions = action_ids.contiguous(), context = context_ids.contiguous();
+  const int64_t num_users = context.size(0), num_context = context.size(1), num_events = items.size(0);
+  check_rows("history_lengths", lengths, num_users);
+  // Each length bounded first, so that their sum cannot overflow.
+  check_range("history_lengths", lengths, 0, num_events + 1, "the events given");
+  check_jagged("history_lengths", sum_of(lengths), "item_ids", items);
+  check_jagged("history_lengths", num_events, "action_ids", actions);
+  const auto* length = lengths.const_data_ptr<int64_t>();
+  auto tokens = at::empty({num_users * num_context + 2 * num_events}, at::kLong);
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t *item = items.const_data_ptr<int64_t>(), *action = actions.const_data_ptr<int64_t>();
+  const int64_t* ctx = context.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_users; ++b) {
+    out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context, out);
+    for (int64_t e = 0; e < length[b]; ++e) {
+      *out++ = *item++;
+      *out++ = *action++;
+    }
+  }
+  return tokens;
+}
+
 std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device) {
   std::vector<at::Tensor> out;
   int64_t total = 0;

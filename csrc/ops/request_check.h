@@ -26,6 +26,14 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
 // and nothing may read a tensor whose bytes are not int64.
 void check_kind(const char* name, const at::Tensor& t, int64_t ndim);
 
+// Each user's prefix as one jagged sequence of token ids, users one after another: its context
+// ids, then item and action ids interleaved (i_1 a_1 i_2 a_2 ...). The host counterpart of the
+// model's prefix_tokens (kvexport/model/hstu.py), which the full recompute runs; the cache parity
+// tests keep the two equal. Refuses (kInvalidRequest) tensors that are not int64 host tensors of
+// the request's ranks, or history lengths that do not sum to the events given.
+at::Tensor token_layout(const at::Tensor& history_lengths, const at::Tensor& item_ids, const at::Tensor& action_ids,
+                        const at::Tensor& context_ids);
+
 // Contiguous copies of host tensors on `device`: on a GPU staged in one pinned buffer and copied
 // asynchronously on the current stream (no wait for the device). All must be int64 on the host.
 std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device);

@@ -40,7 +40,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   int64_t max_pages = 1;
   for (auto length : token_lengths) max_pages = std::max(max_pages, (length + page_size - 1) / page_size);
   std::vector<int64_t> page_table(num_users * max_pages, 0);
-  std::vector<int64_t> row_user, row_keys, write_slots, new_tokens;
+  std::vector<int64_t> row_user, row_keys, write_slots, new_tokens, new_positions;
   std::vector<uint8_t> row_candidate;
   for (int64_t b = 0; b < num_users; ++b) {
     const auto& pages = *user_pages[b];
@@ -60,6 +60,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
       row_candidate.push_back(0);
       write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
       new_tokens.push_back(first_token + p);
+      new_positions.push_back(p);
     }
   }
   plan.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
@@ -93,7 +94,10 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   plan.row_order = next(row_order.size());
   plan.tiles = next(tiles.size()).view({-1, 3});
   plan.row_candidate = next(row_candidate.size()).ne(0);
-  plan.new_tokens = at::tensor(new_tokens, at::kLong);  // the model indexes the request on the host
+  // On the host, where the model selects the new tokens: their index, then their positions.
+  plan.new_tokens = at::empty({2, static_cast<int64_t>(new_tokens.size())}, at::kLong);
+  std::copy(new_tokens.begin(), new_tokens.end(), plan.new_tokens.data_ptr<int64_t>());
+  std::copy(new_positions.begin(), new_positions.end(), plan.new_tokens.data_ptr<int64_t>() + new_tokens.size());
 }
 
 }  // namespace kvexport::runtime

@@ -32,7 +32,8 @@ struct BatchPlan {
   at::Tensor tiles;      // [T, 3] int64
   int64_t max_row_keys = 0;   // the most cached keys any row reads
   int64_t max_tile_rows = 0;  // the most rows of any tile
-  // On the host: [num_new_prefix_rows] int64, index of each new prefix row in the request's token_ids.
+  // On the host: [2, num_new_prefix_rows] int64, each new prefix row's index in the request's
+  // token_ids, then its position in its user's prefix.
   at::Tensor new_tokens;
 };
 

@@ -20,6 +20,13 @@ def _check_request(runtime, limits, user_ids, history_lengths, item_ids, action_
                                                num_candidates, candidate_ids))
 
 
+@torch.library.register_fake("kvexport::token_layout")
+def _token_layout(runtime, history_lengths, item_ids, action_ids, context_ids):
+    torch._check(history_lengths.shape[0] == context_ids.shape[0], lambda: "history_lengths must match context_ids")
+    torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
+    return item_ids.new_empty(context_ids.shape[0] * context_ids.shape[1] + 2 * item_ids.shape[0])
+
+
 @torch.library.register_fake("kvexport::upload")
 def _upload(runtime, host, placement):
     return [t.new_empty(t.shape, device=placement.device) for t in host]
@@ -31,10 +38,10 @@ def _begin_batch(runtime, config, user_ids, token_ids, token_lengths, num_candid
     torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")
     # How many tokens are not cached is known only when the runtime has planned the batch; the op
-    # returns their index, so the model needs no data-dependent op (and no wait for the device) of its own.
+    # returns their index and positions, so the model needs no data-dependent op of its own.
     num_new = torch.library.get_ctx().new_dynamic_size()
     torch._check(num_new <= token_ids.shape[0], lambda: "more uncached tokens than tokens")
-    return token_ids.new_empty(num_new, dtype=torch.int64)
+    return token_ids.new_empty(2, num_new, dtype=torch.int64)
 
 
 @torch.library.register_fake("kvexport::paged_attention")

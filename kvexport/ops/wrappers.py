@@ -61,12 +61,20 @@ def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_id
     user_ids [B], token_ids [sum(P)] (each user's prefix tokens, jagged), token_lengths [B] (P),
     num_candidates [B], all on the host. placement: any tensor on the runtime's device (the model
     passes a weight); the runtime is created there from `config_json` on first use. Returns
-    new_tokens [N_new] on the host: the index into token_ids of the tokens not served from the
-    cache (each user's tokens after its longest cached prefix), users in order, positions
-    ascending. The model then computes new rows laid out as [all candidates][token_ids[new_tokens]],
-    which paged_attention relies on.
+    new_tokens [2, N_new] on the host for the tokens not served from the cache (each user's tokens
+    after its longest cached prefix), users in order, positions ascending: row 0 their index into
+    token_ids, row 1 their positions. The model then computes new rows laid out as
+    [all candidates][token_ids[new_tokens[0]]], which paged_attention relies on.
     """
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
+
+
+def token_layout(runtime: str, history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
+                 context_ids: torch.Tensor) -> torch.Tensor:
+    """Each user's prefix tokens on the host, users one after another: its context ids, then item
+    and action ids interleaved (i_1 a_1 i_2 a_2 ...): kvexport.model.hstu.prefix_tokens' token_ids,
+    in one pass of C++ (the full recompute keeps the tensor version, on the model's device)."""
+    return _ops().token_layout(runtime, history_lengths, item_ids, action_ids, context_ids)
 
 
 def upload(runtime: str, host: list[torch.Tensor], placement: torch.Tensor) -> list[torch.Tensor]:
