@@ -15,7 +15,7 @@ namespace kvexport::runtime {
 struct BatchPlan {
   std::vector<int64_t> user_ids;
   std::vector<int64_t> cached_lengths;  // reused prefix per user
-  std::vector<std::vector<int64_t>> prefix_tokens;
+  std::vector<std::vector<int64_t>> uncached_tokens;  // each user's tokens after its cached prefix
   int64_t num_candidate_rows = 0;
   int64_t num_new_prefix_rows = 0;
   // On the cache's device:

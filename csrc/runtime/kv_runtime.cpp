@@ -78,7 +78,7 @@ bool KVRuntime::owner_stalled() const {
   return std::chrono::steady_clock::now() - last_progress_ > std::chrono::milliseconds(config_.stall_timeout_ms);
 }
 
-void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                             const std::vector<int64_t>& token_lengths,
                             const std::vector<int64_t>& num_candidates) const {
   const auto num_users = user_ids.size();
@@ -114,7 +114,7 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, const std::vec
   }
 }
 
-const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                                         const std::vector<int64_t>& token_lengths,
                                         const std::vector<int64_t>& num_candidates) {
   check_batch(user_ids, token_ids, token_lengths, num_candidates);  // reads the config only
@@ -151,7 +151,7 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, co
     const int64_t* tokens = token_ids.data() + offset;
     const int64_t cached = reuse_prefix(user_ids[b], tokens, token_lengths[b], offloaded[b]);
     plan_.cached_lengths.push_back(cached);
-    plan_.prefix_tokens.emplace_back(tokens, tokens + token_lengths[b]);
+    plan_.uncached_tokens.emplace_back(tokens + cached, tokens + token_lengths[b]);
     offset += token_lengths[b];
   }
   for (size_t b = 0; b < user_ids.size(); ++b) {
@@ -350,7 +350,11 @@ void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
   const bool store = tiers_.stores_after_batch();
   for (size_t b = 0; b < plan.user_ids.size(); ++b) {
     auto& entry = *users_.find(plan.user_ids[b]);
-    entry.token_ids = plan.prefix_tokens[b];
+    // The entry holds the cached prefix (begin_batch truncated or onboarded it to that): append.
+    if (static_cast<int64_t>(entry.token_ids.size()) != plan.cached_lengths[b]) {
+      throw std::logic_error("kvexport bug: a user's cached tokens changed within its batch");
+    }
+    entry.token_ids.insert(entry.token_ids.end(), plan.uncached_tokens[b].begin(), plan.uncached_tokens[b].end());
     if (store && !entry.token_ids.empty()) tiers_.store_after_batch(plan.user_ids[b], copy_to_host(entry));
   }
   owner_.reset();

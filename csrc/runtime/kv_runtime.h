@@ -11,6 +11,7 @@
 
 #include <ATen/Tensor.h>
 #include <c10/core/Stream.h>
+#include <c10/util/ArrayRef.h>
 
 #include <atomic>
 #include <chrono>
@@ -45,7 +46,7 @@ class KVRuntime {
   // Plans a batch. token_ids is the jagged concatenation of each user's prefix tokens,
   // token_lengths [B] their lengths. Throws RequestError (state unchanged) when the batch is
   // malformed or cannot fit even after evicting every other user.
-  const BatchPlan& begin_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+  const BatchPlan& begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                                const std::vector<int64_t>& token_lengths,
                                const std::vector<int64_t>& num_candidates);
   // One layer of this thread's batch in flight: stores the new prefix rows of k, v
@@ -88,7 +89,7 @@ class KVRuntime {
   bool owner_stalled() const;
   const BatchPlan& owned_batch() const;  // throws RequestError when this thread has no batch
   void store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v);
-  void check_batch(const std::vector<int64_t>& user_ids, const std::vector<int64_t>& token_ids,
+  void check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                    const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) const;
   void truncate(UserEntry& entry, int64_t num_tokens);
   int64_t reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
