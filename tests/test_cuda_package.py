@@ -133,6 +133,38 @@ def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
     assert kv.last_error(runtime) == ("ok", "")
 
 
+def test_the_package_never_waits_for_the_gpu(cuda_artifact):
+    """The recorded trace (offloads, onboards and a capacity refusal among its steps) through the
+    package under torch's sync debug mode "error": any op of a request that waited for the device
+    (a blocking copy, a .item(), a nonzero) would raise. The logits are read, and checked against
+    the recorded expectations, only afterwards."""
+    import kvexport
+    from kvexport.artifact import TRACE_KEYS
+    from kvexport.model.batch import SIGNATURE
+    from kvexport.runner import load_trace_step
+
+    with kvexport.load(cuda_artifact) as package:
+        steps = package.artifact.trace_steps
+        runs = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in steps:
+                request, expected, _ = load_trace_step(cuda_artifact / step[TRACE_KEYS["file"]],
+                                                       expect_outputs=TRACE_KEYS["expect_error"] not in step)
+                try:
+                    runs.append((package._compiled(*(request[name] for name in SIGNATURE)), expected))
+                except RuntimeError:
+                    assert TRACE_KEYS["expect_error"] in step, step
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        stats = package.stats()
+    assert stats["offloads"] > 0 and stats["onboards"] > 0
+    atol = json.loads((cuda_artifact / "manifest.json").read_text())["tolerance"]["atol"]
+    assert len(runs) == sum(TRACE_KEYS["expect_error"] not in step for step in steps)
+    for logits, expected in runs:
+        torch.testing.assert_close(logits.cpu(), expected, rtol=0, atol=atol)
+
+
 def test_upload_puts_host_tensors_on_the_gpu_without_waiting():
     """kvexport::upload: the same values and shapes on the GPU, contiguous, each output its own
     storage (op outputs must not alias); uploads queued behind a busy stream keep their values although each

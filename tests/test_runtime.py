@@ -40,7 +40,8 @@ def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, 
     new_index, new_positions = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates,
                                               host_placement()).tolist()
     firsts = [sum(len(ts) for ts in list(users.values())[:b]) for b in range(len(users))]
-    cached = [len(ts) - sum(first <= i < first + len(ts) for i in new_index) for first, ts in zip(firsts, users.values())]
+    cached = [len(ts) - sum(first <= i < first + len(ts) for i in new_index)
+              for first, ts in zip(firsts, users.values())]
     assert new_index == [first + p for first, ts, c in zip(firsts, users.values(), cached) for p in range(c, len(ts))]
     assert new_positions == [p for ts, c in zip(users.values(), cached) for p in range(c, len(ts))]
     new_tokens = [t for (ts, c) in zip(users.values(), cached) for t in ts[c:]]
@@ -201,8 +202,9 @@ def _in_thread(target) -> threading.Thread:
 
 def test_aborted_batch_releases_the_runtime_to_other_threads(runtime):
     request(runtime, {1: [1, 2, 3]})
+    # This thread now owns the runtime, as a request failing midway would.
     kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3, 4]), torch.tensor([4]),
-                   torch.tensor([1]), host_placement())  # this thread now owns the runtime, as a request failing midway would
+                   torch.tensor([1]), host_placement())
     kv.abort_batch(runtime)
     results = []
     assert not _in_thread(lambda: results.append(request(runtime, {1: [1, 2, 3, 4]}))).is_alive()

@@ -245,12 +245,12 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("upload(str runtime, Tensor[] host, Tensor placement) -> Tensor[]");
   // Stateful ops (ORDERED effects, declared in kvexport/ops/library.py). Each also depends on
   // the previous one by data: begin_batch returns [2, N_new] on the host, the uncached tokens'
-  // index into token_ids and their positions, which select the rows every layer computes; each layer's paged_attention (which stores the layer's
-  // new k/v, then attends) feeds the next layer, and end_batch takes the logits. (One output:
-  // torch 2.13's Inductor cannot lower an effectful op whose second output has a data-dependent
-  // size.) begin_batch's request tensors and end_batch's user_ids are on the host, so neither waits
-  // for the device; `placement` is any tensor on the package's device (a weight): the runtime
-  // lives there.
+  // index into token_ids and their positions, which select the rows every layer computes; each
+  // layer's paged_attention (which stores the layer's new k/v, then attends) feeds the next
+  // layer, and end_batch takes the logits. (One output: torch 2.13's Inductor cannot lower an
+  // effectful op whose second output has a data-dependent size.) begin_batch's request tensors
+  // and end_batch's user_ids are on the host, so neither waits for the device; `placement` is any
+  // tensor on the package's device (a weight): the runtime lives there.
   m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
         "Tensor num_candidates, Tensor placement) -> Tensor");
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "

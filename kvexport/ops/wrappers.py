@@ -32,8 +32,9 @@ def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, histor
     inside the op library.
 
     Returns host copies of the seven tensors, in signature order, for the rest of the graph to
-    read: no kernel then sees an unchecked id. A tensor on a GPU is refused. A refused request raises ValueError and records
-    ("invalid_request", message) for last_error(runtime); every request starts by clearing it.
+    read: no kernel then sees an unchecked id. A tensor on a GPU is refused. A refused request
+    raises ValueError and records ("invalid_request", message) for last_error(runtime); every
+    request starts by clearing it.
     """
     return _ops().check_request(runtime, limits_json, user_ids, history_lengths, item_ids, action_ids,
                                 context_ids, num_candidates, candidate_ids)
@@ -97,7 +98,8 @@ def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, 
 def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None:
     """Commits the request: the users' caches now hold their whole prefix.
 
-    user_ids are on the host. `after` (the request's logits) is not read; it makes end_batch depend on every layer by data.
+    user_ids are on the host. `after` (the request's logits) is not read; it makes end_batch
+    depend on every layer by data.
     """
     _ops().end_batch(runtime, user_ids, after)
 

@@ -56,11 +56,11 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 class _Script:
     """Builds the step list while running the eager cached path, so eviction can be observed.
-    Requests and outputs are kept on the CPU; the model runs on its own device."""
+    Requests and outputs are kept on the CPU, where the cached path takes its request whatever the
+    model's device."""
 
     def __init__(self, config: Config, model: HSTURanker, cache: KVCacheManager):
         self.config, self.model, self.cache = config, model, cache
-        self.device = model_device(model)
         self.workload = _trace_workload(config)
         self.steps: list[tuple[TraceStep, torch.Tensor | None]] = []
         self.next_user = 0
