@@ -133,14 +133,16 @@ def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
     assert kv.last_error(runtime) == ("ok", "")
 
 
-def test_the_package_never_waits_for_the_gpu(cuda_artifact):
+def test_no_request_op_calls_a_synchronising_torch_function(cuda_artifact):
     """The recorded trace (offloads, onboards and a capacity refusal among its steps) through the
-    package under torch's sync debug mode "error": any op of a request that waited for the device
-    (a blocking copy, a .item(), a nonzero) would raise. The logits are read, and checked against
-    the recorded expectations, only afterwards."""
+    package under torch's sync debug mode "error": a torch function that waits for the device
+    inside a request (a blocking copy, .item(), nonzero) would raise. The logits are read, and
+    checked against the recorded expectations, only afterwards. Raw CUDA waits are not seen: the
+    AOTInductor container's wait for its previous run, a copy from pageable memory."""
     import kvexport
     from kvexport.artifact import TRACE_KEYS
     from kvexport.model.batch import SIGNATURE
+    from kvexport.ops import wrappers as kv
     from kvexport.runner import load_trace_step
 
     with kvexport.load(cuda_artifact) as package:
@@ -154,15 +156,15 @@ def test_the_package_never_waits_for_the_gpu(cuda_artifact):
                 try:
                     runs.append((package._compiled(*(request[name] for name in SIGNATURE)), expected))
                 except RuntimeError:
-                    assert TRACE_KEYS["expect_error"] in step, step
+                    assert kv.last_error(package.runtime_name)[0] == step.get(TRACE_KEYS["expect_error"]), step
         finally:
             torch.cuda.set_sync_debug_mode("default")
         stats = package.stats()
     assert stats["offloads"] > 0 and stats["onboards"] > 0
-    atol = json.loads((cuda_artifact / "manifest.json").read_text())["tolerance"]["atol"]
+    tolerance = json.loads((cuda_artifact / "manifest.json").read_text())["tolerance"]
     assert len(runs) == sum(TRACE_KEYS["expect_error"] not in step for step in steps)
     for logits, expected in runs:
-        torch.testing.assert_close(logits.cpu(), expected, rtol=0, atol=atol)
+        torch.testing.assert_close(logits.cpu(), expected, rtol=tolerance["rtol"], atol=tolerance["atol"])
 
 
 def test_upload_puts_host_tensors_on_the_gpu_without_waiting():

@@ -99,7 +99,7 @@ CORPUS = {
     "manifest lacks a field": (lambda a: edit_manifest(a, lambda m: m.pop("tolerance")), 2,
                                "manifest.json lacks the field tolerance"),
     "manifest of another format": (set_field("format_version", value=1), 2,
-                                   "has format_version 1, this kvexport reads 2"),
+                                   "has format_version 1, this kvexport reads 3"),
     "manifest with malformed files": (set_field("files", value=[]), 2, "manifest.json has a malformed files"),
     "edited tolerance": (set_field("tolerance", "atol", value=lambda atol: atol * 10), 1,
                          "manifest.json was edited: its tolerance does not match model.pt2's metadata"),

@@ -98,11 +98,11 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
     check_kind("token_lengths", token_lengths, 1);
     check_kind("num_candidates", num_candidates, 1);
     const auto tokens = token_ids.contiguous();  // read in place: the request's largest tensor
-    const auto& plan = rt->begin_batch(values_of(user_ids.contiguous()),
-                                       {tokens.const_data_ptr<int64_t>(), static_cast<size_t>(tokens.numel())},
-                                       values_of(token_lengths.contiguous()), values_of(num_candidates.contiguous()));
-    if (rt->device().is_cpu()) begin_request_threads(plan.row_keys.size(0));
-    return plan.new_tokens.clone();
+    auto planned = rt->begin_batch(values_of(user_ids.contiguous()),
+                                   {tokens.const_data_ptr<int64_t>(), static_cast<size_t>(tokens.numel())},
+                                   values_of(token_lengths.contiguous()), values_of(num_candidates.contiguous()));
+    if (rt->device().is_cpu()) begin_request_threads(planned.num_rows);
+    return planned.new_tokens;
   });
 }
 

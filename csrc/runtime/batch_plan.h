@@ -10,6 +10,12 @@
 
 namespace kvexport::runtime {
 
+// What begin_batch hands its caller: the plan's new_tokens (a copy) and its number of new rows.
+struct PlannedBatch {
+  at::Tensor new_tokens;
+  int64_t num_rows = 0;
+};
+
 // New rows of the model are laid out as [candidates of all users][uncached prefix tokens of all
 // users], users in batch order.
 struct BatchPlan {

@@ -114,7 +114,7 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<
   }
 }
 
-const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
+PlannedBatch KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                                         const std::vector<int64_t>& token_lengths,
                                         const std::vector<int64_t>& num_candidates) {
   check_batch(user_ids, token_ids, token_lengths, num_candidates);  // reads the config only
@@ -171,7 +171,8 @@ const BatchPlan& KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c1
   build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size, cache_.device());
   owner_ = std::this_thread::get_id();
   last_progress_ = std::chrono::steady_clock::now();
-  return plan_;
+  // Copied under the lock: once it is released, a stalled batch's plan may be replaced.
+  return {plan_.new_tokens.clone(), plan_.num_candidate_rows + plan_.num_new_prefix_rows};
 }
 
 std::vector<std::optional<OffloadedUser>> KVRuntime::read_remote(const std::vector<int64_t>& user_ids) {
@@ -347,13 +348,20 @@ void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
   if (user_ids != plan.user_ids) {
     throw std::logic_error("kvexport bug: end_batch for other users than begin_batch");
   }
+  // Each entry holds its cached prefix (begin_batch truncated or onboarded it to that), to which
+  // the batch's tokens are appended; checked for every user before any is committed.
+  std::vector<UserEntry*> entries;
+  for (size_t b = 0; b < plan.user_ids.size(); ++b) {
+    auto* entry = users_.find(plan.user_ids[b]);
+    if (!entry || static_cast<int64_t>(entry->token_ids.size()) != plan.cached_lengths[b]) {
+      throw RequestError(ErrorCode::kInternal, "user " + std::to_string(plan.user_ids[b]) +
+                                                   " was evicted or changed while its batch was in flight");
+    }
+    entries.push_back(entry);
+  }
   const bool store = tiers_.stores_after_batch();
   for (size_t b = 0; b < plan.user_ids.size(); ++b) {
-    auto& entry = *users_.find(plan.user_ids[b]);
-    // The entry holds the cached prefix (begin_batch truncated or onboarded it to that): append.
-    if (static_cast<int64_t>(entry.token_ids.size()) != plan.cached_lengths[b]) {
-      throw std::logic_error("kvexport bug: a user's cached tokens changed within its batch");
-    }
+    auto& entry = *entries[b];
     entry.token_ids.insert(entry.token_ids.end(), plan.uncached_tokens[b].begin(), plan.uncached_tokens[b].end());
     if (store && !entry.token_ids.empty()) tiers_.store_after_batch(plan.user_ids[b], copy_to_host(entry));
   }

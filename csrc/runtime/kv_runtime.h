@@ -43,10 +43,10 @@ class KVRuntime {
   const RuntimeConfig& config() const { return config_; }
   at::Device device() const { return cache_.device(); }
 
-  // Plans a batch. token_ids is the jagged concatenation of each user's prefix tokens,
-  // token_lengths [B] their lengths. Throws RequestError (state unchanged) when the batch is
-  // malformed or cannot fit even after evicting every other user.
-  const BatchPlan& begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
+  // Plans a batch. token_ids is the jagged concatenation of each user's prefix tokens (read
+  // during the call only), token_lengths [B] their lengths. Throws RequestError (state unchanged)
+  // when the batch is malformed or cannot fit even after evicting every other user.
+  PlannedBatch begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                                const std::vector<int64_t>& token_lengths,
                                const std::vector<int64_t>& num_candidates);
   // One layer of this thread's batch in flight: stores the new prefix rows of k, v

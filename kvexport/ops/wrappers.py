@@ -2,10 +2,10 @@
 
 A *runtime* is named by a string (the model's config name); each process holds at most one
 runtime per name. The stateful ops of one request run in this order:
-check_request -> begin_batch -> paged_attention per layer -> end_batch.
-A request's tensors are on the host, whatever the runtime's device: check_request, begin_batch
-and end_batch read them there without waiting for a device, and `upload` puts what the model
-computes with on the device in one asynchronous copy.
+check_request -> token_layout -> begin_batch -> (upload) -> paged_attention per layer -> end_batch.
+A request's tensors are on the host, whatever the runtime's device: check_request, token_layout,
+begin_batch and end_batch read them there without waiting for a device, and `upload` puts what
+the model computes with on the device from one pinned staging buffer, asynchronously.
 """
 
 from __future__ import annotations
