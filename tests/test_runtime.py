@@ -235,20 +235,19 @@ def test_refused_request_records_why_and_holds_nothing(tiny_config, tiny_model):
         kv.drop_runtime(name)
 
 
-def test_a_user_evicted_within_its_own_batch_is_not_committed(runtime):
-    """The batch's own thread evicting one of its users midway: end_batch refuses as an internal
-    error before committing any user, and releases the runtime."""
-    request(runtime, {2: [5, 6, 7]})
+def test_a_user_of_the_callers_batch_in_flight_is_not_evicted(runtime):
+    """evict_user from the thread whose batch holds that user is refused (ValueError), and the batch
+    still commits; another user is evicted as usual."""
+    request(runtime, {2: [5, 6, 7], 3: [9]})
     kv.begin_batch(runtime, CONFIG, torch.tensor([1, 2]), torch.tensor([1, 2, 3, 5, 6, 7, 8]), torch.tensor([3, 4]),
                    torch.tensor([1, 1]), host_placement())
-    assert kv.evict_user(runtime, 1)
-    with pytest.raises(RuntimeError, match="user 1 was evicted or changed while its batch was in flight"):
-        kv.end_batch(runtime, torch.tensor([1, 2]), torch.zeros(1))
-    assert kv.last_error(runtime)[0] == "internal"
-    assert kv.cached_length(runtime, 2) == 3  # user 2's new token was not committed either
-    results = []
-    assert not _in_thread(lambda: results.append(request(runtime, {2: [5, 6, 7, 8]}))).is_alive()
-    assert results == [[3]]
+    for user in (1, 2):
+        with pytest.raises(ValueError, match=f"^user {user} is in this thread's batch in flight: end or abort"):
+            kv.evict_user(runtime, user)
+    assert kv.evict_user(runtime, 3)
+    kv.end_batch(runtime, torch.tensor([1, 2]), torch.zeros(1))
+    assert kv.last_error(runtime)[0] == "ok"
+    assert (kv.cached_length(runtime, 1), kv.cached_length(runtime, 2)) == (3, 4)
 
 
 def test_failing_op_releases_its_batch_at_once(runtime):

@@ -354,8 +354,8 @@ void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
   for (size_t b = 0; b < plan.user_ids.size(); ++b) {
     auto* entry = users_.find(plan.user_ids[b]);
     if (!entry || static_cast<int64_t>(entry->token_ids.size()) != plan.cached_lengths[b]) {
-      throw RequestError(ErrorCode::kInternal, "user " + std::to_string(plan.user_ids[b]) +
-                                                   " was evicted or changed while its batch was in flight");
+      throw std::logic_error("kvexport bug: user " + std::to_string(plan.user_ids[b]) +
+                             " was evicted or changed while its batch was in flight");
     }
     entries.push_back(entry);
   }
@@ -402,6 +402,11 @@ void KVRuntime::reset() {
 bool KVRuntime::evict_user(int64_t user_id) {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);
+  if (owner_ && std::find(plan_.user_ids.begin(), plan_.user_ids.end(), user_id) != plan_.user_ids.end()) {
+    // Only the batch's own thread gets here while it is in flight; its pages are being written.
+    throw std::invalid_argument("user " + std::to_string(user_id) +
+                                " is in this thread's batch in flight: end or abort the batch first");
+  }
   if (!users_.find(user_id)) return false;
   evict(user_id);
   return true;
