@@ -141,7 +141,8 @@ def reset_runtime(runtime: str) -> None:
 
 
 def evict_user(runtime: str, user_id: int) -> bool:
-    """Moves a user from the device tier to the offload tier; False if it was not on the device."""
+    """Moves a user from the device tier to the offload tier; False if it was not on the device.
+    ValueError for a user of the calling thread's own batch in flight."""
     return _ops().evict_user(runtime, user_id)
 
 
