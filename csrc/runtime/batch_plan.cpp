@@ -33,14 +33,14 @@ int64_t widest_tile(const std::vector<int64_t>& tiles) {
   return widest;
 }
 
-void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
+at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
                         int64_t page_size, at::Device device) {
   const auto num_users = static_cast<int64_t>(plan.user_ids.size());
   int64_t max_pages = 1;
   for (auto length : token_lengths) max_pages = std::max(max_pages, (length + page_size - 1) / page_size);
   std::vector<int64_t> page_table(num_users * max_pages, 0);
-  std::vector<int64_t> row_user, row_keys, write_slots, new_tokens, new_positions;
+  std::vector<int64_t> row_user, row_keys, write_slots;
   std::vector<uint8_t> row_candidate;
   for (int64_t b = 0; b < num_users; ++b) {
     const auto& pages = *user_pages[b];
@@ -52,6 +52,12 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
     }
   }
   plan.num_candidate_rows = static_cast<int64_t>(row_user.size());
+  int64_t num_new = 0;
+  for (int64_t b = 0; b < num_users; ++b) num_new += token_lengths[b] - plan.cached_lengths[b];
+  // On the host, where the model selects the new tokens: their index, then their positions.
+  auto new_tokens = at::empty({2, num_new}, at::kLong);
+  int64_t* new_index = new_tokens.data_ptr<int64_t>();
+  int64_t* new_position = new_index + num_new;
   for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
     const auto& pages = *user_pages[b];
     for (int64_t p = plan.cached_lengths[b]; p < token_lengths[b]; ++p) {
@@ -59,8 +65,8 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
       row_keys.push_back(p + 1);
       row_candidate.push_back(0);
       write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
-      new_tokens.push_back(first_token + p);
-      new_positions.push_back(p);
+      *new_index++ = first_token + p;
+      *new_position++ = p;
     }
   }
   plan.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
@@ -94,10 +100,7 @@ void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int
   plan.row_order = next(row_order.size());
   plan.tiles = next(tiles.size()).view({-1, 3});
   plan.row_candidate = next(row_candidate.size()).ne(0);
-  // On the host, where the model selects the new tokens: their index, then their positions.
-  plan.new_tokens = at::empty({2, static_cast<int64_t>(new_tokens.size())}, at::kLong);
-  std::copy(new_tokens.begin(), new_tokens.end(), plan.new_tokens.data_ptr<int64_t>());
-  std::copy(new_positions.begin(), new_positions.end(), plan.new_tokens.data_ptr<int64_t>() + new_tokens.size());
+  return new_tokens;
 }
 
 }  // namespace kvexport::runtime

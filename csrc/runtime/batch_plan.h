@@ -10,9 +10,9 @@
 
 namespace kvexport::runtime {
 
-// What begin_batch hands its caller: the plan's new_tokens (a copy) and its number of new rows.
+// What begin_batch hands its caller: build_plan_tensors' new tokens and the plan's number of new rows.
 struct PlannedBatch {
-  at::Tensor new_tokens;
+  at::Tensor new_tokens;  // [2, num_new_prefix_rows] int64 on the host
   int64_t num_rows = 0;
 };
 
@@ -38,9 +38,6 @@ struct BatchPlan {
   at::Tensor tiles;      // [T, 3] int64
   int64_t max_row_keys = 0;   // the most cached keys any row reads
   int64_t max_tile_rows = 0;  // the most rows of any tile
-  // On the host: [2, num_new_prefix_rows] int64, each new prefix row's index in the request's
-  // token_ids, then its position in its user's prefix.
-  at::Tensor new_tokens;
 };
 
 // Rows per attention tile at most (one user's rows; the CUDA kernel's block: a user with the
@@ -56,8 +53,10 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vect
 int64_t widest_tile(const std::vector<int64_t>& tiles);
 
 // Fills plan's tensors from its user_ids and cached_lengths; user_pages[b] are user b's pages,
-// enough for token_lengths[b] tokens. The tensors land on `device` in one copy.
-void build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
+// enough for token_lengths[b] tokens. The tensors land on `device` in one copy. Returns, on the
+// host, [2, num_new_prefix_rows] int64: each new prefix row's index in the request's token_ids,
+// then its position in its user's prefix (the model selects the new tokens with them).
+at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
                         int64_t page_size, at::Device device);
 

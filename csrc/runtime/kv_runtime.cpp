@@ -168,11 +168,12 @@ PlannedBatch KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::A
   }
   std::vector<const std::vector<int64_t>*> user_pages;
   for (auto user : user_ids) user_pages.push_back(&users_.find(user)->pages);
-  build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size, cache_.device());
+  auto new_tokens = build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size,
+                                       cache_.device());
   owner_ = std::this_thread::get_id();
   last_progress_ = std::chrono::steady_clock::now();
-  // Copied under the lock: once it is released, a stalled batch's plan may be replaced.
-  return {plan_.new_tokens.clone(), plan_.num_candidate_rows + plan_.num_new_prefix_rows};
+  // By value, under the lock: once it is released, a stalled batch's plan may be replaced.
+  return {std::move(new_tokens), plan_.num_candidate_rows + plan_.num_new_prefix_rows};
 }
 
 std::vector<std::optional<OffloadedUser>> KVRuntime::read_remote(const std::vector<int64_t>& user_ids) {
