@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "runtime/request_error.h"
+#include "runtime/staging.h"
 
 namespace kvexport::ops {
 
@@ -169,9 +170,8 @@ std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device) {
     for (const auto& t : host) out.push_back(t.clone(at::MemoryFormat::Contiguous));
     return out;
   }
-  // Pinned, so each copy is asynchronous; the host allocator keeps the buffer until the copies
-  // have run. Separate device tensors, not views of one: outputs of an op must not alias.
-  auto staged = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  // Separate device tensors, not views of one: outputs of an op must not alias.
+  auto staged = runtime::staging_buffer(total, device);
   int64_t offset = 0;
   for (const auto& t : host) {
     auto part = staged.narrow(0, offset, t.numel()).view(t.sizes());

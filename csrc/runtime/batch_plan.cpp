@@ -1,5 +1,7 @@
 #include "runtime/batch_plan.h"
 
+#include "runtime/staging.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -73,15 +75,15 @@ at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vect
   plan.max_row_keys = row_keys.empty() ? 0 : *std::max_element(row_keys.begin(), row_keys.end());
   const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
   plan.max_tile_rows = widest_tile(tiles);
-  // One host-to-device copy per request: every per-request device tensor is a view of one buffer (pinned
-  // on CUDA, so the copy is asynchronous on the current stream).
+  // One host-to-device copy per request, from a staging buffer: every per-request device tensor is
+  // a view of one buffer.
   std::vector<int64_t> value_slots(write_slots);
   for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
   const std::vector<const std::vector<int64_t>*> parts = {
       &page_table, &row_user, &row_keys, &write_slots, &value_slots, &row_order, &tiles};
   int64_t total = static_cast<int64_t>(row_candidate.size());
   for (const auto* part : parts) total += static_cast<int64_t>(part->size());
-  auto host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  auto host = staging_buffer(total, device);
   int64_t* cursor = host.data_ptr<int64_t>();
   for (const auto* part : parts) cursor = std::copy(part->begin(), part->end(), cursor);
   std::copy(row_candidate.begin(), row_candidate.end(), cursor);

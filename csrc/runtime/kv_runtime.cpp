@@ -2,6 +2,7 @@
 
 #include "runtime/host_tier.h"
 #include "runtime/python_gil.h"
+#include "runtime/staging.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
@@ -21,11 +22,9 @@ RequestError invalid_request(const std::string& message) {
   return RequestError(ErrorCode::kInvalidRequest, message);
 }
 
-// The first `count` of a user's pages as an index on `device`: on a GPU staged in pinned memory and
-// copied asynchronously on the current stream (from pageable memory the copy would wait for the
-// device).
+// The first `count` of a user's pages as an index on `device`, copied without waiting for it.
 at::Tensor page_index(const std::vector<int64_t>& pages, int64_t count, const at::Device& device) {
-  auto host = at::empty({count}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  auto host = staging_buffer(count, device);
   std::copy(pages.begin(), pages.begin() + count, host.data_ptr<int64_t>());
   return host.to(device, /*non_blocking=*/true);
 }
