@@ -54,9 +54,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, among {', '.join(VARIANTS)} (default: all; default always runs)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.batch = [int(b) for b in args.batch.split(",")]
+    args.variants = ["default", *(v for v in args.variants.split(",") if v != "default")]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]}; choose among {', '.join(VARIANTS)}")
     return args
 
 
@@ -118,10 +124,11 @@ def main() -> int:
     del model
     result: dict = {"config": config.name, "device": str(device), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "variants": {name: options for name, options in VARIANTS.items()}, "compile_s": {}, "rows": []}
+                    "variants": {name: VARIANTS[name] for name in args.variants}, "compile_s": {}, "rows": []}
     with tempfile.TemporaryDirectory(prefix="kvexport-inductor-") as tmp:
         packages = {}
-        for name, options in VARIANTS.items():
+        for name in args.variants:
+            options = VARIANTS[name]
             path = Path(tmp) / f"{name}.pt2"
             started = time.perf_counter()
             try:
