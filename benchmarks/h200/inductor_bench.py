@@ -1,18 +1,20 @@
-"""A GPU package compiled with Inductor's defaults against one compiled as kvexport builds it.
+"""Inductor settings for a GPU package, measured side by side against Inductor's defaults.
 
-Exports a config's KV-cached module once and compiles it with AOTInductor several times: with
-Inductor's default settings ("default"), with kvexport.export.package.GPU_INDUCTOR_CONFIGS added
-("kvexport", what `kvexport build` ships), and with a candidate setting on top of those
-("kvexport+combo": Inductor's combo kernels, independent kernels launched as one). The packages are
-loaded into this process and share one cache runtime (they compute the same k/v). For each batch
-size, users with --length cached events get --new-events new ones and --candidates candidates per
-call (kvexport.bench.suite.SweepRequests: every call reuses exactly the cached prefix); the
-packages take turns, call by call, on a warm cache. Reported per batch: each package's latency
-(median, p99 of --repeats), default / package taken pair by pair (median, min, max), the CUDA
-kernels one call launches and their device time (torch profiler), and the largest difference of
-its logits from the default package's for the same request from an empty cache (reductions
-compiled differently may round differently in bf16). A setting this torch refuses is recorded as
-that variant's error.
+Exports a config's KV-cached module once and compiles it with AOTInductor once per variant:
+Inductor's defaults ("default", as `kvexport build` compiles), and each setting below on top of
+them. The packages are loaded into this process and share one cache runtime (they compute the same
+k/v). For each batch size, users with --length cached events get --new-events new ones and
+--candidates candidates per call (kvexport.bench.suite.SweepRequests: every call reuses exactly the
+cached prefix); the packages take turns, call by call, on a warm cache. Reported per batch: each
+package's latency (median, p99 of --repeats), default / package taken pair by pair (median, min,
+max), the CUDA kernels one call launches and their device time (torch profiler), and the largest
+difference of its logits from the default package's for the same request from an empty cache
+(reductions compiled differently may round differently in bf16). A setting this torch refuses is
+recorded as that variant's error.
+
+Variants: "no_split_reductions" (Inductor may split a reduction into several kernels when the
+export example's few rows make that look worthwhile), "combo_kernels" (independent kernels
+launched as one).
 
     python3 benchmarks/h200/inductor_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
         --json /tmp/inductor-bench.json
@@ -34,14 +36,14 @@ from kvexport.bench.suite import SweepRequests
 from kvexport.bench.timing import summary, timed_ms
 from kvexport.config import load_config
 from kvexport.export.build import runtime_name_for
-from kvexport.export.package import GPU_INDUCTOR_CONFIGS, compile_package
+from kvexport.export.package import compile_package
 from kvexport.export.wrap import CachedRanker, export_cached
 from kvexport.model import build_model
 from kvexport.ops import library, wrappers as kv
 from kvexport.package_api import _load_compiled
 
-VARIANTS = {"default": {}, "kvexport": GPU_INDUCTOR_CONFIGS,
-            "kvexport+combo": {**GPU_INDUCTOR_CONFIGS, "combo_kernels": True}}
+VARIANTS = {"default": {}, "no_split_reductions": {"split_reductions": False},
+            "combo_kernels": {"combo_kernels": True}}
 
 
 def parse_args() -> argparse.Namespace:

@@ -22,8 +22,8 @@ import kvexport
 from kvexport import artifact, isa
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
-from kvexport.export.package import (GPU_INDUCTOR_CONFIGS, check_package_ops, check_shared_objects, compile_package,
-                                     graph_custom_ops, required_libraries)
+from kvexport.export.package import (check_package_ops, check_shared_objects, compile_package, graph_custom_ops,
+                                     required_libraries)
 from kvexport.export.wrap import CachedRanker, export_cached
 from kvexport.io import exclusive_lock, remove_stale_staging, rename_no_replace
 from kvexport.model import SIGNATURE, build_model
@@ -185,7 +185,6 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     cpu = isa.artifact_isa(cpu_isa, shipped_library)
     if torch.device(device).type == "cuda":
         cpu["gpu"] = isa.gpu_isa(device)
-        package_configs.update(GPU_INDUCTOR_CONFIGS)
     metadata = {
         "kvexport.version": kvexport.__version__,
         "kvexport.runtime_name": runtime_name,

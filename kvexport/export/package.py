@@ -17,13 +17,6 @@ from kvexport.ops import jagged, library
 # Op namespace -> the library that must be loaded before the package (by name, see manifest).
 LIBRARIES = {library.NAMESPACE: "kvexport_ops", "fbgemm": jagged.FBGEMM_LIBRARY}
 
-# Inductor settings of a GPU package. The row count of every activation is dynamic, and Inductor
-# sizes reductions for the export example's few rows: it splits each layer norm over the hidden
-# size into two reduction kernels and a pointwise one, which a request's hundreds to thousands of
-# rows do not need. Unsplit, a layer norm is one kernel: fewer launches, and a GPU request is bound
-# by its host's launches (benchmarks/h200/inductor_bench.py measures both side by side).
-GPU_INDUCTOR_CONFIGS: dict[str, object] = {"split_reductions": False}
-
 
 def graph_custom_ops(ep: ExportedProgram) -> Counter[str]:
     """Custom ops ("ns::name") called by an exported graph, effectful ones included."""
@@ -44,7 +37,7 @@ def required_libraries(ops: Counter[str]) -> list[str]:
 def compile_package(ep: ExportedProgram, path: Path, metadata: dict[str, str],
                     inductor_configs: dict[str, object] | None = None) -> Path:
     """aoti_compile_and_package with string metadata (read back by get_metadata in Python and C++)
-    and further inductor settings (kvexport.isa.inductor_configs, GPU_INDUCTOR_CONFIGS)."""
+    and further inductor settings (kvexport.isa.inductor_configs)."""
     library.load()  # effects must be declared before compile too
     return Path(torch._inductor.aoti_compile_and_package(
         ep, package_path=str(path), inductor_configs={**(inductor_configs or {}), "aot_inductor.metadata": metadata}
