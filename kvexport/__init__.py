@@ -30,7 +30,7 @@ def load(out: "str | Path | Artifact", device: "torch.device | str | None" = Non
 
     device: None runs it on the device it was built for; any other device raises UserError.
     check_files: check every file's sha256 and the manifest against the package first (as
-    `kvexport verify`). remote: a shared remote KV tier, "redis://host[:port][/db]";
+    `kvexport verify`). remote: a shared remote KV tier, "redis://[[user]:password@]host[:port][/db]";
     remote_write: "on_evict" or "after_batch". See kvexport.package_api.load.
     """
     from kvexport.package_api import load as _load

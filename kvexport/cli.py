@@ -20,7 +20,7 @@ import click
 
 from kvexport import __version__
 from kvexport.errors import UserError
-from kvexport.remote import DEFAULT_WRITE_POLICY
+from kvexport.remote import DEFAULT_WRITE_POLICY, redact_url
 
 log = logging.getLogger("kvexport")
 
@@ -240,7 +240,8 @@ def remote_options(func):
                              "them go) or after_batch (also after every request).")(func)
     return click.option("--remote", metavar="URL",
                         help="Share user caches through a remote KV tier: a Redis/Valkey server at "
-                             "redis://host[:port][/db] (unreachable: runs without it, with a warning).")(func)
+                             "redis://[[user]:password@]host[:port][/db] (unreachable: runs without it, with a "
+                             "warning; a refused password: an error).")(func)
 
 
 config_argument = click.argument("config", type=click.Path(path_type=Path))
@@ -547,7 +548,7 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     click.echo(f"workload: {', '.join(f'{k} {v}' for k, v in sorted(report.workload.items()))}")
     if remote and report.remote_hit_ratio is not None:
         click.echo(f"remote: hit ratio {report.remote_hit_ratio:.3f} ({report.counters['remote_hits']} users served "
-                   f"from {remote}, {report.counters['remote_hit_tokens']} tokens)")
+                   f"from {redact_url(remote)}, {report.counters['remote_hit_tokens']} tokens)")
     verdict = "PASS" if report.passed else f"FAIL ({report.mismatches} mismatches, first at request {report.first_mismatch})"
     click.echo(f"worst abs error {report.worst_abs:.3e}; verdict: {verdict}")
     if json_path:

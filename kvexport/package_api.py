@@ -31,7 +31,7 @@ from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_req
 from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
-from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy
+from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +161,17 @@ class Package:
 
     @property
     def remote(self) -> str | None:
-        """The remote tier's URL while it is attached; None without one (or when its server did not
-        answer at load time)."""
+        """The remote tier's URL while it is attached, its credentials as ***; None without one (or
+        when its server did not answer at load time)."""
         return self._remote
 
     def attach_remote(self, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> str | None:
         """Attaches a shared remote KV tier to a loaded package, as kvexport.load(remote=...) does at
         load time: for a host that warms the package up first, so that its synthetic users never
-        reach the tier other hosts share. Returns the URL, or None when the server did not answer.
-        A bad URL or policy, a tier attached already: UserError (a bad URL also drops the runtime:
-        load the package again)."""
+        reach the tier other hosts share. Returns the URL (credentials as ***), or None when the
+        server did not answer. A bad URL or policy, a server that refuses the connection, a tier
+        attached already: UserError (a bad URL or a refusal also drops the runtime: load the
+        package again)."""
         check_write_policy(write_policy)
         if self._remote is not None:
             raise UserError(f"a remote tier is attached already: {self._remote}")
@@ -295,15 +296,16 @@ def _load_compiled(package: Path, device_index: int):
 
 
 def _attach_remote(runtime: str, url: str, write_policy: str) -> str | None:
-    """Attaches the remote tier to the new runtime; its URL, or None when the server did not answer
-    (the runtime runs without it; kv.attach_remote logs that once). A bad URL, or an op library
-    built without the remote tier: UserError, and the runtime is dropped."""
+    """Attaches the remote tier to the new runtime; its URL (credentials as ***), or None when the
+    server did not answer (the runtime runs without it; kv.attach_remote logs that once). A bad URL,
+    a server that refuses the connection (a wrong or missing password), or an op library built
+    without the remote tier: UserError, and the runtime is dropped."""
     try:
         attached = kv.attach_remote(runtime, url, write_policy)
     except ValueError as exc:
         kv.drop_runtime(runtime)
         raise UserError(first_line(exc)) from None
-    return url if attached else None
+    return redact_url(url) if attached else None
 
 
 class _InFlight:
@@ -340,11 +342,14 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
     Always checked: the op library the artifact ships is the one loaded in this process.
 
     remote: a shared remote KV tier behind the host tier, a Redis/Valkey server at
-    "redis://host[:port][/db]", shared by every process that loads a package of the same runtime
-    name; remote_write: "on_evict" (users the host tier lets go) or "after_batch" (also every user
-    of every committed batch). A bad URL or policy, or an op library built without the remote tier:
-    UserError. A server that does not answer at load time: one warning, and the package runs
-    without the tier (`Package.remote` is None). Read budget and entry expiry are the config's
+    "redis://[[user]:password@]host[:port][/db]" (with a password, every connection authenticates;
+    user: a Redis 6 ACL user; '@', ':' and '/' in them percent-encoded), shared by every process
+    that loads a package of the same runtime name; remote_write: "on_evict" (users the host tier
+    lets go) or "after_batch" (also every user of every committed batch). A bad URL or policy, a
+    server that refuses the connection (a wrong or missing password), or an op library built
+    without the remote tier: UserError, its message showing the URL's credentials as ***. A
+    server that does not answer at load time: one warning, and the package runs without the tier
+    (`Package.remote` is None). Read budget and entry expiry are the config's
     kv_cache.remote_read_budget_us and remote_ttl_s.
 
     Loading empties the cache runtime of any other copy of the same package in this process.

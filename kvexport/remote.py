@@ -6,6 +6,8 @@ torch-free, so the CLI can check an option without importing torch.
 
 from __future__ import annotations
 
+import re
+
 from kvexport.errors import UserError
 
 # The write policies kvexport::attach_remote accepts: users the host tier lets go ("on_evict"), or
@@ -21,3 +23,12 @@ def check_write_policy(policy: str, what: str = "remote_write") -> str:
     if policy not in WRITE_POLICIES:
         raise UserError(f"{what} {policy!r}: expected one of {', '.join(WRITE_POLICIES)}")
     return policy
+
+
+_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@")
+
+
+def redact_url(url: str) -> str:
+    """`url` for a message or a log: whatever precedes an '@' in its authority (the user and the
+    password of redis://user:password@host) as ***, as the op library writes it."""
+    return _CREDENTIALS.sub(r"\1***@", url)

@@ -100,11 +100,30 @@ def test_a_remote_read_inside_a_package_releases_the_gil_and_the_runtime(tiny_ar
 
 
 def test_bad_remote_url_is_one_line_and_leaves_no_runtime(tiny_artifact):
-    with pytest.raises(UserError, match=r"^remote URL 'http://x' is not of the form redis://host\[:port\]\[/db\]$"):
+    with pytest.raises(UserError, match=r"^remote URL 'http://x' is not of the form "
+                                        r"redis://\[\[user\]:password@\]host\[:port\]\[/db\]$"):
         kvexport.load(tiny_artifact, remote="http://x")
     runtime = json.loads((tiny_artifact / "manifest.json").read_text())["runtime_name"]
     with pytest.raises(ValueError, match="no KV runtime named"):
         kv.runtime_stats(runtime)
+
+
+def test_a_password_in_the_url_is_never_shown(tiny_artifact, tmp_path):
+    need_redis()
+    server = RedisServer(tmp_path, extra=("--requirepass", "pkg-pw")).start()
+    try:
+        refused = f"redis://:not-the-pw@127.0.0.1:{server.port}/0"
+        with pytest.raises(UserError, match=f"^remote tier redis://:\\*\\*\\*@127.0.0.1:{server.port}/0 refused "
+                                            "the connection: WRONGPASS") as error:
+            kvexport.load(tiny_artifact, remote=refused)
+        assert "not-the-pw" not in str(error.value)
+        with kvexport.load(tiny_artifact, remote=f"redis://:pkg-pw@127.0.0.1:{server.port}/0") as pkg:
+            assert pkg.remote == f"redis://***@127.0.0.1:{server.port}/0"
+        harness = kvexport_cli("replay", str(tiny_artifact), "--remote", refused)
+        assert harness.returncode == 2 and "not-the-pw" not in harness.stderr
+        assert harness.stderr.strip().startswith(f"error: remote tier redis://:***@127.0.0.1:{server.port}/0 refused")
+    finally:
+        server.stop()
 
 
 def test_bad_write_policy_is_refused_before_loading(tiny_artifact, monkeypatch):
@@ -174,11 +193,11 @@ def test_replay_harness_runs_without_an_unreachable_tier_and_refuses_a_bad_url(t
     result = kvexport_cli("replay", str(tiny_artifact), "--remote", url)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if line.startswith("warning")] == [
-        f"warning: remote tier {url} is unreachable; runtime "
+        "warning: the remote tier (--remote) is unreachable; runtime "
         f"'{json.loads((tiny_artifact / 'manifest.json').read_text())['runtime_name']}' runs without it"]
     bad = kvexport_cli("replay", str(tiny_artifact), "--remote", "redis:/nohost")
     assert (bad.returncode, bad.stderr.strip()) == (
-        2, "error: remote URL 'redis:/nohost' is not of the form redis://host[:port][/db]")
+        2, "error: remote URL 'redis:/nohost' is not of the form redis://[[user]:password@]host[:port][/db]")
 
 
 # ---- soaks: two processes, random routing -------------------------------------------------------------

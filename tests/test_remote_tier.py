@@ -17,7 +17,7 @@ import yaml
 from kvexport.ops import wrappers as kv
 from kvexport.remote import WRITE_POLICIES
 from tests.conftest import ROOT, TINY, scratch_runtime, scratch_runtime_name
-from tests.redis_server import RedisServer, free_port, need_redis
+from tests.redis_server import RedisServer, Resp, free_port, need_redis
 from tests.test_runtime import kv_values, request
 
 PAGE_SIZE = 2
@@ -172,14 +172,79 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
 
 
 @pytest.mark.parametrize(("url", "policy", "message"), [
-    ("http://127.0.0.1:6379", "on_evict", "not of the form redis://host"),
+    ("http://127.0.0.1:6379", "on_evict", r"not of the form redis://\[\[user\]:password@\]host\[:port\]\[/db\]"),
     ("redis://127.0.0.1:70000", "on_evict", "port 70000 outside 1..65535"),
-    ("redis://127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
+    ("redis://:topsecret@127.0.0.1:70000", "on_evict", r"'redis://\*\*\*@127.0.0.1:70000': port 70000"),
+    ("redis://ann:@127.0.0.1", "on_evict", "names a user but no password"),
+    ("redis://ann:top%4secret@127.0.0.1", "on_evict", "is not followed by two hex digits"),
+    ("redis://ann:topsecret@127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
 ])
 def test_bad_remote_settings_are_refused(url, policy, message):
     with scratch_runtime(CONFIG) as name:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as refused:
             kv.attach_remote(name, url, policy)
+        assert "topsecret" not in str(refused.value) and "top%4secret" not in str(refused.value)
+
+
+# ---- a server that wants a password ------------------------------------------------------------------
+
+# '@', ':' and '/' in a password are percent-encoded in the URL.
+PASSWORD = "s3:cr@t/pw"
+ENCODED = "s3%3Acr%40t%2Fpw"
+
+
+@pytest.fixture(scope="module")
+def locked_server(tmp_path_factory):
+    """A redis-server of its own that wants PASSWORD from the default user, and knows an ACL user
+    'kv' (password 'kv-pw') allowed only kvexport's keys."""
+    need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis-auth"), extra=("--requirepass", PASSWORD)).start()
+    admin = Resp(server.port)
+    assert admin.command("AUTH", PASSWORD) == b"OK"
+    assert admin.command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~kvexport:*", "+@all") == b"OK"
+    admin.close()
+    yield server
+    server.stop()
+
+
+def _evicted_user_comes_back(name: str) -> dict[str, int]:
+    request(name, {1: [10, 11, 12]}, config=CONFIG)
+    assert kv.evict_user(name, 1)
+    wait_for(name, "remote_writes", 1)
+    assert request(name, {1: [10, 11, 12, 13]}, config=CONFIG) == [3]
+    return kv.runtime_stats(name)
+
+
+@pytest.mark.parametrize("credentials", [f":{ENCODED}", f"default:{ENCODED}", "kv:kv-pw"])
+def test_a_password_protected_server_serves_with_the_right_password(locked_server, credentials):
+    with scratch_runtime(CONFIG) as name:
+        assert kv.attach_remote(name, f"redis://{credentials}@127.0.0.1:{locked_server.port}/0", "on_evict")
+        stats = _evicted_user_comes_back(name)
+    assert (stats["remote_writes"], stats["remote_hits"], stats["remote_errors"]) == (1, 1, 0)
+
+
+@pytest.mark.parametrize(("credentials", "reply"), [
+    (":wrong-pw", "WRONGPASS"),
+    ("kv:wrong-pw", "WRONGPASS"),
+    ("", "NOAUTH"),
+])
+def test_a_refused_password_is_an_error_at_attach_that_hides_it(locked_server, credentials, reply):
+    url = f"redis://{credentials + '@' if credentials else ''}127.0.0.1:{locked_server.port}/0"
+    with scratch_runtime(CONFIG) as name:
+        with pytest.raises(ValueError, match=f"^remote tier redis://.*127.0.0.1:{locked_server.port}/0 refused the "
+                                             f"connection: {reply}") as refused:
+            kv.attach_remote(name, url, "on_evict")
+        assert "wrong-pw" not in str(refused.value)
+        assert kv.runtime_stats(name)["remote_connected"] == 0  # no tier was attached
+        assert kv.attach_remote(name, f"redis://:{ENCODED}@127.0.0.1:{locked_server.port}/0", "on_evict")
+
+
+def test_an_unreachable_server_is_logged_without_its_password(caplog):
+    with scratch_runtime(CONFIG) as name:
+        port = free_port()
+        assert not kv.attach_remote(name, f"redis://kv:{ENCODED}@127.0.0.1:{port}", "on_evict")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"remote tier redis://***@127.0.0.1:{port} is unreachable; runtime '{name}' runs without it"]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

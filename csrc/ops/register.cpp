@@ -270,9 +270,10 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("read_user_kv(str runtime, int user_id) -> Tensor");
   m.def("drop_runtime(str runtime) -> bool");
   m.def("gpu_info(Device device) -> (str, str)");
-  // Adds the remote tier (redis://host[:port][/db]) behind the host tier; write_policy is on_evict or
-  // after_batch; read budget and expiry come from the runtime's config. False when the server does
-  // not answer: the runtime then runs without it.
+  // Adds the remote tier (redis://[[user]:password@]host[:port][/db]) behind the host tier;
+  // write_policy is on_evict or after_batch; read budget and expiry come from the runtime's config.
+  // False when the server does not answer: the runtime then runs without it; ValueError when it
+  // refuses the connection (a wrong or missing password).
   m.def("attach_remote(str runtime, str url, str write_policy) -> bool");
   // Waits up to timeout_ms for the remote tier's queued writes; False if some are still queued.
   m.def("flush_remote(str runtime, int timeout_ms) -> bool");

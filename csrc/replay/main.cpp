@@ -8,9 +8,11 @@
 // each thread sends all of them before every trace step, and each must fail with the runtime's
 // "invalid_request" code while the trace's outputs stay correct.
 //
-// --remote URL: share user caches through a Redis/Valkey server (redis://host[:port][/db]) as
-// kvexport.load(remote=...) does; --remote-write is on_evict (default) or after_batch. A server that
-// does not answer: one warning line, and the replay runs without the tier.
+// --remote URL: share user caches through a Redis/Valkey server
+// (redis://[[user]:password@]host[:port][/db]) as kvexport.load(remote=...) does; --remote-write is
+// on_evict (default) or after_batch. A server that does not answer: one warning line, and the
+// replay runs without the tier; one that refuses the password: unusable input. Messages never
+// repeat the URL (it may hold a password).
 //
 // Exit codes: 0 pass, 1 mismatch (an output outside tolerance, or a file that differs from the
 // manifest), 2 unusable input. `kvexport replay` locates the libraries and passes these flags.
@@ -152,7 +154,7 @@ void attach_remote(const std::string& runtime, const std::string& url, const std
     throw ReplayError(kUnusable, what.substr(0, what.find('\n')));
   }
   if (!attached) {
-    std::fprintf(stderr, "warning: remote tier %s is unreachable; runtime '%s' runs without it\n", url.c_str(),
+    std::fprintf(stderr, "warning: the remote tier (--remote) is unreachable; runtime '%s' runs without it\n",
                  runtime.c_str());
   }
 }
@@ -508,8 +510,8 @@ int run(const Options& options) {
     }
   }
   if (options.remote && !call_op("kvexport::flush_remote", {runtime, kRemoteFlushTimeoutMs})[0].toBool()) {
-    std::fprintf(stderr, "warning: remote tier %s: writes still queued after %lld ms were dropped\n",
-                 options.remote->c_str(), static_cast<long long>(kRemoteFlushTimeoutMs));
+    std::fprintf(stderr, "warning: the remote tier (--remote): writes still queued after %lld ms were dropped\n",
+                 static_cast<long long>(kRemoteFlushTimeoutMs));
   }
   auto report = make_report(manifest, options, files_checked, atol, rtol, results);
   report["counters"] = runtime_stats(runtime);

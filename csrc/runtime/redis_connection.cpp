@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <cctype>
 #include <memory>
 #include <regex>
 #include <stdexcept>
@@ -23,24 +24,66 @@ struct ReplyDeleter {
 };
 using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
 
+// %XX escapes in a URL's user or password; throws on a malformed one.
+std::string percent_decode(const std::string& text, const std::string& url) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '%') {
+      out += text[i];
+      continue;
+    }
+    if (i + 2 >= text.size() || !std::isxdigit(static_cast<unsigned char>(text[i + 1])) ||
+        !std::isxdigit(static_cast<unsigned char>(text[i + 2]))) {
+      throw std::invalid_argument("remote URL '" + redact_url(url) +
+                                  "': a '%' in its user or password is not followed by two hex digits");
+    }
+    out += static_cast<char>(std::stoi(text.substr(i + 1, 2), nullptr, 16));
+    i += 2;
+  }
+  return out;
+}
+
 }  // namespace
 
+std::string redact_url(const std::string& url) {
+  const auto scheme = url.find("://");
+  if (scheme == std::string::npos) return url;
+  const auto start = scheme + 3;
+  const auto authority_end = url.find('/', start);
+  const auto at = url.rfind('@', authority_end == std::string::npos ? std::string::npos : authority_end);
+  if (at == std::string::npos || at < start) return url;
+  return url.substr(0, start) + "***" + url.substr(at);
+}
+
 RedisEndpoint RedisEndpoint::parse(const std::string& url) {
-  static const std::regex pattern(R"(redis://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\])(?::(\d{1,5}))?(?:/(\d+))?/?)");
+  static const std::regex pattern(
+      R"(redis://(?:([^:@/]*)(?::([^@/]*))?@)?([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\])(?::(\d{1,5}))?(?:/(\d+))?/?)");
   std::smatch match;
   if (!std::regex_match(url, match, pattern)) {
-    throw std::invalid_argument("remote URL '" + url + "' is not of the form redis://host[:port][/db]");
+    throw std::invalid_argument("remote URL '" + redact_url(url) +
+                                "' is not of the form redis://[[user]:password@]host[:port][/db]");
   }
   RedisEndpoint endpoint;
-  endpoint.host = match[1].str();
+  endpoint.username = percent_decode(match[1].str(), url);
+  endpoint.password = percent_decode(match[2].str(), url);
+  if (!endpoint.username.empty() && endpoint.password.empty()) {
+    throw std::invalid_argument("remote URL '" + redact_url(url) + "' names a user but no password");
+  }
+  endpoint.host = match[3].str();
   if (endpoint.host.front() == '[') endpoint.host = endpoint.host.substr(1, endpoint.host.size() - 2);
-  if (match[2].matched) endpoint.port = std::stoi(match[2].str());
-  if (match[3].matched) endpoint.db = std::stoll(match[3].str());
+  if (match[4].matched) endpoint.port = std::stoi(match[4].str());
+  if (match[5].matched) endpoint.db = std::stoll(match[5].str());
   if (endpoint.port < 1 || endpoint.port > 65535) {
-    throw std::invalid_argument("remote URL '" + url + "': port " + std::to_string(endpoint.port) +
+    throw std::invalid_argument("remote URL '" + redact_url(url) + "': port " + std::to_string(endpoint.port) +
                                 " outside 1..65535");
   }
   return endpoint;
+}
+
+std::string RedisEndpoint::display() const {
+  const bool ipv6 = host.find(':') != std::string::npos;
+  return "redis://" + (password.empty() ? "" : username + ":***@") + (ipv6 ? "[" + host + "]" : host) + ":" +
+         std::to_string(port) + "/" + std::to_string(db);
 }
 
 RedisConnection::RedisConnection(RedisEndpoint endpoint, std::chrono::microseconds timeout)
@@ -60,13 +103,29 @@ bool RedisConnection::connect(std::chrono::microseconds connect_timeout) {
     return false;
   }
   context_ = context;
-  if (endpoint_.db != 0) {
-    Reply reply(static_cast<redisReply*>(redisCommand(context_, "SELECT %lld", static_cast<long long>(endpoint_.db))));
-    if (!reply || reply->type == REDIS_REPLY_ERROR) {
-      drop();
-      return false;
-    }
+  refusal_.clear();
+  // The setup's commands in turn; a refusal is kept for refusal(), a lost connection is not one.
+  const auto setup = [this](redisReply* raw) {
+    Reply reply(raw);
+    if (reply && reply->type != REDIS_REPLY_ERROR) return true;
+    if (reply) refusal_.assign(reply->str, reply->len);
+    drop();
+    return false;
+  };
+  const auto& e = endpoint_;
+  if (!e.password.empty() &&
+      !setup(static_cast<redisReply*>(
+          e.username.empty()
+              ? redisCommand(context_, "AUTH %b", e.password.data(), e.password.size())
+              : redisCommand(context_, "AUTH %b %b", e.username.data(), e.username.size(), e.password.data(),
+                             e.password.size())))) {
+    return false;
   }
+  if (e.db != 0 &&
+      !setup(static_cast<redisReply*>(redisCommand(context_, "SELECT %lld", static_cast<long long>(e.db))))) {
+    return false;
+  }
+  if (!setup(static_cast<redisReply*>(redisCommand(context_, "PING")))) return false;
   backoff_ = kFirstBackoff;
   ++num_connects_;
   return true;

@@ -17,9 +17,19 @@ struct RedisEndpoint {
   std::string host;
   int port = 6379;
   int64_t db = 0;
-  // redis://host[:port][/db]; throws std::invalid_argument naming the URL.
+  // AUTH at every connect when password is set (username too: a Redis 6 ACL user; else the
+  // default user). Percent-decoded from the URL.
+  std::string username;
+  std::string password;
+  // redis://[[username]:password@]host[:port][/db]; throws std::invalid_argument naming the URL,
+  // its credentials hidden (redact_url).
   static RedisEndpoint parse(const std::string& url);
+  // The endpoint as a URL for messages: the password shown as ***.
+  std::string display() const;
 };
+
+// `url` for a message: whatever precedes an '@' in its authority (user and password) as ***.
+std::string redact_url(const std::string& url);
 
 class RedisConnection {
  public:
@@ -35,8 +45,12 @@ class RedisConnection {
   RedisConnection& operator=(const RedisConnection&) = delete;
 
   // Connects now, ignoring the backoff, waiting up to connect_timeout (commands keep the
-  // connection's own timeout).
+  // connection's own timeout): AUTH when the endpoint has a password, SELECT for a db other than
+  // 0, then a PING, so that a server that wants a password it was not given refuses here.
   bool connect(std::chrono::microseconds connect_timeout);
+  // Why the server refused the last connect's setup (its error reply to AUTH, SELECT or PING:
+  // "WRONGPASS ...", "NOAUTH ..."); empty when it connected or could not be reached at all.
+  const std::string& refusal() const { return refusal_; }
   bool connected() const { return context_ != nullptr; }
   // Connections made so far (the first one and every reconnect).
   int64_t num_connects() const { return num_connects_; }
@@ -55,6 +69,7 @@ class RedisConnection {
   std::chrono::steady_clock::time_point retry_at_;
   std::chrono::milliseconds backoff_;
   int64_t num_connects_ = 0;
+  std::string refusal_;
 };
 
 }  // namespace kvexport::runtime

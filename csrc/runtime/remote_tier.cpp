@@ -37,6 +37,12 @@ RemoteTier::RemoteTier(std::string runtime, RuntimeConfig config, RemoteSettings
       reader_(settings_.endpoint, settings_.read_budget) {
   // The first connect is made at load time, not within a request: it may take longer than a read.
   reachable_ = reader_.connect(std::max<std::chrono::microseconds>(settings_.read_budget, kWriteTimeout));
+  // A server that answers but refuses the setup (a wrong or missing password) is a setting to fix,
+  // not an outage to ride out.
+  if (!reachable_ && !reader_.refusal().empty()) {
+    throw std::invalid_argument("remote tier " + settings_.endpoint.display() + " refused the connection: " +
+                                reader_.refusal());
+  }
   reader_connects_ = reader_.num_connects();
   reader_connected_ = reachable_;
   if (reachable_) writer_ = std::thread([this] { write_loop(); });

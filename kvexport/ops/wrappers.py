@@ -15,7 +15,7 @@ import logging
 import torch
 
 from kvexport.ops import library
-from kvexport.remote import DEFAULT_WRITE_POLICY
+from kvexport.remote import DEFAULT_WRITE_POLICY, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -174,20 +174,22 @@ def gpu_info(device: torch.device) -> tuple[str, str]:
 
 
 def attach_remote(runtime: str, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> bool:
-    """Adds the remote tier (a Redis/Valkey server at redis://host[:port][/db]) behind the host tier;
-    write_policy is one of kvexport.remote.WRITE_POLICIES.
+    """Adds the remote tier (a Redis/Valkey server at redis://[[user]:password@]host[:port][/db];
+    with a password, every connection authenticates with it, as that Redis 6 ACL user if one is
+    named) behind the host tier; write_policy is one of kvexport.remote.WRITE_POLICIES.
 
     Shared by every process whose runtime has this name. Users the host tier lets go are written
     there (write_policy "after_batch": also every user of every committed batch), asynchronously,
     to expire after the runtime config's remote_ttl_s; a user missing from both local tiers is read
     from it, ahead of its batch, within remote_read_budget_us. Returns False, and logs one warning,
     when the server does not answer: the runtime then runs without the tier. ValueError for a bad
-    URL or policy, an unknown runtime, a remote tier attached already, or an op library built
-    without the remote tier.
+    URL or policy, a server that answers but refuses the connection (a wrong or missing password:
+    "WRONGPASS ...", "NOAUTH ..."), an unknown runtime, a remote tier attached already, or an op
+    library built without the remote tier. Messages and logs show the URL's credentials as ***.
     """
     attached = _ops().attach_remote(runtime, url, write_policy)
     if not attached:
-        log.warning("remote tier %s is unreachable; runtime '%s' runs without it", url, runtime)
+        log.warning("remote tier %s is unreachable; runtime '%s' runs without it", redact_url(url), runtime)
     return attached
 
 
