@@ -20,7 +20,7 @@ import click
 
 from kvexport import __version__
 from kvexport.errors import UserError
-from kvexport.remote import DEFAULT_WRITE_POLICY, redact_url
+from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, redact_url, url_with_password
 
 log = logging.getLogger("kvexport")
 
@@ -234,7 +234,11 @@ class Route(click.ParamType):
 
 
 def remote_options(func):
-    """--remote URL and --remote-write POLICY: the shared remote KV tier (kvexport.load(remote=...))."""
+    """--remote URL, --remote-password-file FILE and --remote-write POLICY: the shared remote KV tier
+    (kvexport.load(remote=...))."""
+    func = click.option("--remote-password-file", type=click.Path(path_type=Path), metavar="FILE",
+                        help="The remote tier's password, read from FILE (a mounted secret) rather than given "
+                             "in the URL, where the machine's process list would show it.")(func)
     func = click.option("--remote-write", type=RemoteWritePolicy(), default=DEFAULT_WRITE_POLICY, show_default=True,
                         help="When users are written to the remote tier: on_evict (when the host tier lets "
                              "them go) or after_batch (also after every request).")(func)
@@ -242,6 +246,15 @@ def remote_options(func):
                         help="Share user caches through a remote KV tier: a Redis/Valkey server at "
                              "redis://[[user]:password@]host[:port][/db] (unreachable: runs without it, with a "
                              "warning; a refused password: an error).")(func)
+
+
+def _remote_url(remote: str | None, password_file: Path | None) -> str | None:
+    """--remote with --remote-password-file's password added (kept inside this process)."""
+    if password_file is None:
+        return remote
+    if remote is None:
+        raise UserError("--remote-password-file needs --remote URL")
+    return url_with_password(remote, read_password_file(password_file))
 
 
 config_argument = click.argument("config", type=click.Path(path_type=Path))
@@ -375,7 +388,8 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
 @remote_options
 @_handle_errors
 @_aoti_errors_filtered
-def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, remote_write: str) -> None:
+def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, remote_write: str,
+        remote_password_file: Path | None) -> None:
     """Score a request file through OUT's package, in order (the cache carries across batches).
 
     Every batch is validated before any runs (a malformed one: nothing runs, no output). A batch the
@@ -393,7 +407,8 @@ def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, r
     """
     from kvexport.serve import OK, score_request_file
 
-    results = score_request_file(out, requests_path, output_path, remote=remote, remote_write=remote_write)
+    results = score_request_file(out, requests_path, output_path, remote=_remote_url(remote, remote_password_file),
+                                 remote_write=remote_write)
     failed = [index for index, result in enumerate(results) if result["status"] != OK]
     click.echo(f"scored {len(results) - len(failed)}/{len(results)} batches -> {output_path}")
     if failed:
@@ -473,7 +488,7 @@ def _format_serving_signature(serving: dict) -> str:
 @_handle_errors
 @_aoti_errors_filtered
 def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, batching: bool,
-          remote: str | None, remote_write: str) -> None:
+          remote: str | None, remote_write: str, remote_password_file: Path | None) -> None:
     """Serve OUT through a Triton Inference Server (needs the serve extra: pip install 'kvexport[serve]').
 
     \b
@@ -488,6 +503,8 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
     are refused, those in flight are answered, then it exits 0.
     """
     from kvexport.serving.triton import serve as run_server
+
+    remote = _remote_url(remote, remote_password_file)
 
     def ready(server) -> None:
         click.echo(f"serving {server.model_name} from {out} (batches of up to {server.max_batch_size} users): "
@@ -511,11 +528,14 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
 @remote_options
 @_handle_errors
 def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: float | None,
-           rtol: float | None, remote: str | None, remote_write: str) -> None:
+           rtol: float | None, remote: str | None, remote_write: str, remote_password_file: Path | None) -> None:
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
     from kvexport.replay import run_replay
 
-    sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write))
+    if remote_password_file is not None and remote is None:
+        raise UserError("--remote-password-file needs --remote URL")
+    sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
+                        remote_password_file=remote_password_file))
 
 
 @main.command()
@@ -535,10 +555,12 @@ def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: f
 @_handle_errors
 @_aoti_errors_filtered
 def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None,
-         json_path: Path | None, remote: str | None, remote_write: str, route: tuple[int, int]) -> None:
+         json_path: Path | None, remote: str | None, remote_write: str, remote_password_file: Path | None,
+         route: tuple[int, int]) -> None:
     """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
     from kvexport.soak import soak as run_soak
 
+    remote = _remote_url(remote, remote_password_file)
     report = run_soak(out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write,
                       route=route)
     counters = ", ".join(f"{k} {v}" for k, v in report.counters.items())

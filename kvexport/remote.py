@@ -7,6 +7,8 @@ torch-free, so the CLI can check an option without importing torch.
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from urllib.parse import quote
 
 from kvexport.errors import UserError
 
@@ -32,3 +34,34 @@ def redact_url(url: str) -> str:
     """`url` for a message or a log: whatever precedes an '@' in its authority (the user and the
     password of redis://user:password@host) as ***, as the op library writes it."""
     return _CREDENTIALS.sub(r"\1***@", url)
+
+
+def read_password_file(path: Path) -> str:
+    """The password a file holds (a mounted secret, so that it never appears in a process list):
+    its text less one trailing newline. UserError for a file that cannot be read, is empty or
+    holds more than one line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise UserError(f"cannot read the remote tier's password file {path}: {why}") from None
+    password = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not password:
+        raise UserError(f"the remote tier's password file {path} is empty")
+    if "\n" in password or "\r" in password:
+        raise UserError(f"the remote tier's password file {path} holds more than one line")
+    return password
+
+
+def url_with_password(url: str, password: str) -> str:
+    """`url` (redis://[user@]host...) with `password` added, percent-encoded. UserError when the
+    URL holds a password already."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url  # not a URL: the op library refuses it, naming the form it takes
+    authority = rest.split("/", 1)[0]
+    user = authority.rsplit("@", 1)[0] if "@" in authority else ""
+    if ":" in user:
+        raise UserError("the remote URL holds a password already: give it there or in a password file, not both")
+    host = rest[len(user) + 1:] if "@" in authority else rest
+    return f"{scheme}://{user}:{quote(password, safe='')}@{host}"

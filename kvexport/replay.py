@@ -43,7 +43,7 @@ def library_flags(required: list[str]) -> list[str]:
 
 def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
                    atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
-                   remote_write: str = DEFAULT_WRITE_POLICY) -> list[str]:
+                   remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None) -> list[str]:
     artifact = open_artifact(out)
     command = [str(harness()), "--artifact", str(artifact.root), *library_flags(artifact.required_libraries),
                "--repeat", str(repeat), "--threads", str(threads)]
@@ -55,17 +55,21 @@ def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, th
         command += ["--rtol", repr(rtol)]
     if remote is not None:
         command += ["--remote", remote, "--remote-write", check_write_policy(remote_write)]
+        if remote_password_file is not None:  # the harness reads it: a password never goes on its command line
+            command += ["--remote-password-file", str(remote_password_file)]
     return command
 
 
 def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
                atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
-               remote_write: str = DEFAULT_WRITE_POLICY) -> int:
+               remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None) -> int:
     """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable).
 
-    remote, remote_write: the harness shares user caches through that remote tier (--remote URL).
+    remote, remote_write: the harness shares user caches through that remote tier (--remote URL);
+    remote_password_file: a file holding its password, which the harness reads itself.
     """
     if repeat < 1 or threads < 1:
         raise UserError("--repeat and --threads must be >= 1")
-    command = replay_command(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write)
+    command = replay_command(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
+                             remote_password_file=remote_password_file)
     return subprocess.run(command).returncode

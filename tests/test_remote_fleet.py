@@ -300,3 +300,72 @@ def test_soak_against_a_full_server_recomputes_what_it_evicted(tiny_artifact, ti
     assert evicted > 0 and counters["remote_writes"] > 0
     assert counters["remote_misses"] > 0  # entries the server evicted: recomputed
     assert counters["remote_rejected_format"] + counters["remote_rejected_checksum"] == 0
+
+
+# ---- a password from a file: the Python commands and the C++ harness read it themselves -------------------
+
+LOCKED_PASSWORD = "pw:with@odd/chars%"
+
+
+@pytest.fixture(scope="module")
+def locked_redis(tmp_path_factory):
+    need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis-locked"), extra=("--requirepass", LOCKED_PASSWORD)).start()
+    yield server
+    server.stop()
+
+
+def _request_file(tiny_artifact: Path, tmp_path: Path) -> Path:
+    step = torch.load(tiny_artifact / "trace" / "step_0000.pt", weights_only=True)
+    torch.save([{k: v for k, v in step.items() if not k.startswith("expected")}], tmp_path / "requests.pt")
+    return tmp_path / "requests.pt"
+
+
+def test_run_and_replay_read_the_password_from_a_file(tiny_artifact, locked_redis, tmp_path):
+    secret = tmp_path / "redis-password"
+    secret.write_text(LOCKED_PASSWORD + "\n")
+    url = f"redis://127.0.0.1:{locked_redis.port}/0"
+    report_path = tmp_path / "replay.json"
+    replayed = kvexport_cli("replay", str(tiny_artifact), "--repeat", "2", "--remote", url, "--remote-write",
+                            "after_batch", "--remote-password-file", str(secret), "--json", str(report_path))
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    counters = json.loads(report_path.read_text())["counters"]
+    assert counters["remote_hits"] > 0 and counters["remote_errors"] == 0
+    scored = kvexport_cli("run", str(tiny_artifact), "--requests", str(_request_file(tiny_artifact, tmp_path)),
+                          "--output", str(tmp_path / "out.pt"), "--remote", url, "--remote-password-file", str(secret))
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    # Without the file the server refuses (NOAUTH): the file's password was what let them in.
+    refused = kvexport_cli("replay", str(tiny_artifact), "--remote", url)
+    assert refused.returncode == 2 and "NOAUTH" in refused.stderr
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("wrong-password\n", "refused the connection: WRONGPASS"),
+    ("", "is empty"),
+    ("one\ntwo\n", "holds more than one line"),
+    (None, "cannot read the remote tier's password file"),
+])
+def test_a_bad_password_file_is_one_line_that_never_shows_a_password(tiny_artifact, locked_redis, tmp_path,
+                                                                      content, message):
+    secret = tmp_path / "redis-password"
+    if content is not None:
+        secret.write_text(content)
+    url = f"redis://127.0.0.1:{locked_redis.port}/0"
+    for command in (["replay", str(tiny_artifact)],
+                    ["run", str(tiny_artifact), "--requests", str(_request_file(tiny_artifact, tmp_path)),
+                     "--output", str(tmp_path / "out.pt")]):
+        result = kvexport_cli(*command, "--remote", url, "--remote-password-file", str(secret))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (command, result.stderr[-2000:])
+        assert "wrong-password" not in result.stderr and not (tmp_path / "out.pt").exists()
+
+
+def test_a_password_file_needs_a_remote_and_no_second_password(tiny_artifact, tmp_path):
+    secret = tmp_path / "redis-password"
+    secret.write_text("pw\n")
+    alone = kvexport_cli("replay", str(tiny_artifact), "--remote-password-file", str(secret))
+    assert (alone.returncode, alone.stderr.strip()) == (2, "error: --remote-password-file needs --remote URL")
+    both = kvexport_cli("replay", str(tiny_artifact), "--remote", "redis://:pw@127.0.0.1:6379",
+                        "--remote-password-file", str(secret))
+    assert (both.returncode, both.stderr.strip()) == (
+        2, "error: the remote URL holds a password already: give it there or in a password file, not both")

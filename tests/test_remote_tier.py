@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from kvexport.ops import wrappers as kv
-from kvexport.remote import WRITE_POLICIES
+from kvexport.errors import UserError
+from kvexport.remote import WRITE_POLICIES, read_password_file, url_with_password
 from tests.conftest import ROOT, TINY, scratch_runtime, scratch_runtime_name
 from tests.redis_server import RedisServer, Resp, free_port, need_redis
 from tests.test_runtime import kv_values, request
@@ -491,3 +492,35 @@ def test_a_user_scored_in_one_process_is_a_remote_hit_in_another(redis_server):
     cached, full = torch.tensor(second["cached"]), torch.tensor(second["full"])
     assert cached.shape[0] == 4 and cached.shape == full.shape
     assert torch.allclose(cached, full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis://127.0.0.1:6379/2", "redis://:a%3Ab%40c%2Fd%25e@127.0.0.1:6379/2"),
+    ("redis://kv@127.0.0.1", "redis://kv:a%3Ab%40c%2Fd%25e@127.0.0.1"),
+    ("redis://[::1]:6379", "redis://:a%3Ab%40c%2Fd%25e@[::1]:6379"),
+])
+def test_a_password_added_to_a_url_is_percent_encoded(url, expected):
+    assert url_with_password(url, "a:b@c/d%e") == expected
+
+
+def test_a_url_with_a_password_takes_no_second_one():
+    with pytest.raises(UserError, match="holds a password already"):
+        url_with_password("redis://kv:pw@127.0.0.1", "other")
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("pw\n", "pw"), ("pw\r\n", "pw"), ("pw", "pw"), (" pw \n", " pw "),
+])
+def test_a_password_file_loses_one_trailing_newline(tmp_path, content, expected):
+    (tmp_path / "pw").write_bytes(content.encode())
+    assert read_password_file(tmp_path / "pw") == expected
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "is empty"), ("\n", "is empty"), ("a\nb", "more than one line"), (None, "No such file"),
+])
+def test_a_bad_password_file_is_refused(tmp_path, content, message):
+    if content is not None:
+        (tmp_path / "pw").write_text(content)
+    with pytest.raises(UserError, match=message):
+        read_password_file(tmp_path / "pw")

@@ -10,9 +10,10 @@
 //
 // --remote URL: share user caches through a Redis/Valkey server
 // (redis://[[user]:password@]host[:port][/db]) as kvexport.load(remote=...) does; --remote-write is
-// on_evict (default) or after_batch. A server that does not answer: one warning line, and the
-// replay runs without the tier; one that refuses the password: unusable input. Messages never
-// repeat the URL (it may hold a password).
+// on_evict (default) or after_batch; --remote-password-file FILE: the server's password, read from
+// FILE rather than given in the URL (where the process list would show it). A server that does not
+// answer: one warning line, and the replay runs without the tier; one that refuses the password:
+// unusable input. Messages never repeat the URL (it may hold a password).
 //
 // Exit codes: 0 pass, 1 mismatch (an output outside tolerance, or a file that differs from the
 // manifest), 2 unusable input. `kvexport replay` locates the libraries and passes these flags.
@@ -25,10 +26,12 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
@@ -50,6 +53,7 @@ struct Options {
   int threads = 1;
   std::optional<fs::path> hostile;
   std::optional<std::string> remote;
+  std::optional<fs::path> remote_password_file;
   std::string remote_write = "on_evict";
 };
 
@@ -58,7 +62,8 @@ constexpr int64_t kRemoteFlushTimeoutMs = 5000;
 
 const char* kUsage =
     "usage: kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE] "
-    "[--repeat N] [--threads N] [--hostile FILE] [--remote URL [--remote-write POLICY]]";
+    "[--repeat N] [--threads N] [--hostile FILE] "
+    "[--remote URL [--remote-write POLICY] [--remote-password-file FILE]]";
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -93,10 +98,12 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--hostile") o.hostile = fs::path(value(i));
     else if (flag == "--remote") o.remote = value(i);
     else if (flag == "--remote-write") o.remote_write = value(i);
+    else if (flag == "--remote-password-file") o.remote_password_file = fs::path(value(i));
     else if (flag == "--help" || flag == "-h") throw ReplayError(kPass, kUsage);
     else throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
   }
   if (o.artifact.empty()) throw ReplayError(kUnusable, std::string("--artifact is required\n") + kUsage);
+  if (o.remote_password_file && !o.remote) throw ReplayError(kUnusable, "--remote-password-file needs --remote URL");
   return o;
 }
 
@@ -141,6 +148,49 @@ std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
   std::map<std::string, int64_t> stats;
   for (size_t i = 0; i < names.size(); ++i) stats[names[i].toStringRef()] = values[i].item<int64_t>();
   return stats;
+}
+
+// The password a file holds, less one trailing newline (kvexport.remote.read_password_file).
+std::string read_password_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) {
+    throw ReplayError(kUnusable, "cannot read the remote tier's password file " + path.string());
+  }
+  std::string password = text;
+  if (password.ends_with("\r\n")) password.resize(password.size() - 2);
+  else if (password.ends_with('\n')) password.pop_back();
+  if (password.empty()) throw ReplayError(kUnusable, "the remote tier's password file " + path.string() + " is empty");
+  if (password.find_first_of("\r\n") != std::string::npos) {
+    throw ReplayError(kUnusable, "the remote tier's password file " + path.string() + " holds more than one line");
+  }
+  return password;
+}
+
+// `url` (redis://[user@]host...) with `password` added, percent-encoded
+// (kvexport.remote.url_with_password).
+std::string url_with_password(const std::string& url, const std::string& password) {
+  const auto scheme = url.find("://");
+  if (scheme == std::string::npos) return url;  // not a URL: attach_remote refuses it
+  const auto start = scheme + 3;
+  const auto at = url.rfind('@', url.find('/', start));
+  const bool has_user = at != std::string::npos && at >= start;
+  const std::string user = has_user ? url.substr(start, at - start) : "";
+  if (user.find(':') != std::string::npos) {
+    throw ReplayError(kUnusable,
+                      "the remote URL holds a password already: give it there or in a password file, not both");
+  }
+  std::string encoded;
+  for (const unsigned char c : password) {
+    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
+      encoded += static_cast<char>(c);
+    } else {
+      char escape[4];
+      std::snprintf(escape, sizeof(escape), "%%%02X", c);
+      encoded += escape;
+    }
+  }
+  return url.substr(0, start) + user + ":" + encoded + "@" + url.substr(has_user ? at + 1 : start);
 }
 
 // The remote tier behind the runtime's host tier; a bad URL or policy (or an op library built
@@ -496,7 +546,13 @@ int run(const Options& options) {
   // The package names its device; the runtime lives there (requests stay on the host).
   const c10::Device device(metadata.at("kvexport.device"));
   call_op("kvexport::create_runtime", {runtime, metadata.at("kvexport.runtime_config"), device});
-  if (options.remote) attach_remote(runtime, *options.remote, options.remote_write);
+  if (options.remote) {
+    attach_remote(runtime,
+                  options.remote_password_file
+                      ? url_with_password(*options.remote, read_password_file(*options.remote_password_file))
+                      : *options.remote,
+                  options.remote_write);
+  }
   Replay replay{*loader, runtime, load_trace(manifest, signature), {}, atol, rtol};
   if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature);
 
