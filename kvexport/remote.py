@@ -6,7 +6,6 @@ torch-free, so the CLI can check an option without importing torch.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from urllib.parse import quote
 
@@ -27,13 +26,15 @@ def check_write_policy(policy: str, what: str = "remote_write") -> str:
     return policy
 
 
-_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@")
-
-
 def redact_url(url: str) -> str:
-    """`url` for a message or a log: whatever precedes an '@' in its authority (the user and the
-    password of redis://user:password@host) as ***, as the op library writes it."""
-    return _CREDENTIALS.sub(r"\1***@", url)
+    """`url` for a message or a log, as the op library writes it: everything between its scheme and
+    its last '@' (the user and the password of redis://user:password@host, however malformed the
+    URL) as ***."""
+    head, at, tail = url.rpartition("@")
+    if not at:
+        return url
+    scheme, sep, _ = head.partition("://")
+    return (scheme + sep if sep else "") + "***@" + tail
 
 
 def read_password_file(path: Path) -> str:

@@ -113,7 +113,7 @@ def test_a_password_in_the_url_is_never_shown(tiny_artifact, tmp_path):
     server = RedisServer(tmp_path, extra=("--requirepass", "pkg-pw")).start()
     try:
         refused = f"redis://:not-the-pw@127.0.0.1:{server.port}/0"
-        with pytest.raises(UserError, match=f"^remote tier redis://:\\*\\*\\*@127.0.0.1:{server.port}/0 refused "
+        with pytest.raises(UserError, match=f"^remote tier redis://\\*\\*\\*@127.0.0.1:{server.port}/0 refused "
                                             "the connection: WRONGPASS") as error:
             kvexport.load(tiny_artifact, remote=refused)
         assert "not-the-pw" not in str(error.value)
@@ -121,7 +121,7 @@ def test_a_password_in_the_url_is_never_shown(tiny_artifact, tmp_path):
             assert pkg.remote == f"redis://***@127.0.0.1:{server.port}/0"
         harness = kvexport_cli("replay", str(tiny_artifact), "--remote", refused)
         assert harness.returncode == 2 and "not-the-pw" not in harness.stderr
-        assert harness.stderr.strip().startswith(f"error: remote tier redis://:***@127.0.0.1:{server.port}/0 refused")
+        assert harness.stderr.strip().startswith(f"error: remote tier redis://***@127.0.0.1:{server.port}/0 refused")
     finally:
         server.stop()
 

@@ -16,7 +16,7 @@ import yaml
 
 from kvexport.ops import wrappers as kv
 from kvexport.errors import UserError
-from kvexport.remote import WRITE_POLICIES, read_password_file, url_with_password
+from kvexport.remote import WRITE_POLICIES, read_password_file, redact_url, url_with_password
 from tests.conftest import ROOT, TINY, scratch_runtime, scratch_runtime_name
 from tests.redis_server import RedisServer, Resp, free_port, need_redis
 from tests.test_runtime import kv_values, request
@@ -179,6 +179,10 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
     ("redis://ann:@127.0.0.1", "on_evict", "names a user but no password"),
     ("redis://ann:top%4secret@127.0.0.1", "on_evict", "is not followed by two hex digits"),
     ("redis://ann:topsecret@127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
+    # Malformed, yet the password is hidden all the same.
+    ("redis://:a/topsecret@127.0.0.1:1", "on_evict", r"^remote URL 'redis://\*\*\*@127.0.0.1:1' is not of the form"),
+    ("ann:topsecret@127.0.0.1:6379", "on_evict", r"^remote URL '\*\*\*@127.0.0.1:6379' is not of the form"),
+    ("redis:/:topsecret@127.0.0.1", "on_evict", r"^remote URL '\*\*\*@127.0.0.1' is not of the form"),
 ])
 def test_bad_remote_settings_are_refused(url, policy, message):
     with scratch_runtime(CONFIG) as name:
@@ -232,12 +236,85 @@ def test_a_password_protected_server_serves_with_the_right_password(locked_serve
 def test_a_refused_password_is_an_error_at_attach_that_hides_it(locked_server, credentials, reply):
     url = f"redis://{credentials + '@' if credentials else ''}127.0.0.1:{locked_server.port}/0"
     with scratch_runtime(CONFIG) as name:
-        with pytest.raises(ValueError, match=f"^remote tier redis://.*127.0.0.1:{locked_server.port}/0 refused the "
+        shown = r"redis://(\*\*\*@)?" if credentials else "redis://"
+        with pytest.raises(ValueError, match=f"^remote tier {shown}127.0.0.1:{locked_server.port}/0 refused the "
                                              f"connection: {reply}") as refused:
             kv.attach_remote(name, url, "on_evict")
         assert "wrong-pw" not in str(refused.value)
         assert kv.runtime_stats(name)["remote_connected"] == 0  # no tier was attached
         assert kv.attach_remote(name, f"redis://:{ENCODED}@127.0.0.1:{locked_server.port}/0", "on_evict")
+
+
+def test_a_reconnect_sends_the_password_again(locked_server):
+    with scratch_runtime(CONFIG) as name:
+        assert kv.attach_remote(name, f"redis://kv:kv-pw@127.0.0.1:{locked_server.port}", "on_evict")
+        admin = Resp(locked_server.port)
+        admin.command("AUTH", PASSWORD)
+        assert admin.command("CLIENT", "KILL", "USER", "kv") >= 1  # the tier's connections, not the admin's
+        admin.close()
+        # The first read after the kill fails; one a backoff later reconnects, and only an
+        # authenticated connection can serve the hit.
+        deadline = time.monotonic() + 15
+        hits = 0
+        user = 1
+        while hits == 0 and time.monotonic() < deadline:
+            request(name, {user: [user, 7, 8]}, config=CONFIG)
+            kv.evict_user(name, user)
+            kv.flush_remote(name, 10_000)
+            time.sleep(0.06)
+            hits = request(name, {user: [user, 7, 8, 9]}, config=CONFIG)[0]
+            user += 1
+        stats = kv.runtime_stats(name)
+    assert hits == 3
+    assert stats["remote_reconnects"] >= 1 and stats["remote_errors"] >= 1
+
+
+def _only_client(port: int, timeout_s: float = 10.0) -> Resp:
+    """A client holding the only slot of a server started with maxclients 1 (once the server has
+    seen the start-up probe's connection close)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        client = Resp(port)
+        try:
+            client.command("PING")
+            return client
+        except (RuntimeError, OSError):
+            client.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, caplog):
+    """An error reply that is not about the settings ("ERR max number of clients reached" here;
+    "LOADING" and "BUSY" alike) is a passing state: the runtime runs without the tier."""
+    need_redis()
+    server = RedisServer(tmp_path, extra=("--maxclients", "1")).start()
+    try:
+        holder = _only_client(server.port)
+        with scratch_runtime(CONFIG) as name:
+            assert not kv.attach_remote(name, server.url, "on_evict")
+            assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+                f"remote tier {server.url} is unreachable; runtime '{name}' runs without it"]
+            holder.close()
+            deadline = time.monotonic() + 10
+            while not kv.attach_remote(name, server.url, "on_evict") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kv.runtime_stats(name)["remote_connected"] == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("redis://kv:pw@127.0.0.1", "redis://***@127.0.0.1"),
+    ("redis://:a/b@127.0.0.1:1", "redis://***@127.0.0.1:1"),
+    ("kv:pw@127.0.0.1:6379", "***@127.0.0.1:6379"),
+    ("redis:/:pw@127.0.0.1", "***@127.0.0.1"),
+    ("redis://:p@w@[::1]:6379/2", "redis://***@[::1]:6379/2"),
+])
+def test_python_hides_credentials_as_the_op_library_does(url, shown):
+    assert redact_url(url) == shown
 
 
 def test_an_unreachable_server_is_logged_without_its_password(caplog):

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <memory>
 #include <regex>
 #include <stdexcept>
@@ -43,16 +44,25 @@ std::string percent_decode(const std::string& text, const std::string& url) {
   return out;
 }
 
+// Whether an error reply to AUTH, SELECT or PING rejects the endpoint's settings (a wrong, missing
+// or unneeded password, a user without the right, a db the server lacks) rather than a passing state.
+bool is_refusal(const std::string& error) {
+  static const char* const kPrefixes[] = {"NOAUTH",       "WRONGPASS",           "NOPERM",
+                                          "ERR AUTH",     "ERR invalid password", "ERR Client sent AUTH",
+                                          "ERR DB index", "ERR invalid DB index"};
+  return std::any_of(std::begin(kPrefixes), std::end(kPrefixes),
+                     [&](const char* prefix) { return error.rfind(prefix, 0) == 0; });
+}
+
 }  // namespace
 
 std::string redact_url(const std::string& url) {
+  // Everything before the last '@' may be a credential, however malformed the rest of the URL.
+  const auto at = url.rfind('@');
+  if (at == std::string::npos) return url;
   const auto scheme = url.find("://");
-  if (scheme == std::string::npos) return url;
-  const auto start = scheme + 3;
-  const auto authority_end = url.find('/', start);
-  const auto at = url.rfind('@', authority_end == std::string::npos ? std::string::npos : authority_end);
-  if (at == std::string::npos || at < start) return url;
-  return url.substr(0, start) + "***" + url.substr(at);
+  const auto keep = scheme != std::string::npos && scheme < at ? scheme + 3 : 0;
+  return url.substr(0, keep) + "***" + url.substr(at);
 }
 
 RedisEndpoint RedisEndpoint::parse(const std::string& url) {
@@ -82,7 +92,7 @@ RedisEndpoint RedisEndpoint::parse(const std::string& url) {
 
 std::string RedisEndpoint::display() const {
   const bool ipv6 = host.find(':') != std::string::npos;
-  return "redis://" + (password.empty() ? "" : username + ":***@") + (ipv6 ? "[" + host + "]" : host) + ":" +
+  return "redis://" + std::string(password.empty() ? "" : "***@") + (ipv6 ? "[" + host + "]" : host) + ":" +
          std::to_string(port) + "/" + std::to_string(db);
 }
 
@@ -95,6 +105,7 @@ RedisConnection::~RedisConnection() {
 
 bool RedisConnection::connect(std::chrono::microseconds connect_timeout) {
   if (context_) return true;
+  refusal_.clear();
   redisContext* context =
       redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, to_timeval(connect_timeout));
   if (context == nullptr || context->err || redisSetTimeout(context, to_timeval(timeout_)) != REDIS_OK) {
@@ -103,12 +114,12 @@ bool RedisConnection::connect(std::chrono::microseconds connect_timeout) {
     return false;
   }
   context_ = context;
-  refusal_.clear();
-  // The setup's commands in turn; a refusal is kept for refusal(), a lost connection is not one.
+  // The setup's commands in turn. A refusal is kept for refusal(); a lost connection or a server
+  // that is busy for now (LOADING, BUSY, max clients reached) is not one.
   const auto setup = [this](redisReply* raw) {
     Reply reply(raw);
     if (reply && reply->type != REDIS_REPLY_ERROR) return true;
-    if (reply) refusal_.assign(reply->str, reply->len);
+    if (reply && is_refusal(std::string(reply->str, reply->len))) refusal_.assign(reply->str, reply->len);
     drop();
     return false;
   };

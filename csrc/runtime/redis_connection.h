@@ -24,11 +24,12 @@ struct RedisEndpoint {
   // redis://[[username]:password@]host[:port][/db]; throws std::invalid_argument naming the URL,
   // its credentials hidden (redact_url).
   static RedisEndpoint parse(const std::string& url);
-  // The endpoint as a URL for messages: the password shown as ***.
+  // The endpoint as a URL for messages: its credentials shown as *** (redis://***@host:port/db).
   std::string display() const;
 };
 
-// `url` for a message: whatever precedes an '@' in its authority (user and password) as ***.
+// `url` for a message: everything between its scheme and its last '@' (user and password, however
+// malformed the URL) as ***.
 std::string redact_url(const std::string& url);
 
 class RedisConnection {
@@ -48,8 +49,9 @@ class RedisConnection {
   // connection's own timeout): AUTH when the endpoint has a password, SELECT for a db other than
   // 0, then a PING, so that a server that wants a password it was not given refuses here.
   bool connect(std::chrono::microseconds connect_timeout);
-  // Why the server refused the last connect's setup (its error reply to AUTH, SELECT or PING:
-  // "WRONGPASS ...", "NOAUTH ..."); empty when it connected or could not be reached at all.
+  // Why the server refused the last connect's setup (its error reply to AUTH, SELECT or PING that
+  // rejects the settings: "WRONGPASS ...", "NOAUTH ...", "NOPERM ..."); empty when it connected,
+  // could not be reached, or answered with a passing error such as "LOADING ..." or "BUSY ...".
   const std::string& refusal() const { return refusal_; }
   bool connected() const { return context_ != nullptr; }
   // Connections made so far (the first one and every reconnect).
