@@ -245,7 +245,8 @@ def remote_options(func):
     return click.option("--remote", metavar="URL",
                         help="Share user caches through a remote KV tier: a Redis/Valkey server at "
                              "redis://[[user]:password@]host[:port][/db] (unreachable: runs without it, with a "
-                             "warning; a refused password: an error).")(func)
+                             "warning; a refused password: an error). Give the password with "
+                             "--remote-password-file rather than in the URL.")(func)
 
 
 def _remote_url(remote: str | None, password_file: Path | None) -> str | None:
@@ -532,8 +533,8 @@ def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: f
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
     from kvexport.replay import run_replay
 
-    if remote_password_file is not None and remote is None:
-        raise UserError("--remote-password-file needs --remote URL")
+    if remote_password_file is not None:
+        _remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
     sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
                         remote_password_file=remote_password_file))
 

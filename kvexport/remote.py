@@ -6,6 +6,7 @@ torch-free, so the CLI can check an option without importing torch.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import quote
 
@@ -26,32 +27,50 @@ def check_write_policy(policy: str, what: str = "remote_write") -> str:
     return policy
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
 def redact_url(url: str) -> str:
-    """`url` for a message or a log, as the op library writes it: everything between its scheme and
-    its last '@' (the user and the password of redis://user:password@host, however malformed the
-    URL) as ***."""
+    """`url` for a message or a log, as the op library writes it: everything between its scheme (an
+    RFC 3986 "scheme://", else none) and its last '@' (the user and the password of
+    redis://user:password@host, however malformed the URL) as ***."""
     head, at, tail = url.rpartition("@")
     if not at:
         return url
-    scheme, sep, _ = head.partition("://")
-    return (scheme + sep if sep else "") + "***@" + tail
+    scheme = _SCHEME.match(head)
+    return (scheme.group(0) if scheme else "") + "***@" + tail
+
+
+# A password file larger than this is not one (a wrong path to a key or a certificate, say).
+MAX_PASSWORD_FILE_BYTES = 4096
 
 
 def read_password_file(path: Path) -> str:
     """The password a file holds (a mounted secret, so that it never appears in a process list):
-    its text less one trailing newline. UserError for a file that cannot be read, is empty or
-    holds more than one line."""
+    its UTF-8 text less one trailing newline ("\\n" or "\\r\\n"). UserError naming the problem for a
+    file that cannot be read, is not a regular file, is over 4 KiB, starts with a byte-order mark,
+    is not UTF-8, is empty or holds more than one line. The C++ harness reads it by the same rules."""
+    path = Path(path)
+    what = f"the remote tier's password file {path}"
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise UserError(f"cannot read the remote tier's password file {path}: {why}") from None
-    password = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
-    if not password:
-        raise UserError(f"the remote tier's password file {path} is empty")
-    if "\n" in password or "\r" in password:
-        raise UserError(f"the remote tier's password file {path} holds more than one line")
-    return password
+        if not path.is_file():
+            raise UserError(f"{what} is not a regular file" if path.exists() else f"{what} does not exist")
+        if path.stat().st_size > MAX_PASSWORD_FILE_BYTES:
+            raise UserError(f"{what} is over {MAX_PASSWORD_FILE_BYTES} bytes: not a password file")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise UserError(f"{what} starts with a byte-order mark: save it without one")
+    data = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
+    if not data:
+        raise UserError(f"{what} is empty")
+    if b"\n" in data or b"\r" in data:
+        raise UserError(f"{what} holds more than one line")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{what} is not UTF-8 text") from None
 
 
 def url_with_password(url: str, password: str) -> str:

@@ -17,10 +17,12 @@ import kvexport
 from kvexport.errors import UserError
 from kvexport.model.batch import random_user
 from kvexport.ops import wrappers as kv
+from kvexport.remote import read_password_file
+from kvexport.replay import replay_command
 from kvexport.trace.record import reference_model
 from tests.conftest import ROOT
 from tests.redis_server import RedisServer, Resp, free_port, need_redis
-from tests.test_remote_tier import GatedProxy
+from tests.test_remote_tier import BAD_PASSWORD_FILES, GatedProxy, write_password_file
 
 SOAK_TIMEOUT_S = 300
 
@@ -197,7 +199,7 @@ def test_replay_harness_runs_without_an_unreachable_tier_and_refuses_a_bad_url(t
         f"'{json.loads((tiny_artifact / 'manifest.json').read_text())['runtime_name']}' runs without it"]
     bad = kvexport_cli("replay", str(tiny_artifact), "--remote", "redis:/nohost")
     assert (bad.returncode, bad.stderr.strip()) == (
-        2, "error: remote URL 'redis:/nohost' is not of the form redis://[[user]:password@]host[:port][/db]")
+        2, "error: remote URL '***' is not of the form redis://[[user]:password@]host[:port][/db]")
 
 
 # ---- soaks: two processes, random routing -------------------------------------------------------------
@@ -343,7 +345,7 @@ def test_run_and_replay_read_the_password_from_a_file(tiny_artifact, locked_redi
     ("wrong-password\n", "refused the connection: WRONGPASS"),
     ("", "is empty"),
     ("one\ntwo\n", "holds more than one line"),
-    (None, "cannot read the remote tier's password file"),
+    (None, "the remote tier's password file"),
 ])
 def test_a_bad_password_file_is_one_line_that_never_shows_a_password(tiny_artifact, locked_redis, tmp_path,
                                                                       content, message):
@@ -358,6 +360,23 @@ def test_a_bad_password_file_is_one_line_that_never_shows_a_password(tiny_artifa
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (command, result.stderr[-2000:])
         assert "wrong-password" not in result.stderr and not (tmp_path / "out.pt").exists()
+
+
+def test_the_harness_reads_a_password_file_by_the_python_rules(tiny_artifact, tmp_path):
+    """`kvexport replay` checks the file first; a host that runs the harness itself gets the same
+    one-line message from it, before any connection is tried."""
+    command = replay_command(tiny_artifact, remote=f"redis://127.0.0.1:{free_port()}")
+    for i, (content, message) in enumerate(BAD_PASSWORD_FILES):
+        path = write_password_file(tmp_path / f"pw{i}", content)
+        with pytest.raises(UserError) as python:
+            read_password_file(path)
+        result = subprocess.run([*command, "--remote-password-file", str(path)], capture_output=True, text=True,
+                                timeout=SOAK_TIMEOUT_S)
+        assert (result.returncode, result.stderr.strip()) == (2, f"error: {python.value}"), message
+        assert message in str(python.value)
+    result = subprocess.run([*replay_command(tiny_artifact), "--remote-password-file", str(path)],
+                            capture_output=True, text=True, timeout=SOAK_TIMEOUT_S)
+    assert (result.returncode, result.stderr.strip()) == (2, "error: --remote-password-file needs --remote URL")
 
 
 def test_a_password_file_needs_a_remote_and_no_second_password(tiny_artifact, tmp_path):

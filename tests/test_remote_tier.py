@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,10 +180,16 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
     ("redis://ann:@127.0.0.1", "on_evict", "names a user but no password"),
     ("redis://ann:top%4secret@127.0.0.1", "on_evict", "is not followed by two hex digits"),
     ("redis://ann:topsecret@127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
-    # Malformed, yet the password is hidden all the same.
-    ("redis://:a/topsecret@127.0.0.1:1", "on_evict", r"^remote URL 'redis://\*\*\*@127.0.0.1:1' is not of the form"),
-    ("ann:topsecret@127.0.0.1:6379", "on_evict", r"^remote URL '\*\*\*@127.0.0.1:6379' is not of the form"),
-    ("redis:/:topsecret@127.0.0.1", "on_evict", r"^remote URL '\*\*\*@127.0.0.1' is not of the form"),
+    ("redis://:@127.0.0.1", "on_evict", "gives an empty password"),
+    ("redis://127.0.0.1/2147483648", "on_evict", "db 2147483648 outside 0..2147483647"),
+    ("redis://127.0.0.1/99999999999999999999999", "on_evict", "db 99999999999999999999999 outside 0..2147483647"),
+    # Malformed, yet the password is hidden all the same: all but the scheme, wherever a ':' or '@'
+    # could set off a credential.
+    ("redis://:a/topsecret@127.0.0.1:1", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+    ("redis://:topsecret:127.0.0.1:6379", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+    ("ann:topsecret@127.0.0.1:6379", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
+    ("redis:/:topsecret@127.0.0.1", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
+    ("http://nohost", "on_evict", r"^remote URL 'http://nohost' is not of the form"),
 ])
 def test_bad_remote_settings_are_refused(url, policy, message):
     with scratch_runtime(CONFIG) as name:
@@ -201,12 +208,13 @@ ENCODED = "s3%3Acr%40t%2Fpw"
 @pytest.fixture(scope="module")
 def locked_server(tmp_path_factory):
     """A redis-server of its own that wants PASSWORD from the default user, and knows an ACL user
-    'kv' (password 'kv-pw') allowed only kvexport's keys."""
+    'kv' (password 'kv-pw') allowed only kvexport's keys and one, 'mute', allowed no command."""
     need_redis()
     server = RedisServer(tmp_path_factory.mktemp("redis-auth"), extra=("--requirepass", PASSWORD)).start()
     admin = Resp(server.port)
     assert admin.command("AUTH", PASSWORD) == b"OK"
     assert admin.command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~kvexport:*", "+@all") == b"OK"
+    assert admin.command("ACL", "SETUSER", "mute", "on", ">wrong-pw-too", "-@all") == b"OK"
     admin.close()
     yield server
     server.stop()
@@ -228,16 +236,18 @@ def test_a_password_protected_server_serves_with_the_right_password(locked_serve
     assert (stats["remote_writes"], stats["remote_hits"], stats["remote_errors"]) == (1, 1, 0)
 
 
-@pytest.mark.parametrize(("credentials", "reply"), [
-    (":wrong-pw", "WRONGPASS"),
-    ("kv:wrong-pw", "WRONGPASS"),
-    ("", "NOAUTH"),
+@pytest.mark.parametrize(("credentials", "db", "reply"), [
+    (":wrong-pw", 0, "WRONGPASS"),
+    ("kv:wrong-pw", 0, "WRONGPASS"),
+    ("", 0, "NOAUTH"),
+    ("mute:wrong-pw-too", 0, "NOPERM"),  # a user that may not even PING
+    (f":{ENCODED}", 99, "ERR DB index is out of range"),
 ])
-def test_a_refused_password_is_an_error_at_attach_that_hides_it(locked_server, credentials, reply):
-    url = f"redis://{credentials + '@' if credentials else ''}127.0.0.1:{locked_server.port}/0"
+def test_a_refused_password_is_an_error_at_attach_that_hides_it(locked_server, credentials, db, reply):
+    url = f"redis://{credentials + '@' if credentials else ''}127.0.0.1:{locked_server.port}/{db}"
     with scratch_runtime(CONFIG) as name:
-        shown = r"redis://(\*\*\*@)?" if credentials else "redis://"
-        with pytest.raises(ValueError, match=f"^remote tier {shown}127.0.0.1:{locked_server.port}/0 refused the "
+        shown = r"redis://\*\*\*@" if credentials else "redis://"
+        with pytest.raises(ValueError, match=f"^remote tier {shown}127.0.0.1:{locked_server.port}/{db} refused the "
                                              f"connection: {reply}") as refused:
             kv.attach_remote(name, url, "on_evict")
         assert "wrong-pw" not in str(refused.value)
@@ -311,6 +321,7 @@ def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, ca
     ("redis://:a/b@127.0.0.1:1", "redis://***@127.0.0.1:1"),
     ("kv:pw@127.0.0.1:6379", "***@127.0.0.1:6379"),
     ("redis:/:pw@127.0.0.1", "***@127.0.0.1"),
+    ("pw:x://y@127.0.0.1", "***@127.0.0.1"),  # "pw:x" is no scheme
     ("redis://:p@w@[::1]:6379/2", "redis://***@[::1]:6379/2"),
 ])
 def test_python_hides_credentials_as_the_op_library_does(url, shown):
@@ -586,18 +597,35 @@ def test_a_url_with_a_password_takes_no_second_one():
 
 
 @pytest.mark.parametrize(("content", "expected"), [
-    ("pw\n", "pw"), ("pw\r\n", "pw"), ("pw", "pw"), (" pw \n", " pw "),
+    ("pw\n", "pw"), ("pw\r\n", "pw"), ("pw", "pw"), (" pw \n", " pw "), ("p\u00e4ss\n", "p\u00e4ss"),
 ])
 def test_a_password_file_loses_one_trailing_newline(tmp_path, content, expected):
     (tmp_path / "pw").write_bytes(content.encode())
     assert read_password_file(tmp_path / "pw") == expected
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("", "is empty"), ("\n", "is empty"), ("a\nb", "more than one line"), (None, "No such file"),
-])
-def test_a_bad_password_file_is_refused(tmp_path, content, message):
-    if content is not None:
-        (tmp_path / "pw").write_text(content)
-    with pytest.raises(UserError, match=message):
-        read_password_file(tmp_path / "pw")
+# Contents a password file must not have, as bytes (None: no file; "dir": a directory), and the
+# message naming each; the C++ harness reads it by the same rules (test_remote_fleet.py).
+BAD_PASSWORD_FILES = [
+    (b"", "is empty"), (b"\n", "is empty"), (b"a\nb", "holds more than one line"),
+    (b"pw\r", "holds more than one line"), (b"a\rb\n", "holds more than one line"),
+    (b"\xef\xbb\xbfpw\n", "starts with a byte-order mark: save it without one"), (b"p\xffw\n", "is not UTF-8 text"),
+    (b"x" * 4097, "is over 4096 bytes: not a password file"), (None, "does not exist"),
+    ("dir", "is not a regular file"),
+]
+
+
+def write_password_file(path: Path, content: bytes | str | None) -> Path:
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(("content", "message"), BAD_PASSWORD_FILES)
+def test_a_bad_password_file_is_refused_by_name(tmp_path, content, message):
+    path = write_password_file(tmp_path / "pw", content)
+    with pytest.raises(UserError) as refused:
+        read_password_file(path)
+    assert str(refused.value) == f"the remote tier's password file {path} {message}"

@@ -2,7 +2,8 @@
 // Python, and compares every step with the eager model's cached and full-recompute outputs.
 //
 //   kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE]
-//                   [--repeat N] [--threads N] [--hostile FILE] [--remote URL [--remote-write POLICY]]
+//                   [--repeat N] [--threads N] [--hostile FILE]
+//                   [--remote URL [--remote-write POLICY] [--remote-password-file FILE]]
 //
 // --hostile FILE: a torch.save'd list of requests (dicts of tensors) the package must refuse;
 // each thread sends all of them before every trace step, and each must fail with the runtime's
@@ -27,8 +28,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -150,20 +153,60 @@ std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
   return stats;
 }
 
-// The password a file holds, less one trailing newline (kvexport.remote.read_password_file).
-std::string read_password_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) {
-    throw ReplayError(kUnusable, "cannot read the remote tier's password file " + path.string());
+// Whether `text` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
+bool is_utf8(const std::string& text) {
+  for (size_t i = 0; i < text.size();) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    const size_t length = byte < 0x80            ? 1
+                          : (byte >> 5) == 0x6   ? 2
+                          : (byte >> 4) == 0xE   ? 3
+                          : (byte >> 3) == 0x1E  ? 4
+                                                 : 0;
+    if (length == 0 || i + length > text.size()) return false;
+    uint32_t code = length == 1 ? byte : byte & (0x7F >> length);
+    for (size_t k = 1; k < length; ++k) {
+      const auto next = static_cast<unsigned char>(text[i + k]);
+      if ((next >> 6) != 0x2) return false;
+      code = (code << 6) | (next & 0x3F);
+    }
+    static constexpr uint32_t kSmallest[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (code < kSmallest[length] || code > 0x10FFFF || (code >= 0xD800 && code <= 0xDFFF)) return false;
+    i += length;
   }
-  std::string password = text;
+  return true;
+}
+
+// The password a file holds, by kvexport.remote.read_password_file's rules: a regular file of at
+// most 4 KiB, UTF-8 without a byte-order mark, one line; one trailing "\n" or "\r\n" is dropped.
+std::string read_password_file(const fs::path& path) {
+  const std::string what = "the remote tier's password file " + path.string();
+  std::error_code error;
+  const auto status = fs::status(path, error);
+  if (error && error != std::errc::no_such_file_or_directory) {
+    throw ReplayError(kUnusable, "cannot read " + what + ": " + error.message());
+  }
+  if (!fs::exists(status)) throw ReplayError(kUnusable, what + " does not exist");
+  if (!fs::is_regular_file(status)) throw ReplayError(kUnusable, what + " is not a regular file");
+  constexpr uintmax_t kMaxBytes = 4096;
+  if (fs::file_size(path, error) > kMaxBytes) {
+    throw ReplayError(kUnusable, what + " is over " + std::to_string(kMaxBytes) + " bytes: not a password file");
+  }
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  std::string password((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.is_open() || in.bad()) {
+    throw ReplayError(kUnusable, "cannot read " + what + ": " + std::strerror(errno ? errno : EIO));
+  }
+  if (password.starts_with("\xEF\xBB\xBF")) {
+    throw ReplayError(kUnusable, what + " starts with a byte-order mark: save it without one");
+  }
   if (password.ends_with("\r\n")) password.resize(password.size() - 2);
   else if (password.ends_with('\n')) password.pop_back();
-  if (password.empty()) throw ReplayError(kUnusable, "the remote tier's password file " + path.string() + " is empty");
+  if (password.empty()) throw ReplayError(kUnusable, what + " is empty");
   if (password.find_first_of("\r\n") != std::string::npos) {
-    throw ReplayError(kUnusable, "the remote tier's password file " + path.string() + " holds more than one line");
+    throw ReplayError(kUnusable, what + " holds more than one line");
   }
+  if (!is_utf8(password)) throw ReplayError(kUnusable, what + " is not UTF-8 text");
   return password;
 }
 

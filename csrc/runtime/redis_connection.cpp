@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <regex>
 #include <stdexcept>
@@ -45,13 +46,29 @@ std::string percent_decode(const std::string& text, const std::string& url) {
 }
 
 // Whether an error reply to AUTH, SELECT or PING rejects the endpoint's settings (a wrong, missing
-// or unneeded password, a user without the right, a db the server lacks) rather than a passing state.
+// or unneeded password, a user without the right, a db the server lacks or cannot select, a server
+// that takes no connections from this host) rather than a passing state.
 bool is_refusal(const std::string& error) {
   static const char* const kPrefixes[] = {"NOAUTH",       "WRONGPASS",           "NOPERM",
                                           "ERR AUTH",     "ERR invalid password", "ERR Client sent AUTH",
-                                          "ERR DB index", "ERR invalid DB index"};
+                                          "ERR DB index", "ERR invalid DB index", "ERR SELECT is not allowed",
+                                          "DENIED"};
   return std::any_of(std::begin(kPrefixes), std::end(kPrefixes),
                      [&](const char* prefix) { return error.rfind(prefix, 0) == 0; });
+}
+
+// The length of url's "scheme://" (RFC 3986 scheme), or 0.
+size_t scheme_length(const std::string& url) {
+  static const std::regex scheme(R"(^[A-Za-z][A-Za-z0-9+.\-]*://)");
+  std::smatch match;
+  return std::regex_search(url, match, scheme) ? static_cast<size_t>(match.length(0)) : 0;
+}
+
+// A URL that does not parse, for its error message: its scheme, then the rest only where no ':' or
+// '@' in it could set off a credential (redis://:password:host hides as redis://***).
+std::string redact_unparsed(const std::string& url) {
+  const auto keep = scheme_length(url);
+  return url.find_first_of(":@", keep) == std::string::npos ? url : url.substr(0, keep) + "***";
 }
 
 }  // namespace
@@ -60,8 +77,8 @@ std::string redact_url(const std::string& url) {
   // Everything before the last '@' may be a credential, however malformed the rest of the URL.
   const auto at = url.rfind('@');
   if (at == std::string::npos) return url;
-  const auto scheme = url.find("://");
-  const auto keep = scheme != std::string::npos && scheme < at ? scheme + 3 : 0;
+  const auto scheme = scheme_length(url);
+  const auto keep = scheme <= at ? scheme : 0;
   return url.substr(0, keep) + "***" + url.substr(at);
 }
 
@@ -70,7 +87,7 @@ RedisEndpoint RedisEndpoint::parse(const std::string& url) {
       R"(redis://(?:([^:@/]*)(?::([^@/]*))?@)?([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\])(?::(\d{1,5}))?(?:/(\d+))?/?)");
   std::smatch match;
   if (!std::regex_match(url, match, pattern)) {
-    throw std::invalid_argument("remote URL '" + redact_url(url) +
+    throw std::invalid_argument("remote URL '" + redact_unparsed(url) +
                                 "' is not of the form redis://[[user]:password@]host[:port][/db]");
   }
   RedisEndpoint endpoint;
@@ -79,10 +96,20 @@ RedisEndpoint RedisEndpoint::parse(const std::string& url) {
   if (!endpoint.username.empty() && endpoint.password.empty()) {
     throw std::invalid_argument("remote URL '" + redact_url(url) + "' names a user but no password");
   }
+  if (match[2].matched && endpoint.password.empty()) {
+    throw std::invalid_argument("remote URL '" + redact_url(url) + "' gives an empty password");
+  }
   endpoint.host = match[3].str();
   if (endpoint.host.front() == '[') endpoint.host = endpoint.host.substr(1, endpoint.host.size() - 2);
   if (match[4].matched) endpoint.port = std::stoi(match[4].str());
-  if (match[5].matched) endpoint.db = std::stoll(match[5].str());
+  if (match[5].matched) {
+    const auto db = match[5].str();
+    if (db.size() > 10 || std::stoll(db) > std::numeric_limits<int32_t>::max()) {
+      throw std::invalid_argument("remote URL '" + redact_url(url) + "': db " + db + " outside 0.." +
+                                  std::to_string(std::numeric_limits<int32_t>::max()));
+    }
+    endpoint.db = std::stoll(db);
+  }
   if (endpoint.port < 1 || endpoint.port > 65535) {
     throw std::invalid_argument("remote URL '" + redact_url(url) + "': port " + std::to_string(endpoint.port) +
                                 " outside 1..65535");
