@@ -32,6 +32,12 @@ for arg in "${@:2}"; do
   esac
 done
 cd "$(dirname "$0")/.."
+# The benchmark scripts import kvexport from outside the checkout's root: it must be installed.
+if ! (cd / && "$python" -c 'import kvexport') > /dev/null 2>&1; then
+  echo "gpu-check: $python cannot import kvexport outside this checkout: install it first" \
+    "($python -m pip install --no-deps -e .)" >&2
+  exit 2
+fi
 mkdir -p "$out/artifacts"
 # The sources a run tests, as one hash: --resume keeps nothing from a run of other sources.
 sources=$( { find csrc kvexport configs scripts tests pyproject.toml -type f ! -path '*/__pycache__/*' -print0

@@ -135,3 +135,13 @@ def test_an_unknown_option_is_refused_with_the_usage(tmp_path, script, stand_in)
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh OUT .*\n", result.stderr)
+
+
+def test_an_interpreter_that_cannot_import_kvexport_is_refused_before_any_step(tmp_path, script, stand_in):
+    (stand_in.parent / "fail.txt").write_text("import kvexport\n")
+    result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(stand_in)], capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stderr.strip()) == (
+        2, f"gpu-check: {stand_in} cannot import kvexport outside this checkout: install it first "
+           f"({stand_in} -m pip install --no-deps -e .)")
+    assert not (tmp_path / "out").exists()
