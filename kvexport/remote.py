@@ -6,8 +6,9 @@ torch-free, so the CLI can check an option without importing torch.
 
 from __future__ import annotations
 
+import os
 import re
-from pathlib import Path
+import stat
 from urllib.parse import quote
 
 from kvexport.errors import UserError
@@ -45,21 +46,29 @@ def redact_url(url: str) -> str:
 MAX_PASSWORD_FILE_BYTES = 4096
 
 
-def read_password_file(path: Path) -> str:
+def read_password_file(path: str | os.PathLike) -> str:
     """The password a file holds (a mounted secret, so that it never appears in a process list):
     its UTF-8 text less one trailing newline ("\\n" or "\\r\\n"). UserError naming the problem for a
-    file that cannot be read, is not a regular file, is over 4 KiB, starts with a byte-order mark,
-    is not UTF-8, is empty or holds more than one line. The C++ harness reads it by the same rules."""
-    path = Path(path)
+    file that does not exist, cannot be read, is not a regular file, is over 4 KiB, starts with a
+    byte-order mark, is not UTF-8, is empty or holds more than one line. The C++ harness reads it
+    by the same rules, with the same messages."""
+    path = os.fspath(path)  # as given: "pw/" names no file, as it does for the harness
     what = f"the remote tier's password file {path}"
     try:
-        if not path.is_file():
-            raise UserError(f"{what} is not a regular file" if path.exists() else f"{what} does not exist")
-        if path.stat().st_size > MAX_PASSWORD_FILE_BYTES:
-            raise UserError(f"{what} is over {MAX_PASSWORD_FILE_BYTES} bytes: not a password file")
-        data = path.read_bytes()
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"{what} does not exist") from None
     except OSError as exc:
         raise UserError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UserError(f"{what} is not a regular file")
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_PASSWORD_FILE_BYTES + 1)  # one byte past the limit tells a file over it
+    except OSError as exc:
+        raise UserError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from None
+    if len(data) > MAX_PASSWORD_FILE_BYTES:
+        raise UserError(f"{what} is over {MAX_PASSWORD_FILE_BYTES} bytes: not a password file")
     if data.startswith(b"\xef\xbb\xbf"):
         raise UserError(f"{what} starts with a byte-order mark: save it without one")
     data = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data

@@ -32,8 +32,9 @@ for arg in "${@:2}"; do
   esac
 done
 cd "$(dirname "$0")/.."
-# The benchmark scripts import kvexport from outside the checkout's root: it must be installed.
-if ! (cd / && "$python" -c 'import kvexport') > /dev/null 2>&1; then
+# The benchmark scripts import kvexport from outside the checkout's root: it must be installed
+# (-P: without the current directory on the module path).
+if ! "$python" -P -c 'import kvexport' > /dev/null 2>&1; then
   echo "gpu-check: $python cannot import kvexport outside this checkout: install it first" \
     "($python -m pip install --no-deps -e .)" >&2
   exit 2

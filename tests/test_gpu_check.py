@@ -145,3 +145,12 @@ def test_an_interpreter_that_cannot_import_kvexport_is_refused_before_any_step(t
         2, f"gpu-check: {stand_in} cannot import kvexport outside this checkout: install it first "
            f"({stand_in} -m pip install --no-deps -e .)")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interpreter_may_be_named_relative_to_the_checkout(tmp_path, script, stand_in):
+    """As `.venv/bin/python` is: the script runs every step from the checkout's root."""
+    relative = Path("..") / stand_in.name  # the stand-in sits beside the copied tree
+    result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(relative), "--quick"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "native: passed" in (tmp_path / "out" / "summary.txt").read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -189,13 +190,20 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
     ("redis://:topsecret:127.0.0.1:6379", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
     ("ann:topsecret@127.0.0.1:6379", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
     ("redis:/:topsecret@127.0.0.1", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
-    ("http://nohost", "on_evict", r"^remote URL 'http://nohost' is not of the form"),
+    ("redis://127.0.0.1/0?password=topsecret", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+    ("redis://kv%3Atopsecret%40127.0.0.1", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+    ("http://nohost/0", "on_evict", r"^remote URL 'http://nohost/0' is not of the form"),
 ])
 def test_bad_remote_settings_are_refused(url, policy, message):
     with scratch_runtime(CONFIG) as name:
         with pytest.raises(ValueError, match=message) as refused:
             kv.attach_remote(name, url, policy)
         assert "topsecret" not in str(refused.value) and "top%4secret" not in str(refused.value)
+
+
+def test_a_db_may_have_leading_zeros():
+    with scratch_runtime(CONFIG) as name:
+        assert not kv.attach_remote(name, f"redis://127.0.0.1:{free_port()}/00000000000001", "on_evict")
 
 
 # ---- a server that wants a password ------------------------------------------------------------------
@@ -250,7 +258,8 @@ def test_a_refused_password_is_an_error_at_attach_that_hides_it(locked_server, c
         with pytest.raises(ValueError, match=f"^remote tier {shown}127.0.0.1:{locked_server.port}/{db} refused the "
                                              f"connection: {reply}") as refused:
             kv.attach_remote(name, url, "on_evict")
-        assert "wrong-pw" not in str(refused.value)
+        secret = credentials.partition(":")[2]
+        assert not [shown for shown in (secret, ENCODED, PASSWORD) if shown and shown in str(refused.value)]
         assert kv.runtime_stats(name)["remote_connected"] == 0  # no tier was attached
         assert kv.attach_remote(name, f"redis://:{ENCODED}@127.0.0.1:{locked_server.port}/0", "on_evict")
 
@@ -315,6 +324,55 @@ def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, ca
         server.stop()
 
 
+class ErrorServer:
+    """A stand-in server that answers every command with one error reply."""
+
+    def __init__(self, reply: str):
+        self.reply = f"-{reply}\r\n".encode()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(client,), daemon=True).start()
+
+    def _answer(self, client: socket.socket) -> None:
+        with client:
+            while data := client.recv(65536):
+                client.sendall(self.reply * data.count(b"*"))  # one reply per command (RESP arrays)
+
+
+@pytest.mark.parametrize(("db", "reply", "refused"), [
+    (0, "DENIED Redis is running in protected mode because protected mode is enabled", True),
+    (1, "ERR SELECT is not allowed in cluster mode", True),
+    (0, "LOADING Redis is loading the dataset in memory", False),
+    (0, "BUSY Redis is busy running a script", False),
+])
+def test_an_error_reply_at_attach_is_a_refusal_only_when_it_rejects_the_settings(db, reply, refused, caplog):
+    server = ErrorServer(reply)
+    url = f"redis://127.0.0.1:{server.port}/{db}"
+    try:
+        with scratch_runtime(CONFIG) as name:
+            if refused:
+                with pytest.raises(ValueError, match=f"^remote tier {url} refused the connection: {reply}"):
+                    kv.attach_remote(name, url, "on_evict")
+            else:
+                assert not kv.attach_remote(name, url, "on_evict")
+                assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+                    f"remote tier {url} is unreachable; runtime '{name}' runs without it"]
+            assert kv.runtime_stats(name)["remote_connected"] == 0
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(("url", "shown"), [
     ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
     ("redis://kv:pw@127.0.0.1", "redis://***@127.0.0.1"),
@@ -324,8 +382,17 @@ def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, ca
     ("pw:x://y@127.0.0.1", "***@127.0.0.1"),  # "pw:x" is no scheme
     ("redis://:p@w@[::1]:6379/2", "redis://***@[::1]:6379/2"),
 ])
-def test_python_hides_credentials_as_the_op_library_does(url, shown):
+def test_python_hides_credentials_by_the_op_library_rule(url, shown):
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize("url", ["redis://kv:pw@127.0.0.1:70000", "redis://:s3%40cr@[::1]:70000/2",
+                                 "redis://127.0.0.1:70000"])
+def test_python_hides_credentials_as_the_op_library_does(url):
+    with scratch_runtime(CONFIG) as name:
+        with pytest.raises(ValueError) as refused:
+            kv.attach_remote(name, url, "on_evict")
+    assert str(refused.value) == f"remote URL '{redact_url(url)}': port 70000 outside 1..65535"
 
 
 def test_an_unreachable_server_is_logged_without_its_password(caplog):
@@ -611,16 +678,29 @@ BAD_PASSWORD_FILES = [
     (b"pw\r", "holds more than one line"), (b"a\rb\n", "holds more than one line"),
     (b"\xef\xbb\xbfpw\n", "starts with a byte-order mark: save it without one"), (b"p\xffw\n", "is not UTF-8 text"),
     (b"x" * 4097, "is over 4096 bytes: not a password file"), (None, "does not exist"),
-    ("dir", "is not a regular file"),
+    ("dir", "is not a regular file"), ("fifo", "is not a regular file"), ("under a file", "does not exist"),
+    ("slash", "does not exist"), ("loop", "Too many levels of symbolic links"),
 ]
 
 
-def write_password_file(path: Path, content: bytes | str | None) -> Path:
+def write_password_file(path: Path, content: bytes | str | None) -> str:
+    """A password file at path holding content (bytes), or one of the odd paths the tags name; the
+    path to give (as a string: "pw/" would lose its '/' as a Path)."""
     if content == "dir":
         path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)
+    elif content == "under a file":
+        path.write_bytes(b"pw\n")
+        return str(path / "pw")
+    elif content == "slash":
+        path.write_bytes(b"pw\n")
+        return f"{path}/"
+    elif content == "loop":
+        path.symlink_to(path)
     elif content is not None:
         path.write_bytes(content)
-    return path
+    return str(path)
 
 
 @pytest.mark.parametrize(("content", "message"), BAD_PASSWORD_FILES)
@@ -628,4 +708,13 @@ def test_a_bad_password_file_is_refused_by_name(tmp_path, content, message):
     path = write_password_file(tmp_path / "pw", content)
     with pytest.raises(UserError) as refused:
         read_password_file(path)
-    assert str(refused.value) == f"the remote tier's password file {path} {message}"
+    assert message in str(refused.value) and str(refused.value).count(path) == 1
+    if "symbolic links" not in message:
+        assert str(refused.value) == f"the remote tier's password file {path} {message}"
+
+
+def test_a_password_file_may_fill_its_4_kib(tmp_path):
+    (tmp_path / "pw").write_bytes(b"x" * 4095 + b"\n")
+    assert read_password_file(tmp_path / "pw") == "x" * 4095
+    (tmp_path / "pw").write_bytes(b"x" * 4096)
+    assert read_password_file(tmp_path / "pw") == "x" * 4096

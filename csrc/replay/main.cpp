@@ -182,20 +182,20 @@ std::string read_password_file(const fs::path& path) {
   const std::string what = "the remote tier's password file " + path.string();
   std::error_code error;
   const auto status = fs::status(path, error);
-  if (error && error != std::errc::no_such_file_or_directory) {
-    throw ReplayError(kUnusable, "cannot read " + what + ": " + error.message());
-  }
-  if (!fs::exists(status)) throw ReplayError(kUnusable, what + " does not exist");
+  if (status.type() == fs::file_type::not_found) throw ReplayError(kUnusable, what + " does not exist");
+  if (error) throw ReplayError(kUnusable, "cannot read " + what + ": " + error.message());
   if (!fs::is_regular_file(status)) throw ReplayError(kUnusable, what + " is not a regular file");
-  constexpr uintmax_t kMaxBytes = 4096;
-  if (fs::file_size(path, error) > kMaxBytes) {
-    throw ReplayError(kUnusable, what + " is over " + std::to_string(kMaxBytes) + " bytes: not a password file");
-  }
+  constexpr std::streamsize kMaxBytes = 4096;
   errno = 0;
   std::ifstream in(path, std::ios::binary);
-  std::string password((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string password(kMaxBytes + 1, '\0');
+  in.read(password.data(), kMaxBytes + 1);  // one byte past the limit tells a file over it
+  password.resize(static_cast<size_t>(in.gcount()));
   if (!in.is_open() || in.bad()) {
     throw ReplayError(kUnusable, "cannot read " + what + ": " + std::strerror(errno ? errno : EIO));
+  }
+  if (static_cast<std::streamsize>(password.size()) > kMaxBytes) {
+    throw ReplayError(kUnusable, what + " is over " + std::to_string(kMaxBytes) + " bytes: not a password file");
   }
   if (password.starts_with("\xEF\xBB\xBF")) {
     throw ReplayError(kUnusable, what + " starts with a byte-order mark: save it without one");

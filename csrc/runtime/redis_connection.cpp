@@ -64,11 +64,15 @@ size_t scheme_length(const std::string& url) {
   return std::regex_search(url, match, scheme) ? static_cast<size_t>(match.length(0)) : 0;
 }
 
-// A URL that does not parse, for its error message: its scheme, then the rest only where no ':' or
-// '@' in it could set off a credential (redis://:password:host hides as redis://***).
+// A URL that does not parse, for its error message: its scheme, then the rest only where it is made
+// of host-name characters and '/' alone, which can hold no credential (redis://:password:host,
+// redis://host/0?password=... and redis://user%3Apassword@host all show as redis://***).
 std::string redact_unparsed(const std::string& url) {
+  static const std::regex plain(R"([A-Za-z0-9.\-/]*)");
   const auto keep = scheme_length(url);
-  return url.find_first_of(":@", keep) == std::string::npos ? url : url.substr(0, keep) + "***";
+  return std::regex_match(url.begin() + static_cast<std::ptrdiff_t>(keep), url.end(), plain)
+             ? url
+             : url.substr(0, keep) + "***";
 }
 
 }  // namespace
@@ -104,11 +108,12 @@ RedisEndpoint RedisEndpoint::parse(const std::string& url) {
   if (match[4].matched) endpoint.port = std::stoi(match[4].str());
   if (match[5].matched) {
     const auto db = match[5].str();
-    if (db.size() > 10 || std::stoll(db) > std::numeric_limits<int32_t>::max()) {
+    const auto digits = db.size() - std::min(db.find_first_not_of('0'), db.size() - 1);  // no leading zeros
+    if (digits > 10 || std::stoll(db.substr(db.size() - digits)) > std::numeric_limits<int32_t>::max()) {
       throw std::invalid_argument("remote URL '" + redact_url(url) + "': db " + db + " outside 0.." +
                                   std::to_string(std::numeric_limits<int32_t>::max()));
     }
-    endpoint.db = std::stoll(db);
+    endpoint.db = std::stoll(db.substr(db.size() - digits));
   }
   if (endpoint.port < 1 || endpoint.port > 65535) {
     throw std::invalid_argument("remote URL '" + redact_url(url) + "': port " + std::to_string(endpoint.port) +
