@@ -188,27 +188,37 @@ def test_an_op_library_of_another_kvexport_version_is_refused_in_one_line(tiny_a
         "rebuild the artifact (or the op library: python -m kvexport.native) with this kvexport"]
 
 
-def _truncate_shared_objects(package) -> None:
-    """Rewrites the package with every .so cut to half its bytes (the zip itself stays valid)."""
+def _truncate_shared_objects(package, compress: bool = False) -> None:
+    """Rewrites the package with every .so cut to half its bytes (the zip itself stays valid), stored
+    as torch writes it or, with compress, deflated."""
     import zipfile
 
     rewritten = package.with_suffix(".tmp")
     with zipfile.ZipFile(package) as source, zipfile.ZipFile(rewritten, "w") as target:
         for member in source.infolist():
             data = source.read(member.filename)
-            target.writestr(member, data[: len(data) // 2] if member.filename.endswith(".so") else data)
+            if member.filename.endswith(".so"):
+                data = data[: len(data) // 2]
+                member.compress_type = zipfile.ZIP_DEFLATED if compress else member.compress_type
+            target.writestr(member, data)
     rewritten.replace(package)
 
 
-def test_a_truncated_shared_object_is_refused_before_loading(tiny_artifact, tmp_path):
+@pytest.mark.parametrize("compress", [False, True], ids=["stored", "deflated"])
+def test_a_truncated_shared_object_is_refused_before_loading(tiny_artifact, tmp_path, compress):
     """torch's loader maps a .so whose bytes end early and the process dies of SIGBUS, with no message;
-    kvexport reads the ELF tables first. The manifest's hash is updated, as for a package written
-    short before it was hashed."""
+    kvexport and the C++ harness read the ELF tables first and say the same. The manifest's hash is
+    updated, as for a package written short before it was hashed."""
     artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
-    _truncate_shared_objects(artifact / "model.pt2")
+    _truncate_shared_objects(artifact / "model.pt2", compress)
     rehash(artifact, "model.pt2")
     lines = refusal_in_a_fresh_process(artifact)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "is truncated or corrupt" in lines[0], lines
+    assert f"{artifact / 'model.pt2'}: model/data/aotinductor/model/" in lines[0]
+    flags = library_flags(open_artifact(artifact).required_libraries)
+    replayed = subprocess.run([str(harness()), "--artifact", str(artifact), *flags], capture_output=True, text=True,
+                              timeout=300)
+    assert (replayed.returncode, replayed.stderr.strip().splitlines()) == (2, lines)
 
 
 def test_elf_segments_and_tables_are_checked_against_the_size():

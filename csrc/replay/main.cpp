@@ -42,6 +42,7 @@
 #include "replay/artifact.h"
 #include "replay/isa.h"
 #include "replay/requests.h"
+#include "replay/shared_objects.h"
 #include "replay/stderr_filter.h"
 
 namespace kvexport::replay {
@@ -481,6 +482,7 @@ class PrivateTempDir {
 };
 
 std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Manifest& manifest, int num_runners) {
+  check_shared_objects(manifest.root / "model.pt2");
   try {
     return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
         (manifest.root / "model.pt2").string(), "model", /*run_single_threaded=*/false,
