@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -191,8 +193,6 @@ def test_an_op_library_of_another_kvexport_version_is_refused_in_one_line(tiny_a
 def _truncate_shared_objects(package, compress: bool = False) -> None:
     """Rewrites the package with every .so cut to half its bytes (the zip itself stays valid), stored
     as torch writes it or, with compress, deflated."""
-    import zipfile
-
     rewritten = package.with_suffix(".tmp")
     with zipfile.ZipFile(package) as source, zipfile.ZipFile(rewritten, "w") as target:
         for member in source.infolist():
@@ -221,20 +221,62 @@ def test_a_truncated_shared_object_is_refused_before_loading(tiny_artifact, tmp_
     assert (replayed.returncode, replayed.stderr.strip().splitlines()) == (2, lines)
 
 
+def elf(segment_bytes: int, section_table_at: int = 0, *, program_headers_at: int = 64,
+        entry_size: int = 56, segment_at: int = 0) -> bytes:
+    """A 220-byte ELF file: one loadable segment of segment_bytes at segment_at."""
+    header = bytearray(64)
+    header[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<QQ", header, 0x20, program_headers_at, section_table_at)
+    struct.pack_into("<HHHH", header, 0x36, entry_size, 1, 64, 1 if section_table_at else 0)
+    segment = struct.pack("<IIQQQQQQ", 1, 5, segment_at, 0, 0, segment_bytes, segment_bytes, 4096)
+    return bytes(header) + segment + bytes(100)
+
+
+def _replace_shared_objects(package, data: bytes, compress: bool = False) -> None:
+    """Rewrites the package with every .so member's bytes replaced by data."""
+    rewritten = package.with_suffix(".tmp")
+    with zipfile.ZipFile(package) as source, zipfile.ZipFile(rewritten, "w") as target:
+        for member in source.infolist():
+            if member.filename.endswith(".so"):
+                member.compress_type = zipfile.ZIP_DEFLATED if compress else member.compress_type
+                target.writestr(member, data)
+            else:
+                target.writestr(member, source.read(member.filename))
+    rewritten.replace(package)
+
+
+@pytest.mark.parametrize(("member", "message"), [
+    (elf(500), "a loadable segment ends at byte 500, past its 220 bytes"),
+    (elf(2**64 - 1, segment_at=8), f"a loadable segment ends at byte {2**64 + 7}, past its 220 bytes"),
+    (elf(220, program_headers_at=2**64 - 56), "its ELF tables lie past its 220 bytes"),
+    (elf(220, section_table_at=2**64 - 8), "its ELF tables lie past its 220 bytes"),
+    (elf(220, entry_size=32), "its program headers are 32 bytes each"),
+    (elf(220)[:40], "is not a 64-bit little-endian ELF shared object"),
+])
+@pytest.mark.parametrize("compress", [False, True], ids=["stored", "deflated"])
+def test_the_harness_checks_shared_objects_as_kvexport_does(tiny_artifact, tmp_path, member, message, compress):
+    """Hand-made members, overflowing offsets among them: the harness refuses each before it loads
+    anything, with kvexport.export.package's message."""
+    from kvexport.errors import UserError
+    from kvexport.export.package import check_shared_objects
+
+    artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
+    _replace_shared_objects(artifact / "model.pt2", member, compress)
+    rehash(artifact, "model.pt2")
+    with pytest.raises(UserError) as python:
+        check_shared_objects(artifact / "model.pt2")
+    assert message in str(python.value)
+    flags = library_flags(open_artifact(artifact).required_libraries)
+    replayed = subprocess.run([str(harness()), "--artifact", str(artifact), *flags], capture_output=True, text=True,
+                              timeout=300)
+    assert (replayed.returncode, replayed.stderr.strip()) == (2, f"error: {python.value}")
+
+
 def test_elf_segments_and_tables_are_checked_against_the_size():
     import io
-    import struct
 
     from kvexport.errors import UserError
     from kvexport.export.package import _check_elf
-
-    def elf(segment_bytes: int, section_table_at: int = 0) -> bytes:
-        header = bytearray(64)
-        header[:6] = b"\x7fELF\x02\x01"
-        struct.pack_into("<QQ", header, 0x20, 64, section_table_at)
-        struct.pack_into("<HHHH", header, 0x36, 56, 1, 64, 1 if section_table_at else 0)
-        segment = struct.pack("<IIQQQQQQ", 1, 5, 0, 0, 0, segment_bytes, segment_bytes, 4096)
-        return bytes(header) + segment + bytes(100)  # 220 bytes
 
     whole = elf(220)
     _check_elf(io.BytesIO(whole), len(whole), "whole.so")

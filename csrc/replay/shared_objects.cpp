@@ -3,6 +3,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -27,31 +28,39 @@ T field(const std::vector<char>& bytes, size_t offset) {
   return value;
 }
 
-// Reads a member's leading bytes: straight from the package file where the member is stored
-// uncompressed (as torch writes packages), else through the archive reader, whole.
+// Reads a member's bytes: straight from the package file where the member is stored uncompressed
+// (as torch writes packages), else through the archive reader, whole. A deflated member cannot show
+// the ELF magic at its data offset: a first byte of 0x7f would begin a deflate block of the
+// reserved type 3.
 class MemberReader {
  public:
   MemberReader(const std::filesystem::path& package, caffe2::serialize::PyTorchStreamReader& archive,
                const std::string& record)
-      : file_(package, std::ios::binary), offset_(archive.getRecordOffset(record)) {
+      : file_(package, std::ios::binary),
+        offset_(archive.getRecordOffset(record)),
+        size_(archive.getRecordSize(record)) {
     if (!stored_at_offset()) {
       auto [data, size] = archive.getRecord(record);
       const auto* begin = static_cast<const char*>(data.get());
       whole_.assign(begin, begin + size);
+      size_ = whole_.size();
       have_whole_ = true;
     }
   }
 
+  size_t size() const { return size_; }
+
   // `count` bytes from `offset` into the member; fewer where it ends first.
   std::vector<char> read(size_t offset, size_t count) {
+    const size_t begin = std::min(offset, size_);
+    count = std::min(count, size_ - begin);
     if (have_whole_) {
-      const size_t begin = std::min(offset, whole_.size());
-      return {whole_.begin() + static_cast<std::ptrdiff_t>(begin),
-              whole_.begin() + static_cast<std::ptrdiff_t>(std::min(whole_.size(), begin + count))};
+      const auto first = whole_.begin() + static_cast<std::ptrdiff_t>(begin);
+      return {first, first + static_cast<std::ptrdiff_t>(count)};
     }
     std::vector<char> bytes(count);
     file_.clear();
-    file_.seekg(static_cast<std::streamoff>(offset_ + offset));
+    file_.seekg(static_cast<std::streamoff>(offset_ + begin));
     file_.read(bytes.data(), static_cast<std::streamsize>(count));
     bytes.resize(static_cast<size_t>(file_.gcount()));
     return bytes;
@@ -61,6 +70,7 @@ class MemberReader {
   // Whether the file holds the member's ELF magic at its data offset: a stored member.
   bool stored_at_offset() {
     char magic[4] = {};
+    if (size_ < sizeof(magic)) return false;
     file_.seekg(static_cast<std::streamoff>(offset_));
     file_.read(magic, sizeof(magic));
     return file_.gcount() == sizeof(magic) && std::memcmp(magic, "\x7f" "ELF", sizeof(magic)) == 0;
@@ -68,35 +78,52 @@ class MemberReader {
 
   std::ifstream file_;
   size_t offset_;
+  size_t size_;
   std::vector<char> whole_;
   bool have_whole_ = false;
 };
 
-void check_elf(MemberReader& member, size_t size, const std::string& name) {
+// Whether [start, start + length) ends past `size`, without the sum wrapping around.
+bool ends_past(uint64_t start, uint64_t length, uint64_t size) { return start > size || length > size - start; }
+
+// start + length in decimal, however large (Python's message prints the exact sum).
+std::string decimal_sum(uint64_t start, uint64_t length) {
+  auto value = static_cast<unsigned __int128>(start) + length;
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(value % 10)));
+    value /= 10;
+  } while (value != 0);
+  return digits;
+}
+
+void check_elf(MemberReader& member, const std::string& name) {
+  const uint64_t size = member.size();
   const auto header = member.read(0, kElfHeader);
   if (header.size() < kElfHeader || std::memcmp(header.data(), "\x7f" "ELF", 4) != 0 || header[4] != 2 ||
       header[5] != 1) {
     throw ReplayError(kUnusable, name + " is not a 64-bit little-endian ELF shared object");
   }
   const auto program_headers = field<uint64_t>(header, 0x20), section_table = field<uint64_t>(header, 0x28);
-  const size_t entry_size = field<uint16_t>(header, 0x36), entries = field<uint16_t>(header, 0x38);
-  const size_t section_entry_size = field<uint16_t>(header, 0x3A), sections = field<uint16_t>(header, 0x3C);
-  if (program_headers < kElfHeader || program_headers + entry_size * entries > size ||
-      section_table + section_entry_size * sections > size) {
+  const uint64_t entry_size = field<uint16_t>(header, 0x36), entries = field<uint16_t>(header, 0x38);
+  const uint64_t section_entry_size = field<uint16_t>(header, 0x3A), sections = field<uint16_t>(header, 0x3C);
+  if (program_headers < kElfHeader || ends_past(program_headers, entry_size * entries, size) ||
+      ends_past(section_table, section_entry_size * sections, size)) {
     throw ReplayError(kUnusable, name + " is truncated or corrupt: its ELF tables lie past its " +
                                      std::to_string(size) + " bytes");
   }
+  if (entries > 0 && entry_size < 40) {  // too short for p_type .. p_filesz
+    throw ReplayError(kUnusable, name + " is truncated or corrupt: its program headers are " +
+                                     std::to_string(entry_size) + " bytes each");
+  }
   const auto table = member.read(program_headers, entry_size * entries);
-  for (size_t i = 0; i < entries; ++i) {
+  for (uint64_t i = 0; i < entries; ++i) {
     const size_t at = i * entry_size;
-    if (at + 40 > table.size()) {  // an entry too short for its p_type .. p_filesz
-      throw ReplayError(kUnusable, name + " is truncated or corrupt: its program headers are " +
-                                       std::to_string(entry_size) + " bytes each");
-    }
-    const auto end = field<uint64_t>(table, at + 8) + field<uint64_t>(table, at + 32);  // p_offset + p_filesz
-    if (field<uint32_t>(table, at) == kLoadableSegment && end > size) {
+    const auto offset = field<uint64_t>(table, at + 8), file_size = field<uint64_t>(table, at + 32);
+    if (field<uint32_t>(table, at) == kLoadableSegment && ends_past(offset, file_size, size)) {
       throw ReplayError(kUnusable, name + " is truncated or corrupt: a loadable segment ends at byte " +
-                                       std::to_string(end) + ", past its " + std::to_string(size) + " bytes");
+                                       decimal_sum(offset, file_size) + ", past its " + std::to_string(size) +
+                                       " bytes");
     }
   }
 }
@@ -117,17 +144,18 @@ std::string archive_prefix(const std::filesystem::path& package) {
 }  // namespace
 
 void check_shared_objects(const std::filesystem::path& package) {
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
   try {
-    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(package.string());
-  } catch (const c10::Error&) {
+    caffe2::serialize::PyTorchStreamReader archive(package.string());
+    const auto prefix = archive_prefix(package);
+    for (const auto& record : archive.getAllRecords()) {
+      if (!record.ends_with(".so")) continue;
+      MemberReader member(package, archive, record);
+      check_elf(member, package.string() + ": " + prefix + record);
+    }
+  } catch (const c10::Error&) {  // a zip the reader cannot open, list or inflate
     throw ReplayError(kUnusable, package.string() + " is not a readable AOTInductor package");
-  }
-  const auto prefix = archive_prefix(package);
-  for (const auto& record : archive->getAllRecords()) {
-    if (!record.ends_with(".so")) continue;
-    MemberReader member(package, *archive, record);
-    check_elf(member, archive->getRecordSize(record), package.string() + ": " + prefix + record);
+  } catch (const std::bad_alloc&) {  // a member claiming more bytes than can be held
+    throw ReplayError(kUnusable, package.string() + " is not a readable AOTInductor package");
   }
 }
 

@@ -104,6 +104,8 @@ def _check_elf(data, size: int, name: str) -> None:
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
     if phoff < ELF_HEADER or phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
         raise UserError(f"{name} is truncated or corrupt: its ELF tables lie past its {size} bytes")
+    if phnum and phentsize < 40:  # too short for p_type .. p_filesz
+        raise UserError(f"{name} is truncated or corrupt: its program headers are {phentsize} bytes each")
     data.read(phoff - ELF_HEADER)
     table = data.read(phentsize * phnum)
     for i in range(phnum):
