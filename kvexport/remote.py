@@ -55,16 +55,12 @@ def read_password_file(path: str | os.PathLike) -> str:
     path = os.fspath(path)  # as given: "pw/" names no file, as it does for the harness
     what = f"the remote tier's password file {path}"
     try:
-        info = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        raise UserError(f"{what} does not exist") from None
-    except OSError as exc:
-        raise UserError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise UserError(f"{what} is not a regular file")
-    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UserError(f"{what} is not a regular file")
         with open(path, "rb") as file:
             data = file.read(MAX_PASSWORD_FILE_BYTES + 1)  # one byte past the limit tells a file over it
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"{what} does not exist") from None
     except OSError as exc:
         raise UserError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from None
     if len(data) > MAX_PASSWORD_FILE_BYTES:

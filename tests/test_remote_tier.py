@@ -324,25 +324,38 @@ def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, ca
         server.stop()
 
 
-class ErrorServer:
-    """A stand-in server that answers every command with one error reply."""
+class LocalServer:
+    """A TCP server on a free local port that hands each connection to connected(), until close()."""
 
-    def __init__(self, reply: str):
-        self.reply = f"-{reply}\r\n".encode()
+    def __init__(self):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
         self.listener.close()
 
-    def _serve(self) -> None:
+    def _accept(self) -> None:
         while True:
             try:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._answer, args=(client,), daemon=True).start()
+            self.connected(client)
+
+    def connected(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class ErrorServer(LocalServer):
+    """A stand-in server that answers every command with one error reply."""
+
+    def __init__(self, reply: str):
+        self.reply = f"-{reply}\r\n".encode()
+        super().__init__()
+
+    def connected(self, client: socket.socket) -> None:
+        threading.Thread(target=self._answer, args=(client,), daemon=True).start()
 
     def _answer(self, client: socket.socket) -> None:
         with client:
@@ -483,7 +496,7 @@ def test_lost_server_mid_run_recomputes_counts_errors_and_reconnects(tmp_path):
         server.stop()
 
 
-class GatedProxy:
+class GatedProxy(LocalServer):
     """A TCP proxy to a server that holds back MGET commands while its gate is closed.
 
     Its threads are Python threads: they forward a read only while the thread making it has
@@ -492,26 +505,19 @@ class GatedProxy:
 
     def __init__(self, target_port: int):
         self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.gate = threading.Event()
         self.gate.set()
         self.mget_seen = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
     def close(self) -> None:
         self.gate.set()
-        self.listener.close()
+        super().close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+    def connected(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, gated: bool) -> None:
         try:

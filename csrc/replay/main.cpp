@@ -482,10 +482,11 @@ class PrivateTempDir {
 };
 
 std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Manifest& manifest, int num_runners) {
-  check_shared_objects(manifest.root / "model.pt2");
+  const auto package = manifest.root / "model.pt2";
+  check_shared_objects(package);
   try {
     return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-        (manifest.root / "model.pt2").string(), "model", /*run_single_threaded=*/false,
+        package.string(), "model", /*run_single_threaded=*/false,
         static_cast<size_t>(num_runners));
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();

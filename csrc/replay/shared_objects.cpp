@@ -44,7 +44,6 @@ class MemberReader {
       const auto* begin = static_cast<const char*>(data.get());
       whole_.assign(begin, begin + size);
       size_ = whole_.size();
-      have_whole_ = true;
     }
   }
 
@@ -54,7 +53,7 @@ class MemberReader {
   std::vector<char> read(size_t offset, size_t count) {
     const size_t begin = std::min(offset, size_);
     count = std::min(count, size_ - begin);
-    if (have_whole_) {
+    if (!whole_.empty()) {
       const auto first = whole_.begin() + static_cast<std::ptrdiff_t>(begin);
       return {first, first + static_cast<std::ptrdiff_t>(count)};
     }
@@ -79,8 +78,7 @@ class MemberReader {
   std::ifstream file_;
   size_t offset_;
   size_t size_;
-  std::vector<char> whole_;
-  bool have_whole_ = false;
+  std::vector<char> whole_;  // the member, where it is not stored: read through the archive
 };
 
 // Whether [start, start + length) ends past `size`, without the sum wrapping around.

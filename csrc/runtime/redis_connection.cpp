@@ -108,12 +108,13 @@ RedisEndpoint RedisEndpoint::parse(const std::string& url) {
   if (match[4].matched) endpoint.port = std::stoi(match[4].str());
   if (match[5].matched) {
     const auto db = match[5].str();
-    const auto digits = db.size() - std::min(db.find_first_not_of('0'), db.size() - 1);  // no leading zeros
-    if (digits > 10 || std::stoll(db.substr(db.size() - digits)) > std::numeric_limits<int32_t>::max()) {
+    const auto first_digit = std::min(db.find_first_not_of('0'), db.size() - 1);  // leading zeros aside
+    const auto digits = db.substr(first_digit);
+    endpoint.db = digits.size() <= 10 ? std::stoll(digits) : -1;  // ten digits cannot overflow stoll
+    if (endpoint.db < 0 || endpoint.db > std::numeric_limits<int32_t>::max()) {
       throw std::invalid_argument("remote URL '" + redact_url(url) + "': db " + db + " outside 0.." +
                                   std::to_string(std::numeric_limits<int32_t>::max()));
     }
-    endpoint.db = std::stoll(db.substr(db.size() - digits));
   }
   if (endpoint.port < 1 || endpoint.port > 65535) {
     throw std::invalid_argument("remote URL '" + redact_url(url) + "': port " + std::to_string(endpoint.port) +
