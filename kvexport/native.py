@@ -3,6 +3,11 @@
 Sources live in `csrc/` beside the package (a source checkout, installed with `pip install -e`);
 outputs go to `build/` there, and the op library is installed into `kvexport/_lib/`.
 
+The compiler is kvexport.toolchain's choice (CXX if it builds libraries that share torch's C++
+runtime, else a g++ on PATH that does); a build directory configured with another one is configured
+again. Each new op library is self-tested in a fresh interpreter (kvexport.selftest) before it is
+installed.
+
 The attention kernel is compiled for this host's CPU (`-march=native`) unless a portable baseline
 is asked for: `python -m kvexport.native --isa x86-64-v3` builds the op library into its own
 directory, `build/csrc-x86-64-v3/` (never installed over the native one), with the kernel's hot
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -21,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from kvexport import elf, toolchain
 from kvexport.errors import UserError
+from kvexport.selftest import run_self_test
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +48,9 @@ class NativeBuildError(UserError):
     """CMake or the compiler failed; the message names the step and the log."""
 
 
-def _run(step: str, command: list[str], log_path: Path) -> None:
+def _run(step: str, command: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
     with log_path.open("w") as out:
-        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
+        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
         tail = log_path.read_text().strip().splitlines()[-15:]
         log.error("%s", "\n".join(tail))
@@ -72,6 +80,29 @@ def _hiredis_installed_since(build_dir: Path) -> bool:
     return subprocess.run(["pkg-config", "--exists", "hiredis"]).returncode == 0
 
 
+def _cache_value(build_dir: Path, name: str) -> str | None:
+    """A CMake cache entry of a configured build directory (None when unconfigured or absent)."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return None
+    for line in cache.read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return line.split("=", 1)[1]
+    return None
+
+
+def _configure_environment(compiler: toolchain.Compiler) -> dict[str, str]:
+    """CMake's environment: nvcc's host compiler (CMake takes it from CUDAHOSTCXX, which a GPU host
+    may point at another compiler) is the chosen one too, so one toolchain builds the whole library."""
+    return {**os.environ, "CUDAHOSTCXX": compiler.path}
+
+
+def _forget_configuration(build_dir: Path) -> None:
+    """Drops CMake's cache, so the next configure starts afresh (CMake keeps a compiler once chosen)."""
+    (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
+    shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
+
+
 def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"), isa: str = NATIVE_ISA,
                  multiversion: bool = True) -> Path:
     """Configures (once per build directory) and builds the given CMake targets.
@@ -85,25 +116,51 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
         raise NativeBuildError("cmake is not installed")
     import nlohmann_json  # a build-time header package: loading an op library must not need it
 
+    compiler = toolchain.select_compiler()
     build_dir = build_dir_for(isa, multiversion)
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    runtime_dir = toolchain.runtime_directory(compiler) or ""
+    configured = _cache_value(build_dir, "CMAKE_CXX_COMPILER")
+    if configured is not None and (os.path.realpath(configured) != os.path.realpath(compiler.path)
+                                   or _cache_value(build_dir, "KVEXPORT_CXX_RUNTIME_DIR") != runtime_dir):
+        log.info("%s was configured for another compiler or C++ runtime: configuring it again with %s (runtime "
+                 "from %s)", build_dir, compiler.path, runtime_dir or "its default directories")
+        _forget_configuration(build_dir)
     if not (build_dir / "CMakeCache.txt").exists() or _hiredis_installed_since(build_dir):
         _run("cmake configure", [
             "cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), *generator,
             "-DCMAKE_BUILD_TYPE=Release",
+            f"-DCMAKE_CXX_COMPILER={compiler.path}",
+            f"-DKVEXPORT_CXX_RUNTIME_DIR={runtime_dir}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DNLOHMANN_JSON_INCLUDE_DIR={Path(nlohmann_json.__file__).parent / 'include'}",
             f"-DKVEXPORT_KERNEL_ARCH={isa}",
             f"-DKVEXPORT_KERNEL_MULTIVERSION={'ON' if multiversion else 'OFF'}",
-        ], build_dir / "configure.log")
+        ], build_dir / "configure.log", env=_configure_environment(compiler))
     _run("C++ build", ["cmake", "--build", str(build_dir), "--target", *targets], build_dir / "build.log")
-    if "kvexport_ops" in targets and isa == NATIVE_ISA:
-        OPS_LIBRARY.parent.mkdir(exist_ok=True)
-        shutil.copy2(BUILD_DIR / OPS_LIBRARY_NAME, OPS_LIBRARY)
+    if "kvexport_replay" in targets:
+        elf.check_shared_object_file(build_dir / "replay" / "kvexport_replay")
+    if "kvexport_ops" in targets:
+        built = build_dir / OPS_LIBRARY_NAME
+        elf.check_shared_object_file(built)
+        _self_test_once(built, compiler)
+        if isa == NATIVE_ISA:
+            OPS_LIBRARY.parent.mkdir(exist_ok=True)
+            shutil.copy2(built, OPS_LIBRARY)
     log.debug("built %s (kernel ISA %s) in %.1f s", ", ".join(targets), isa, time.perf_counter() - started)
     return ops_library_for(isa, multiversion)
+
+
+def _self_test_once(library: Path, compiler: toolchain.Compiler) -> None:
+    """kvexport.selftest's op-library check, once per built file (a stamp beside it records which)."""
+    stamp = library.with_name(library.name + ".selftest")
+    built = f"{library.stat().st_mtime_ns} {library.stat().st_size}"
+    if stamp.exists() and stamp.read_text() == built:
+        return
+    run_self_test("op-library", library, compiler.path)
+    stamp.write_text(built)
 
 
 def _parse_args() -> argparse.Namespace:
@@ -116,13 +173,21 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-if __name__ == "__main__":
+def _main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args()
     started = time.perf_counter()
-    if args.isa == NATIVE_ISA:
-        build_native()
-        log.info("native code (op library, replay harness) up to date in %.1f s", time.perf_counter() - started)
-    else:
-        library = build_native(("kvexport_ops",), isa=args.isa, multiversion=args.multiversion)
-        log.info("op library for %s up to date in %.1f s: %s", args.isa, time.perf_counter() - started, library)
+    try:
+        if args.isa == NATIVE_ISA:
+            build_native()
+            log.info("native code (op library, replay harness) up to date in %.1f s", time.perf_counter() - started)
+        else:
+            library = build_native(("kvexport_ops",), isa=args.isa, multiversion=args.multiversion)
+            log.info("op library for %s up to date in %.1f s: %s", args.isa, time.perf_counter() - started, library)
+    except UserError as exc:
+        log.error("error: %s", exc)
+        raise SystemExit(exc.exit_code) from None
+
+
+if __name__ == "__main__":
+    _main()

@@ -107,10 +107,15 @@ package() {
 }
 
 step native "$python" -m kvexport.native || exit 1
+# The environment as the run found it: no variable of it is changed here (LD_PRELOAD included).
 "$python" - > "$out/environment.txt" 2>&1 <<'EOF'
-import platform, torch
+import os, platform, torch
+from kvexport import toolchain
 print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())
 print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+print("CXX", os.environ.get("CXX", "(unset)"), "CC", os.environ.get("CC", "(unset)"))
+print("LD_PRELOAD", os.environ.get("LD_PRELOAD", "(unset)"))
+print("compiler kvexport builds with", toolchain.select_compiler().path)
 EOF
 step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
 step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"

@@ -262,3 +262,20 @@ def test_verify_fails_when_expectations_come_from_other_weights(mismatched_artif
     report = verify_artifact(mismatched_artifact)
     checked = [s for s in report.steps if "must fail" not in s.description]
     assert all(not s.passed and s.vs_full.max_abs > 1e-3 for s in checked)
+
+
+@pytest.mark.slow
+def test_the_build_self_test_refuses_a_package_that_disagrees_with_its_trace(tmp_path, monkeypatch):
+    """The build's last stage scores the trace's first request through the package in a fresh
+    process: a trace recorded from other weights fails it, and nothing is left at OUT."""
+    import kvexport.export.build as build
+    from kvexport.selftest import SelfTestError
+    from kvexport.trace.record import record_trace
+
+    monkeypatch.setattr(build, "record_trace",
+                        lambda config, model, trace_dir: record_trace(config, build_model(config, seed=5), trace_dir))
+    out = tmp_path / "hstu-tiny"
+    with pytest.raises(SelfTestError, match="after a refused request the package's next output differs from the "
+                                            "recorded one$"):
+        build.build_artifact(TINY, out)
+    assert list(tmp_path.iterdir()) == []

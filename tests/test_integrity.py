@@ -276,7 +276,7 @@ def test_elf_segments_and_tables_are_checked_against_the_size():
     import io
 
     from kvexport.errors import UserError
-    from kvexport.export.package import _check_elf
+    from kvexport.elf import check_elf as _check_elf
 
     whole = elf(220)
     _check_elf(io.BytesIO(whole), len(whole), "whole.so")

@@ -17,25 +17,6 @@ namespace {
 
 using json = nlohmann::json;
 
-const json& contract() {
-  static const json parsed = json::parse(kContractJson);
-  return parsed;
-}
-
-// The contract's failure `rule`, its message's {name} placeholders filled in.
-ReplayError failure(const std::string& rule, const std::map<std::string, std::string>& values) {
-  const auto& f = contract().at("failures").at(rule);
-  auto message = f.at("message").get<std::string>();
-  for (const auto& [name, value] : values) {
-    const auto placeholder = "{" + name + "}";
-    for (auto at = message.find(placeholder); at != std::string::npos;
-         at = message.find(placeholder, at + value.size())) {
-      message.replace(at, placeholder.size(), value);
-    }
-  }
-  return ReplayError(static_cast<ExitCode>(f.at("exit").get<int>()), message);
-}
-
 // A JSON value as Python's str() shows it in a message (strings without quotes).
 std::string text(const json& value) { return value.is_string() ? value.get<std::string>() : value.dump(); }
 
@@ -88,21 +69,21 @@ void check_manifest_shape(const json& m, const fs::path& path) {
   const std::string where = path.string();
   for (const auto& field : contract().at("manifest_fields")) {
     if (!m.is_object() || !m.contains(field.get<std::string>())) {
-      throw failure("manifest_field_missing", {{"path", where}, {"field", field.get<std::string>()}});
+      throw contract_failure("manifest_field_missing", {{"path", where}, {"field", field.get<std::string>()}});
     }
   }
   const auto steps_key = trace_field("steps");
   const auto& trace = m.at("trace");
   if (!trace.is_object() || !trace.contains(steps_key) || !trace.at(steps_key).is_array()) {
-    throw failure("trace_steps_missing", {{"path", where}});
+    throw contract_failure("trace_steps_missing", {{"path", where}});
   }
   const auto& expected_version = contract().at("format_version");
   if (m.at("format_version") != expected_version) {
-    throw failure("format_version", {{"path", where}, {"found", text(m.at("format_version"))},
+    throw contract_failure("format_version", {{"path", where}, {"found", text(m.at("format_version"))},
                                      {"expected", text(expected_version)}});
   }
   auto malformed = [&](const char* field) {
-    return failure("manifest_field_malformed", {{"path", where}, {"field", field}});
+    return contract_failure("manifest_field_malformed", {{"path", where}, {"field", field}});
   };
   if (!m.at("files").is_object() || !all_strings(m.at("files"))) throw malformed("files");
   const auto& steps = trace.at(steps_key);
@@ -185,14 +166,14 @@ const TraceKeys& trace_keys() {
 }
 
 Manifest read_manifest(const fs::path& root) {
-  if (!fs::is_directory(root)) throw failure("no_directory", {{"root", root.string()}});
+  if (!fs::is_directory(root)) throw contract_failure("no_directory", {{"root", root.string()}});
   const auto path = root / contract().at("manifest").get<std::string>();
-  if (!fs::is_regular_file(path)) throw failure("manifest_missing", {{"root", root.string()}});
+  if (!fs::is_regular_file(path)) throw contract_failure("manifest_missing", {{"root", root.string()}});
   Manifest m;
   m.root = root;
   const auto bytes = read_bytes(path);
   m.json = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
-  if (m.json.is_discarded()) throw failure("manifest_invalid", {{"path", path.string()}});
+  if (m.json.is_discarded()) throw contract_failure("manifest_invalid", {{"path", path.string()}});
   check_manifest_shape(m.json, path);
   for (const auto& step : m.json.at("trace").at(trace_field("steps"))) {
     m.steps.push_back({step.at(trace_field("file")).get<std::string>(),
@@ -211,18 +192,18 @@ int check_files(const Manifest& manifest) {
   const auto root = manifest.root.string();
   for (const auto& [rel, digest] : files) {
     if (!fs::is_regular_file(manifest.root / rel)) {
-      throw failure("listed_file_missing", {{"root", root}, {"file", rel}});
+      throw contract_failure("listed_file_missing", {{"root", root}, {"file", rel}});
     }
-    if (sha256_of(manifest.root / rel) != digest) throw failure("file_modified", {{"file", rel}});
+    if (sha256_of(manifest.root / rel) != digest) throw contract_failure("file_modified", {{"file", rel}});
   }
   for (const auto& required : contract().at("required_files")) {
     const auto rel = required.get<std::string>();
     if (!fs::is_regular_file(manifest.root / rel)) {
-      throw failure("required_file_missing", {{"root", root}, {"file", rel}});
+      throw contract_failure("required_file_missing", {{"root", root}, {"file", rel}});
     }
   }
   for (const auto& rel : present_files(manifest.root)) {
-    if (!files.count(rel)) throw failure("file_unlisted", {{"file", rel}});
+    if (!files.count(rel)) throw contract_failure("file_unlisted", {{"file", rel}});
   }
   return static_cast<int>(files.size());
 }
@@ -251,13 +232,31 @@ void check_manifest_against_package(const Manifest& manifest,
     const auto field = pair.at("field").get<std::string>();
     const auto expected =
         metadata_value(metadata, pair.at("key").get<std::string>(), pair.at("encoding").get<std::string>());
-    if (manifest.json.value(field, json()) != expected) throw failure("metadata_mismatch", {{"field", field}});
+    if (manifest.json.value(field, json()) != expected) throw contract_failure("metadata_mismatch", {{"field", field}});
   }
   const auto& digest = contract().at("trace_digest");
   const auto it = metadata.find(digest.at("key").get<std::string>());
   if (it == metadata.end() || it->second != trace_digest(manifest)) {
-    throw failure("metadata_mismatch", {{"field", digest.at("field").get<std::string>()}});
+    throw contract_failure("metadata_mismatch", {{"field", digest.at("field").get<std::string>()}});
   }
+}
+
+const json& contract() {
+  static const json parsed = json::parse(kContractJson);
+  return parsed;
+}
+
+ReplayError contract_failure(const std::string& rule, const std::map<std::string, std::string>& values) {
+  const auto& f = contract().at("failures").at(rule);
+  auto message = f.at("message").get<std::string>();
+  for (const auto& [name, value] : values) {
+    const auto placeholder = "{" + name + "}";
+    for (auto at = message.find(placeholder); at != std::string::npos;
+         at = message.find(placeholder, at + value.size())) {
+      message.replace(at, placeholder.size(), value);
+    }
+  }
+  return ReplayError(static_cast<ExitCode>(f.at("exit").get<int>()), message);
 }
 
 }  // namespace kvexport::replay

@@ -25,6 +25,11 @@ struct ReplayError : std::runtime_error {
   ExitCode code;
 };
 
+// The contract (kvexport/contract.json, compiled in) and its failure `rule` with the message's {name}
+// placeholders filled in.
+const nlohmann::json& contract();
+ReplayError contract_failure(const std::string& rule, const std::map<std::string, std::string>& values);
+
 struct TraceStep {
   std::string file;
   std::string reference_file;  // the float32 reference output; empty for a step that must fail

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,11 @@ namespace {
 
 constexpr size_t kElfHeader = 64;
 constexpr uint32_t kLoadableSegment = 1;  // PT_LOAD
+constexpr uint32_t kDynamicSegment = 2;   // PT_DYNAMIC
+constexpr int64_t kNeeded = 1, kStringTable = 5;  // DT_NEEDED, DT_STRTAB
+constexpr uint32_t kSymbolTable = 2, kDynamicSymbols = 11;  // SHT_SYMTAB, SHT_DYNSYM
+constexpr size_t kSymbolSize = 24;  // sizeof(Elf64_Sym)
+constexpr size_t kLongestName = 4096;
 
 // A little-endian field of `bytes` (the harness runs on little-endian hosts only).
 template <typename T>
@@ -126,6 +133,81 @@ void check_elf(MemberReader& member, const std::string& name) {
   }
 }
 
+// The NUL-terminated string at `offset` of `bytes` (empty past its end).
+std::string string_at(const std::vector<char>& bytes, uint64_t offset) {
+  if (offset >= bytes.size()) return "";
+  const char* begin = bytes.data() + offset;
+  return std::string(begin, strnlen(begin, bytes.size() - offset));
+}
+
+// The DT_NEEDED names of a member whose tables check_elf accepted.
+std::vector<std::string> needed_libraries(MemberReader& member) {
+  const auto header = member.read(0, kElfHeader);
+  const auto entry_size = field<uint16_t>(header, 0x36), entries = field<uint16_t>(header, 0x38);
+  const auto table = member.read(field<uint64_t>(header, 0x20), uint64_t{entry_size} * entries);
+  std::vector<char> dynamic;
+  for (uint64_t i = 0; i < entries; ++i) {
+    if (field<uint32_t>(table, i * entry_size) == kDynamicSegment) {
+      dynamic = member.read(field<uint64_t>(table, i * entry_size + 8), field<uint64_t>(table, i * entry_size + 32));
+    }
+  }
+  std::vector<uint64_t> needed;
+  std::optional<uint64_t> strings;
+  for (size_t at = 0; at + 16 <= dynamic.size(); at += 16) {
+    const auto tag = field<int64_t>(dynamic, at);
+    if (tag == 0) break;
+    if (tag == kNeeded) needed.push_back(field<uint64_t>(dynamic, at + 8));
+    if (tag == kStringTable) strings = field<uint64_t>(dynamic, at + 8);
+  }
+  std::vector<std::string> names;
+  for (uint64_t i = 0; strings && i < entries; ++i) {  // DT_STRTAB is an address: find where it lies
+    const size_t at = i * entry_size;
+    const auto offset = field<uint64_t>(table, at + 8), address = field<uint64_t>(table, at + 16);
+    const auto file_size = field<uint64_t>(table, at + 32);
+    if (field<uint32_t>(table, at) != kLoadableSegment || *strings < address || *strings - address >= file_size) continue;
+    for (const auto value : needed) names.push_back(string_at(member.read(offset + (*strings - address) + value, kLongestName), 0));
+    break;
+  }
+  return names;
+}
+
+// Whether the member's symbol tables define, and whether they leave undefined, any of the C++
+// runtime's entry points (the contract's cxx_runtime.entry_points).
+std::pair<bool, bool> runtime_symbols(MemberReader& member) {
+  const auto& entry_points = contract().at("cxx_runtime").at("entry_points");
+  const auto header = member.read(0, kElfHeader);
+  const uint64_t entry_size = field<uint16_t>(header, 0x3A), count = field<uint16_t>(header, 0x3C);
+  const auto sections = member.read(field<uint64_t>(header, 0x28), entry_size * count);
+  bool defines = false, references = false;
+  for (uint64_t i = 0; i < count; ++i) {
+    const size_t at = i * entry_size;
+    const auto kind = field<uint32_t>(sections, at + 4);
+    const auto link = field<uint32_t>(sections, at + 40);
+    if ((kind != kSymbolTable && kind != kDynamicSymbols) || link >= count) continue;
+    const auto strings = member.read(field<uint64_t>(sections, link * entry_size + 24),
+                                     field<uint64_t>(sections, link * entry_size + 32));
+    const auto symbols = member.read(field<uint64_t>(sections, at + 24), field<uint64_t>(sections, at + 32));
+    for (size_t s = 0; s + kSymbolSize <= symbols.size(); s += kSymbolSize) {
+      const auto name = string_at(strings, field<uint32_t>(symbols, s));
+      if (std::find(entry_points.begin(), entry_points.end(), name) == entry_points.end()) continue;
+      const bool undefined = field<uint16_t>(symbols, s + 6) == 0;
+      defines |= !undefined;
+      references |= undefined;
+    }
+  }
+  return {defines, references};
+}
+
+// The member must use the host's C++ runtime (the contract's cxx_runtime rule), as
+// kvexport.elf.carries_own_cxx_runtime decides.
+void check_cxx_runtime(MemberReader& member, const std::string& name) {
+  const auto library = contract().at("cxx_runtime").at("library").get<std::string>();
+  const auto needed = needed_libraries(member);
+  if (std::find(needed.begin(), needed.end(), library) != needed.end()) return;
+  const auto [defines, references] = runtime_symbols(member);
+  if (defines || !references) throw contract_failure("own_cxx_runtime", {{"name", name}, {"library", library}});
+}
+
 // The archive's top directory ("model/"), which the reader leaves out of record names: the first
 // path component of the first local file header's name.
 std::string archive_prefix(const std::filesystem::path& package) {
@@ -148,7 +230,9 @@ void check_shared_objects(const std::filesystem::path& package) {
     for (const auto& record : archive.getAllRecords()) {
       if (!record.ends_with(".so")) continue;
       MemberReader member(package, archive, record);
-      check_elf(member, package.string() + ": " + prefix + record);
+      const auto name = package.string() + ": " + prefix + record;
+      check_elf(member, name);
+      check_cxx_runtime(member, name);
     }
   } catch (const c10::Error&) {  // a zip the reader cannot open, list or inflate
     throw ReplayError(kUnusable, package.string() + " is not a readable AOTInductor package");

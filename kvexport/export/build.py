@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import kvexport
-from kvexport import artifact, isa
+from kvexport import artifact, isa, toolchain
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
 from kvexport.export.package import (check_package_ops, check_shared_objects, compile_package, graph_custom_ops,
@@ -29,6 +29,7 @@ from kvexport.io import exclusive_lock, remove_stale_staging, rename_no_replace
 from kvexport.model import SIGNATURE, build_model
 from kvexport.native import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, build_native
 from kvexport.ops import library
+from kvexport.selftest import run_self_test
 from kvexport.trace.record import record_trace
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
 def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str) -> None:
     cpu_isa = config.serving.cpu_isa
     package_configs = isa.inductor_configs(cpu_isa)  # refuses a baseline this torch cannot honour
-    stages = _Stages(total=5 if cpu_isa == NATIVE_ISA else 6)
+    stages = _Stages(total=6 if cpu_isa == NATIVE_ISA else 7)
     shipped_library = OPS_LIBRARY
     if cpu_isa != NATIVE_ISA:
         with stages.stage("op library", f"the op library for {cpu_isa} (serving.cpu_isa; minutes the first time)"):
@@ -224,6 +225,9 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
             "trace": {"steps": steps},
             "files": artifact.hash_files(staging),
         }
+    with stages.stage("self-test", "a refused request through the package in a fresh process"):
+        (staging / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        run_self_test("package", staging, toolchain.select_compiler().path)
     manifest["timings_seconds"] = stages.seconds
     (staging / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -258,6 +262,7 @@ def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = No
     source = "the --device flag" if device else f"serving.device in {config_path}"
     device = device or config.serving.device
     _check_device(device, source)
+    toolchain.select_compiler()  # refuses a compiler whose packages would crash hosts, before any work
     started = time.perf_counter()
     try:
         with _prepare_output(output, force) as staging:

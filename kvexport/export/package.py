@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import struct
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
+from kvexport import elf, toolchain
 from kvexport.errors import UserError
 from kvexport.ops import jagged, library
 
@@ -36,12 +36,13 @@ def required_libraries(ops: Counter[str]) -> list[str]:
 
 def compile_package(ep: ExportedProgram, path: Path, metadata: dict[str, str],
                     inductor_configs: dict[str, object] | None = None) -> Path:
-    """aoti_compile_and_package with string metadata (read back by get_metadata in Python and C++)
-    and further inductor settings (kvexport.isa.inductor_configs)."""
+    """aoti_compile_and_package with string metadata (read back by get_metadata in Python and C++),
+    further inductor settings (kvexport.isa.inductor_configs) and the C++ compiler kvexport.toolchain
+    chose (the one that built the op library)."""
     library.load()  # effects must be declared before compile too
-    return Path(torch._inductor.aoti_compile_and_package(
-        ep, package_path=str(path), inductor_configs={**(inductor_configs or {}), "aot_inductor.metadata": metadata}
-    ))
+    configs = {**(inductor_configs or {}), **toolchain.inductor_configs(toolchain.select_compiler()),
+               "aot_inductor.metadata": metadata}
+    return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=configs))
 
 
 def _package_member(archive: zipfile.ZipFile, suffix: str) -> bytes:
@@ -77,39 +78,16 @@ def check_package_ops(path: Path, expected: Counter[str]) -> Counter[str]:
     return found
 
 
-ELF_HEADER = 64
-PT_LOAD = 1
-
-
 def check_shared_objects(path: Path) -> None:
-    """Every shared object inside the package is whole: its loadable segments and its section table
-    lie within its bytes. torch's loader maps a truncated one, and the process then dies of SIGBUS
-    with no message; UserError naming the member instead."""
+    """Every shared object inside the package is whole (its loadable segments and its section table
+    lie within its bytes) and loads the shared C++ runtime. torch's loader maps a truncated one, and
+    the process then dies of SIGBUS with no message; one with its own copy of the C++ runtime crashes
+    the host at its first C++ exception (a refused request). UserError naming the member instead."""
     try:
         with zipfile.ZipFile(path) as archive:
             for member in archive.infolist():
                 if member.filename.endswith(".so"):
                     with archive.open(member) as data:
-                        _check_elf(data, member.file_size, f"{path}: {member.filename}")
+                        elf.check_shared_object(data, member.file_size, f"{path}: {member.filename}")
     except (zipfile.BadZipFile, OSError) as exc:
         raise UserError(f"{path} is not a readable AOTInductor package ({type(exc).__name__})") from exc
-
-
-def _check_elf(data, size: int, name: str) -> None:
-    """A 64-bit little-endian ELF file's header, program headers and section table against its size."""
-    header = data.read(ELF_HEADER)
-    if len(header) < ELF_HEADER or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
-        raise UserError(f"{name} is not a 64-bit little-endian ELF shared object")
-    phoff, shoff = struct.unpack_from("<QQ", header, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
-    if phoff < ELF_HEADER or phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
-        raise UserError(f"{name} is truncated or corrupt: its ELF tables lie past its {size} bytes")
-    if phnum and phentsize < 40:  # too short for p_type .. p_filesz
-        raise UserError(f"{name} is truncated or corrupt: its program headers are {phentsize} bytes each")
-    data.read(phoff - ELF_HEADER)
-    table = data.read(phentsize * phnum)
-    for i in range(phnum):
-        kind, _, offset, _, _, file_size = struct.unpack_from("<IIQQQQ", table, i * phentsize)
-        if kind == PT_LOAD and offset + file_size > size:
-            raise UserError(f"{name} is truncated or corrupt: a loadable segment ends at byte "
-                            f"{offset + file_size}, past its {size} bytes")

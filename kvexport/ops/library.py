@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch._library.effects import EffectType
 
+from kvexport import elf
 from kvexport.errors import UserError
 from kvexport.native import OPS_LIBRARY
 
@@ -40,6 +41,7 @@ def load(path: Path = OPS_LIBRARY) -> Path:
             return _loaded
         if not path.exists():
             raise UserError(f"kvexport op library not built: {path} is missing (run `make setup`)")
+        elf.check_shared_object_file(path)  # one with its own C++ runtime would crash us at its first error
         torch.ops.load_library(str(path))
         lacking = [name for name in OPS if not hasattr(getattr(torch.ops, NAMESPACE), name)]
         if lacking:  # before any fake is registered for it
