@@ -1,0 +1,1 @@
+"""Reading checkpoints as other trainers write them (docs/importers.md)."""

@@ -1,0 +1,165 @@
+"""Trainer files that hold torch.distributed ShardedTensors, read with `weights_only=True`.
+
+Distributed trainers (torchrec; NVIDIA recsys-examples' `model.<rank>.pth`) save ShardedTensor
+values in their state dicts. Loading one the ordinary way runs ShardedTensor.__setstate__, which
+needs the trainer's process group, and torch's restricted unpickler refuses the types outright. Here
+the names such a pickle refers to are mapped onto inert stand-ins declared in this module, so
+torch's own restricted unpickler reads the file: nothing of the file's choosing runs. Each
+ShardedTensor becomes a ShardedValue — its global size and the shards this file holds — and
+assemble() joins the shards of every rank's file into one tensor, refusing gaps and overlaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvexport.errors import UserError
+from kvexport.io import first_line
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalShard:
+    """One shard of a sharded tensor: where it starts in the global tensor, and its values."""
+
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedValue:
+    """A ShardedTensor as one rank saved it: the global size and that rank's shards."""
+
+    size: tuple[int, ...]
+    shards: tuple[LocalShard, ...]
+
+
+class _Record:
+    """Stand-in for a plain data type of the pickle (a shard, its metadata, a device, a sharding
+    spec): keeps its constructor arguments and state and does nothing else."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def field(self, name: str) -> Any:
+        state = getattr(self, "state", None)
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        if not isinstance(state, dict) or name not in state:
+            raise UserError(f"sharded tensor record lacks its {name}")
+        return state[name]
+
+
+class _ProcessGroupState(tuple):
+    """Stand-in for ShardedTensor.ProcessGroupState (a named tuple of ranks and world sizes)."""
+
+    def __new__(cls, *fields: Any):
+        return tuple.__new__(cls, fields)
+
+
+class _ShardedTensor(torch.Tensor):
+    """Stand-in for ShardedTensor: an empty wrapper whose state is the pickled shard list and
+    metadata. It never computes (any op on it raises)."""
+
+    ProcessGroupState = _ProcessGroupState
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"a sharded tensor read from a checkpoint cannot run {func}")
+
+    def __setstate__(self, state: Any) -> None:
+        self.sharded_state = state
+
+
+def _restricted_getattr(obj: Any, name: str) -> Any:
+    """The pickle reaches ShardedTensor.ProcessGroupState through getattr: that lookup only."""
+    if obj is _ShardedTensor and name == "ProcessGroupState":
+        return _ProcessGroupState
+    raise pickle.UnpicklingError(f"getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r}) is not allowed")
+
+
+# Qualified name in the pickle -> stand-in.
+_RECORD_TYPES = (
+    "torch.distributed._shard.sharded_tensor.shard.Shard",
+    "torch.distributed._shard.metadata.ShardMetadata",
+    "torch.distributed.remote_device._remote_device",
+    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+    "torch.distributed._shard.sharding_spec.api.EnumerableShardingSpec",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+)
+_RECORDS = {name: type(name.rsplit(".", 1)[1], (_Record,), {"__module__": __name__}) for name in _RECORD_TYPES}
+STAND_INS = [
+    (_ShardedTensor, "torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
+    (_ProcessGroupState, f"{__name__}._ProcessGroupState"),
+    (_restricted_getattr, "builtins.getattr"),
+    (_restricted_getattr, "__builtin__.getattr"),
+    *((record, name) for name, record in _RECORDS.items()),
+]
+
+
+def _convert(value: Any) -> Any:
+    """Containers kept, stand-ins of sharded tensors turned into ShardedValue."""
+    if isinstance(value, _ShardedTensor):
+        local_shards, metadata, *_ = value.sharded_state
+        shards = tuple(LocalShard(tuple(int(o) for o in shard.field("metadata").field("shard_offsets")),
+                                  shard.field("tensor")) for shard in local_shards)
+        return ShardedValue(tuple(int(s) for s in metadata.field("size")), shards)
+    if isinstance(value, dict):
+        return {k: _convert(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_convert(v) for v in value)
+    return value
+
+
+def load_trainer_file(path: Path, what: str) -> Any:
+    """torch.load(weights_only=True) of a trainer's file, sharded tensors as ShardedValue.
+
+    UserError naming the file when it is missing, unreadable, or needs anything beyond tensors,
+    plain containers and the sharded-tensor types above (the restricted unpickler's refusal).
+    """
+    try:
+        with torch.serialization.safe_globals(STAND_INS):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{what} {path} does not exist") from None
+    except pickle.UnpicklingError as exc:
+        asked = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        raise UserError(f"{what} {path} is refused: it holds more than tensors, containers and sharded tensors"
+                        f"{f' (it asks for {asked.group(1)})' if asked else ''}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"{what} {path} is unreadable: {first_line(exc)}") from None
+    return _convert(data)
+
+
+def assemble(key: str, parts: list[ShardedValue]) -> torch.Tensor:
+    """The whole tensor from every rank's ShardedValue of `key`: each element covered exactly once."""
+    size = parts[0].size
+    if any(part.size != size for part in parts):
+        raise UserError(f"{key}: ranks disagree on its size ({sorted({part.size for part in parts})})")
+    shards = [shard for part in parts for shard in part.shards]
+    if not shards:
+        raise UserError(f"{key}: no rank holds a shard of it")
+    whole = torch.empty(size, dtype=shards[0].tensor.dtype)
+    covered = torch.zeros(size, dtype=torch.int8)
+    for shard in shards:
+        region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))
+        if len(shard.offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in
+                                                   zip(shard.offsets, shard.tensor.shape, size)):
+            raise UserError(f"{key}: a shard at {list(shard.offsets)} of shape {list(shard.tensor.shape)} lies "
+                            f"outside its size {list(size)}")
+        whole[region] = shard.tensor
+        covered[region] += 1
+    if not bool((covered == 1).all()):
+        what = "overlap" if bool((covered > 1).any()) else "leave gaps"
+        raise UserError(f"{key}: its shards {what} in its size {list(size)}")
+    return whole
