@@ -28,6 +28,9 @@ DEVICES = ("cpu", "cuda")
 # The CPU a package's machine code is compiled for: this host's ("native"), or a portable
 # x86-64 baseline that any newer CPU runs (kvexport/isa.py).
 CPU_ISAS = ("native", "x86-64-v2", "x86-64-v3")
+# The prediction head's activation between its two linear layers (docs/design.md §1.5): kvexport's
+# SiLU, or ReLU as NVIDIA recsys-examples' ranking head uses by default.
+HEAD_ACTIVATIONS = ("silu", "relu")
 
 
 class ConfigError(UserError):
@@ -50,6 +53,7 @@ class ModelConfig:
     item_vocab_size: int
     action_vocab_size: int
     mlp_hidden_size: int
+    head_activation: str = "silu"
 
     @property
     def max_prefix_length(self) -> int:
@@ -232,6 +236,9 @@ def _check(config: Config) -> None:
         )
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
+    if m.head_activation not in HEAD_ACTIVATIONS:
+        raise ConfigError(f"model.head_activation must be one of {', '.join(HEAD_ACTIVATIONS)}, "
+                          f"got {m.head_activation!r}")
     _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)
     if c.page_size & (c.page_size - 1):
         raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")

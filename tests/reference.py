@@ -39,8 +39,9 @@ def user_tokens(model, context, items, actions):
     return tokens + model.position_embedding.weight[: len(rows)]
 
 
-def reference_forward(model, batch) -> torch.Tensor:
-    """Logits [sum(T), num_tasks] computed user by user."""
+def reference_forward(model, batch, head_activation: str = "silu") -> torch.Tensor:
+    """Logits [sum(T), num_tasks] computed user by user; head_activation as the config's
+    model.head_activation ("silu" or "relu")."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -56,7 +57,7 @@ def reference_forward(model, batch) -> torch.Tensor:
         x = torch.cat([prefix, cand])
         for layer in model.layers:
             x = reference_layer(layer, x, p, model.scaling_seqlen)
-        outputs.append(reference_head(model.head, x[p:]))
+        outputs.append(reference_head(model.head, x[p:], head_activation))
     return torch.cat(outputs)
 
 
@@ -72,8 +73,9 @@ def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int):
     return x + F.linear(u.reshape(-1, size) * o, layer.output.weight, layer.output.bias)
 
 
-def reference_head(head, states):
-    """L2-normalised candidate states through Linear -> SiLU -> Linear, as float32 logits."""
+def reference_head(head, states, activation: str):
+    """L2-normalised candidate states through Linear -> activation -> Linear, as float32 logits."""
     states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    hidden = F.silu(F.linear(states, head[0].weight, head[0].bias))
+    hidden = F.linear(states, head[0].weight, head[0].bias)
+    hidden = F.silu(hidden) if activation == "silu" else hidden.clamp_min(0.0)
     return F.linear(hidden, head[2].weight, head[2].bias).float()

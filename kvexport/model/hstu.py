@@ -128,8 +128,9 @@ class HSTURanker(nn.Module):
         self.layers = nn.ModuleList(
             HSTULayer(m.hidden_size, m.num_heads, m.head_dim) for _ in range(m.num_layers)
         )
+        activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
         self.head = nn.Sequential(
-            nn.Linear(m.hidden_size, m.mlp_hidden_size), nn.SiLU(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
+            nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
         )
 
     def embed_prefix(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
