@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,90 @@ def test_missing_and_unreadable_files_are_named(tmp_path):
     (tmp_path / "junk.pth").write_bytes(b"not a zip")
     with pytest.raises(UserError, match=r"^checkpoint .*junk.pth (is unreadable|is refused)"):
         load_trainer_file(tmp_path / "junk.pth", "checkpoint")
+
+
+def write_dynamic_table(directory: Path, table: str, keys: torch.Tensor, values: torch.Tensor, world: int) -> None:
+    """NVIDIA dynamicemb's dump layout: per rank the keys with key % world == rank, raw little-endian,
+    in an order of the rank's own (hash order: here reversed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        mine = (keys % world == rank).nonzero().flatten().flip(0)
+        suffix = f"rank_{rank}.world_size_{world}"
+        (directory / f"{table}_emb_keys.{suffix}").write_bytes(int64_bytes(keys[mine].tolist()))
+        (directory / f"{table}_emb_values.{suffix}").write_bytes(
+            struct.pack(f"<{values[mine].numel()}f", *values[mine].flatten().tolist()))
+
+
+def int64_bytes(values: list[int]) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_dynamic_table_is_read_from_every_rank_into_rows_sorted_by_key(tmp_path, world):
+    from kvexport.importers.nvidia import read_dynamic_table
+
+    keys = torch.tensor([907, 3, 55, 1_000_000_007, 12, 40, 8])
+    values = torch.randn(len(keys), 6, generator=torch.Generator().manual_seed(world))
+    write_dynamic_table(tmp_path, "video_id", keys, values, world)
+    table = read_dynamic_table(tmp_path, "video_id", 6)
+    order = torch.argsort(keys)
+    assert table.keys.tolist() == sorted(keys.tolist())
+    assert torch.equal(table.values, values[order])
+
+
+def test_dynamic_table_dumps_that_do_not_fit_are_refused_by_file(tmp_path):
+    from kvexport.importers.nvidia import read_dynamic_table
+
+    keys, values = torch.tensor([1, 2, 3, 4]), torch.ones(4, 2)
+    write_dynamic_table(tmp_path / "ok", "t", keys, values, 2)
+    with pytest.raises(UserError, match=r"^dynamic table u: no u_emb_keys.rank_R.world_size_W files in "):
+        read_dynamic_table(tmp_path / "ok", "u", 2)
+    with pytest.raises(UserError, match=r"t_emb_values.rank_0.world_size_2: 16 bytes, but 2 keys of 3 float32 "
+                                        r"values need 24$"):
+        read_dynamic_table(tmp_path / "ok", "t", 3)
+
+    missing = tmp_path / "missing"
+    write_dynamic_table(missing, "t", keys, values, 2)
+    (missing / "t_emb_values.rank_1.world_size_2").unlink()
+    with pytest.raises(UserError, match=r"^dynamic table t: t_emb_values.rank_1.world_size_2 is missing from "):
+        read_dynamic_table(missing, "t", 2)
+
+    misplaced = tmp_path / "misplaced"
+    write_dynamic_table(misplaced, "t", keys, values, 2)
+    (misplaced / "t_emb_keys.rank_0.world_size_2").write_bytes(int64_bytes([2, 5]))
+    with pytest.raises(UserError, match=r"t_emb_keys.rank_0.world_size_2: key 5 belongs to rank 1 of 2 \(round-robin "
+                                        r"placement\), not 0$"):
+        read_dynamic_table(misplaced, "t", 2)
+
+    twice = tmp_path / "twice"
+    write_dynamic_table(twice, "t", torch.tensor([1, 1]), torch.ones(2, 2), 1)
+    with pytest.raises(UserError, match=r"^dynamic table t: key 1 is held twice$"):
+        read_dynamic_table(twice, "t", 2)
+
+    odd = tmp_path / "odd"
+    write_dynamic_table(odd, "t", keys, values, 1)
+    (odd / "t_emb_keys.rank_0.world_size_1").write_bytes(b"\0" * 12)
+    with pytest.raises(UserError, match=r"t_emb_keys.rank_0.world_size_1: 12 bytes is not a whole number of int64 keys$"):
+        read_dynamic_table(odd, "t", 2)
+
+
+def test_a_gin_file_gives_its_literal_bindings_and_refuses_the_rest(tmp_path):
+    from kvexport.importers.nvidia import read_gin
+
+    gin = tmp_path / "ranking.gin"
+    gin.write_text("# kuairand ranking\nNetworkArgs.num_layers = 3\nNetworkArgs.num_attention_heads = 4  # heads\n"
+                   "NetworkArgs.norm_epsilon = 1e-5\nRankingArgs.prediction_head_arch = [\n    512,\n    8,\n]\n"
+                   "RankingArgs.prediction_head_act_type = 'relu'\nNetworkArgs.disable_contextual_mask = True\n")
+    assert read_gin(gin) == {"NetworkArgs.num_layers": 3, "NetworkArgs.num_attention_heads": 4,
+                             "NetworkArgs.norm_epsilon": 1e-5, "RankingArgs.prediction_head_arch": [512, 8],
+                             "RankingArgs.prediction_head_act_type": "relu",
+                             "NetworkArgs.disable_contextual_mask": True}
+    gin.write_text("NetworkArgs.num_layers = 3\nTrainerArgs.optimizer = @Adam\n")
+    with pytest.raises(UserError, match=r"ranking.gin:2: TrainerArgs.optimizer = @Adam is not a literal value$"):
+        read_gin(gin)
+    gin.write_text("include 'base.gin'\n")
+    with pytest.raises(UserError, match=r"ranking.gin:1: not a Class.field = value binding$"):
+        read_gin(gin)
+    gin.write_text("A.b = [1,\n")
+    with pytest.raises(UserError, match=r"ranking.gin:1: a bracket is never closed$"):
+        read_gin(gin)
