@@ -31,6 +31,12 @@ CPU_ISAS = ("native", "x86-64-v2", "x86-64-v3")
 # The prediction head's activation between its two linear layers (docs/design.md §1.5): kvexport's
 # SiLU, or ReLU as NVIDIA recsys-examples' ranking head uses by default.
 HEAD_ACTIVATIONS = ("silu", "relu")
+# Which of a layer's projections get SiLU (docs/design.md §1.3): all four (kvexport, NVIDIA) or u
+# only (Meta's DLRMv3).
+SILU_ON = ("uvqk", "u")
+# What a layer's output projection reads: u * LN(o) ("gated": kvexport, NVIDIA) or the
+# concatenation [u, o, u * LN(o)] ("concat": Meta's DLRMv3).
+LAYER_OUTPUTS = ("gated", "concat")
 
 
 class ConfigError(UserError):
@@ -54,6 +60,9 @@ class ModelConfig:
     action_vocab_size: int
     mlp_hidden_size: int
     head_activation: str = "silu"
+    layer_norm_eps: float = 1e-5
+    silu_on: str = "uvqk"
+    layer_output: str = "gated"
 
     @property
     def max_prefix_length(self) -> int:
@@ -169,6 +178,14 @@ _SECTIONS = {
 }
 
 
+def _yaml_float(text: str) -> float | str:
+    """A number in exponent notation that YAML left as a string ("1e-6"); other text unchanged."""
+    try:
+        return float(text) if any(c.isdigit() for c in text) and math.isfinite(float(text)) else text
+    except ValueError:
+        return text
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
@@ -185,6 +202,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
                 raise ConfigError(f"missing key {key}")
             continue
         value = raw[name]
+        if field.type == "float" and isinstance(value, str):
+            value = _yaml_float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string
         expected = {"int": int, "str": str, "float": (int, float)}[field.type]
         if isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(f"{key} must be {field.type}, got {value!r}")
@@ -236,9 +255,12 @@ def _check(config: Config) -> None:
         )
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
-    if m.head_activation not in HEAD_ACTIVATIONS:
-        raise ConfigError(f"model.head_activation must be one of {', '.join(HEAD_ACTIVATIONS)}, "
-                          f"got {m.head_activation!r}")
+    for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
+                          ("layer_output", LAYER_OUTPUTS)):
+        if getattr(m, name) not in allowed:
+            raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
+    if not (math.isfinite(m.layer_norm_eps) and 0 < m.layer_norm_eps < 1):
+        raise ConfigError(f"model.layer_norm_eps must be a number in (0, 1), got {m.layer_norm_eps}")
     _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)
     if c.page_size & (c.page_size - 1):
         raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")

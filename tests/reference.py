@@ -39,9 +39,10 @@ def user_tokens(model, context, items, actions):
     return tokens + model.position_embedding.weight[: len(rows)]
 
 
-def reference_forward(model, batch, head_activation: str = "silu") -> torch.Tensor:
-    """Logits [sum(T), num_tasks] computed user by user; head_activation as the config's
-    model.head_activation ("silu" or "relu")."""
+def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
+                      silu_on: str = "uvqk", layer_output: str = "gated") -> torch.Tensor:
+    """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
+    semantics switches of the same names (docs/design.md §1.3, §1.5), given by the caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -56,21 +57,26 @@ def reference_forward(model, batch, head_activation: str = "silu") -> torch.Tens
         cand = model.item_embedding.weight[candidates] * scale + model.position_embedding.weight[p]
         x = torch.cat([prefix, cand])
         for layer in model.layers:
-            x = reference_layer(layer, x, p, model.scaling_seqlen)
+            x = reference_layer(layer, x, p, model.scaling_seqlen, layer_norm_eps, silu_on, layer_output)
         outputs.append(reference_head(model.head, x[p:], head_activation))
     return torch.cat(outputs)
 
 
-def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int):
+def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int, eps: float = 1e-5, silu_on: str = "uvqk",
+                    layer_output: str = "gated"):
     """docs/design.md §1 steps 1-4 for one user's sequence x [n, d]."""
     heads, head_dim = layer.num_heads, layer.head_dim
-    normed = F.layer_norm(x, (x.shape[1],), layer.input_norm.weight, layer.input_norm.bias)
-    projected = F.silu(F.linear(normed, layer.uvqk.weight, layer.uvqk.bias))
     size = heads * head_dim
-    u, v, q, k = (projected[:, i * size:(i + 1) * size].reshape(-1, heads, head_dim) for i in range(4))
+    normed = F.layer_norm(x, (x.shape[1],), layer.input_norm.weight, layer.input_norm.bias, eps)
+    projected = F.linear(normed, layer.uvqk.weight, layer.uvqk.bias)
+    parts = [projected[:, i * size:(i + 1) * size] for i in range(4)]  # u, v, q, k
+    parts = [F.silu(part) if i == 0 or silu_on == "uvqk" else part for i, part in enumerate(parts)]
+    u, v, q, k = (part.reshape(-1, heads, head_dim) for part in parts)
     o = reference_attention(q, k, v, prefix_length, 1.0 / math.sqrt(head_dim), scaling_seqlen).reshape(-1, size)
-    o = F.layer_norm(o, (size,), layer.attention_norm.weight, layer.attention_norm.bias)
-    return x + F.linear(u.reshape(-1, size) * o, layer.output.weight, layer.output.bias)
+    u = u.reshape(-1, size)
+    gated = u * F.layer_norm(o, (size,), layer.attention_norm.weight, layer.attention_norm.bias, eps)
+    features = torch.cat([u, o, gated], dim=1) if layer_output == "concat" else gated
+    return x + F.linear(features, layer.output.weight, layer.output.bias)
 
 
 def reference_head(head, states, activation: str):

@@ -26,33 +26,67 @@ def tiny_with(**model_fields) -> dict:
     return raw
 
 
-def test_an_unknown_head_activation_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"^model.head_activation must be one of silu, relu, got 'gelu'$"):
-        config_from_dict(tiny_with(head_activation="gelu"))
+SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat"}
 
 
-def test_relu_head_matches_the_reference_and_differs_from_silu(tiny_model, tiny_config):
-    relu_config = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, head_activation="relu"))
-    relu_model = build_model(relu_config)
-    relu_model.load_state_dict(tiny_model.state_dict())  # the same weights, only the head's activation differs
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("head_activation", "gelu", "model.head_activation must be one of silu, relu, got 'gelu'"),
+    ("silu_on", "uv", "model.silu_on must be one of uvqk, u, got 'uv'"),
+    ("layer_output", "sum", "model.layer_output must be one of gated, concat, got 'sum'"),
+    ("layer_norm_eps", 0, "model.layer_norm_eps must be a number in (0, 1), got 0"),
+    ("layer_norm_eps", "small", "model.layer_norm_eps must be float, got 'small'"),
+])
+def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
+    with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
+        config_from_dict(tiny_with(**{field: value}))
+
+
+def test_yaml_exponent_notation_is_read_as_a_number(tmp_path):
+    path = tmp_path / "eps.yaml"
+    path.write_text(TINY.read_text().replace("model:\n", "model:\n  layer_norm_eps: 1e-6\n", 1))
+    from kvexport.config import load_config
+
+    assert load_config(path).model.layer_norm_eps == 1e-6
+
+
+def switched_model(tiny_model, tiny_config, **switches):
+    """tiny_model's weights (where their shapes allow) under other switches: seeded init for the rest."""
+    config = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, **switches))
+    model = build_model(config, seed=0)
+    own = model.state_dict()
+    model.load_state_dict({k: v if v.shape == own[k].shape else own[k] for k, v in tiny_model.state_dict().items()})
+    return model
+
+
+@pytest.mark.parametrize("switch", [{name: value} for name, value in SWITCHES.items()] + [SWITCHES],
+                         ids=[*SWITCHES, "all"])
+def test_each_switch_matches_the_reference_and_changes_the_output(tiny_model, tiny_config, switch):
+    model = switched_model(tiny_model, tiny_config, **switch)
     batch = random_batch(tiny_config.model, seed=3, history_lengths=[1, 9, 4], num_candidates=[3, 1, 6])
     with torch.no_grad():
-        relu, silu = relu_model(batch), tiny_model(batch)
-        torch.testing.assert_close(relu, reference_forward(relu_model, batch, "relu"), rtol=1e-5, atol=1e-5)
-    assert (relu - silu).abs().max() > 1e-3
+        got, default = model(batch), tiny_model(batch)
+        torch.testing.assert_close(got, reference_forward(model, batch, **switch), rtol=1e-5, atol=1e-5)
+    assert (got - default).abs().max() > 1e-6
 
 
 @pytest.mark.slow
-def test_a_relu_head_package_verifies(tmp_path, tiny_artifact, tiny_checkpoint):
-    """Built from the checkpoint tiny_artifact was built from: only the head's activation differs."""
-    config = tmp_path / "hstu-tiny-relu.yaml"
-    config.write_text(yaml.safe_dump(tiny_with(head_activation="relu")))
-    out = tmp_path / "relu"
-    assert CliRunner().invoke(main, ["build", str(config), "-o", str(out), "--checkpoint", str(tiny_checkpoint)]).exit_code == 0
+def test_a_package_with_every_switch_off_its_default_verifies(tmp_path, tiny_artifact, tiny_checkpoint):
+    """Built from the checkpoint tiny_artifact was built from (relu, eps, silu_on and the concat
+    output's wider projection seeded anew): verify checks the package, the eager cached path and
+    the eager full recompute against the float32 reference, step by step."""
+    config = tmp_path / "hstu-tiny-switched.yaml"
+    config.write_text(yaml.safe_dump(tiny_with(**SWITCHES)))
+    checkpoint = tmp_path / "switched.pt"
+    state = torch.load(tiny_checkpoint, weights_only=True)
+    wider = build_model(config_from_dict(tiny_with(**SWITCHES)), seed=1).state_dict()
+    torch.save({k: wider[k] if k.endswith("output.weight") else v for k, v in state.items()}, checkpoint)
+    out = tmp_path / "switched"
+    built = CliRunner().invoke(main, ["build", str(config), "-o", str(out), "--checkpoint", str(checkpoint)])
+    assert built.exit_code == 0, built.output
     result = CliRunner().invoke(main, ["verify", str(out)])
     assert result.exit_code == 0, result.output
-    assert json.loads((out / "manifest.json").read_text())["config"]["model"]["head_activation"] == "relu"
+    assert json.loads((out / "manifest.json").read_text())["config"]["model"]["silu_on"] == "u"
     key = TRACE_KEYS["expected_cached"]
-    relu_first = torch.load(out / "trace" / "step_0000.pt", weights_only=True)[key]
-    silu_first = torch.load(tiny_artifact / "trace" / "step_0000.pt", weights_only=True)[key]
-    assert relu_first.shape == silu_first.shape and (relu_first - silu_first).abs().max() > 1e-3
+    switched_first = torch.load(out / "trace" / "step_0000.pt", weights_only=True)[key]
+    default_first = torch.load(tiny_artifact / "trace" / "step_0000.pt", weights_only=True)[key]
+    assert switched_first.shape == default_first.shape and (switched_first - default_first).abs().max() > 1e-3

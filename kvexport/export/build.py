@@ -7,6 +7,7 @@ every stage succeeded, so a failed or interrupted build leaves no OUT/.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -151,9 +152,11 @@ def _weights(checkpoint: Path | None) -> dict[str, str | int]:
 
 
 def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
-    """The package's cache runtime name: the config's name plus a digest of its runtime config and
-    weights, so two packages share a runtime in one process only when they compute the same k/v."""
+    """The package's cache runtime name: the config's name plus a digest of its runtime config, its
+    model config (scaling_seqlen and the semantics switches change the k/v too) and its weights, so
+    two packages share a runtime in one process only when they compute the same k/v."""
     digest = hashlib.sha256(config.runtime_json().encode())
+    digest.update(json.dumps(dataclasses.asdict(config.model), sort_keys=True).encode())
     for key, tensor in model.state_dict().items():
         digest.update(key.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kvexport.config import Config
+from kvexport.config import Config, ModelConfig
 from kvexport.model.batch import Batch
 from kvexport.ops import jagged
 from kvexport.ops import wrappers as kv
@@ -62,24 +62,35 @@ def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_
 
 
 class HSTULayer(nn.Module):
-    """One HSTU layer, split around its attention so the cached path can put its ops there."""
+    """One HSTU layer, split around its attention so the cached path can put its ops there.
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int):
+    The config's semantics switches (docs/design.md §1.3) act here, before the k/v that are cached
+    and after the attention: layer_norm_eps, silu_on, layer_output.
+    """
+
+    def __init__(self, m: ModelConfig):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.input_norm = nn.LayerNorm(hidden_size)
-        self.uvqk = nn.Linear(hidden_size, 4 * num_heads * head_dim)
-        self.attention_norm = nn.LayerNorm(num_heads * head_dim)
-        self.output = nn.Linear(num_heads * head_dim, hidden_size)
+        self.num_heads, self.head_dim = m.num_heads, m.head_dim
+        self.silu_on, self.layer_output = m.silu_on, m.layer_output
+        size = m.num_heads * m.head_dim
+        self.input_norm = nn.LayerNorm(m.hidden_size, eps=m.layer_norm_eps)
+        self.uvqk = nn.Linear(m.hidden_size, 4 * size)
+        self.attention_norm = nn.LayerNorm(size, eps=m.layer_norm_eps)
+        self.output = nn.Linear((3 if m.layer_output == "concat" else 1) * size, m.hidden_size)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> u, v, q, k, each [N, H, dh]."""
-        uvqk = nn.functional.silu(self.uvqk(self.input_norm(x)))
-        return tuple(t.unflatten(1, (self.num_heads, self.head_dim)) for t in uvqk.chunk(4, dim=1))
+        u, v, q, k = self.uvqk(self.input_norm(x)).chunk(4, dim=1)
+        u = nn.functional.silu(u)
+        if self.silu_on == "uvqk":
+            v, q, k = nn.functional.silu(v), nn.functional.silu(q), nn.functional.silu(k)
+        return tuple(t.unflatten(1, (self.num_heads, self.head_dim)) for t in (u, v, q, k))
 
     def finish(self, x: torch.Tensor, u: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Residual update x + (u * LN(o)) W_o; u, o [N, H, dh]."""
-        return x + self.output(u.flatten(1) * self.attention_norm(o.flatten(1)))
+        """Residual update x + (u * LN(o)) W_o, or x + [u, o, u * LN(o)] W_o; u, o [N, H, dh]."""
+        u, o = u.flatten(1), o.flatten(1)
+        gated = u * self.attention_norm(o)
+        return x + self.output(torch.cat([u, o, gated], dim=1) if self.layer_output == "concat" else gated)
 
 
 def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int) -> torch.Tensor:
@@ -126,7 +137,7 @@ class HSTURanker(nn.Module):
         self.action_embedding = nn.Embedding(m.action_vocab_size, m.hidden_size)
         self.position_embedding = nn.Embedding(m.max_prefix_length + 1, m.hidden_size)
         self.layers = nn.ModuleList(
-            HSTULayer(m.hidden_size, m.num_heads, m.head_dim) for _ in range(m.num_layers)
+            HSTULayer(m) for _ in range(m.num_layers)
         )
         activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
         self.head = nn.Sequential(
