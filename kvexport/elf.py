@@ -32,23 +32,23 @@ _MAX_NAME = 4096
 
 
 def check_elf(data: BinaryIO, size: int, name: str) -> None:
-    """A 64-bit little-endian ELF file's header, program headers and section table against its size."""
+    """A 64-bit little-endian ELF file's header, program headers and section table against its size
+    (the contract's elf_* failures, which the C++ harness raises alike)."""
     header = data.read(ELF_HEADER)
     if len(header) < ELF_HEADER or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
-        raise UserError(f"{name} is not a 64-bit little-endian ELF shared object")
+        raise contract_failure("elf_not_shared_object", name=name)
     phoff, shoff = struct.unpack_from("<QQ", header, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
     if phoff < ELF_HEADER or phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
-        raise UserError(f"{name} is truncated or corrupt: its ELF tables lie past its {size} bytes")
+        raise contract_failure("elf_tables_past_end", name=name, size=size)
     if phnum and phentsize < 40:  # too short for p_type .. p_filesz
-        raise UserError(f"{name} is truncated or corrupt: its program headers are {phentsize} bytes each")
+        raise contract_failure("elf_short_program_headers", name=name, entry_size=phentsize)
     data.read(phoff - ELF_HEADER)
     table = data.read(phentsize * phnum)
     for i in range(phnum):
         kind, _, offset, _, _, file_size = struct.unpack_from("<IIQQQQ", table, i * phentsize)
         if kind == PT_LOAD and offset + file_size > size:
-            raise UserError(f"{name} is truncated or corrupt: a loadable segment ends at byte "
-                            f"{offset + file_size}, past its {size} bytes")
+            raise contract_failure("elf_segment_past_end", name=name, end=offset + file_size, size=size)
 
 
 def _table(data: BinaryIO, offset_at: int, sizes_at: int, entry: str) -> list[tuple]:

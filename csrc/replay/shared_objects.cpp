@@ -102,33 +102,31 @@ std::string decimal_sum(uint64_t start, uint64_t length) {
   return digits;
 }
 
+// The contract's elf_* failures, as kvexport.elf.check_elf raises them.
 void check_elf(MemberReader& member, const std::string& name) {
   const uint64_t size = member.size();
   const auto header = member.read(0, kElfHeader);
   if (header.size() < kElfHeader || std::memcmp(header.data(), "\x7f" "ELF", 4) != 0 || header[4] != 2 ||
       header[5] != 1) {
-    throw ReplayError(kUnusable, name + " is not a 64-bit little-endian ELF shared object");
+    throw contract_failure("elf_not_shared_object", {{"name", name}});
   }
   const auto program_headers = field<uint64_t>(header, 0x20), section_table = field<uint64_t>(header, 0x28);
   const uint64_t entry_size = field<uint16_t>(header, 0x36), entries = field<uint16_t>(header, 0x38);
   const uint64_t section_entry_size = field<uint16_t>(header, 0x3A), sections = field<uint16_t>(header, 0x3C);
   if (program_headers < kElfHeader || ends_past(program_headers, entry_size * entries, size) ||
       ends_past(section_table, section_entry_size * sections, size)) {
-    throw ReplayError(kUnusable, name + " is truncated or corrupt: its ELF tables lie past its " +
-                                     std::to_string(size) + " bytes");
+    throw contract_failure("elf_tables_past_end", {{"name", name}, {"size", std::to_string(size)}});
   }
   if (entries > 0 && entry_size < 40) {  // too short for p_type .. p_filesz
-    throw ReplayError(kUnusable, name + " is truncated or corrupt: its program headers are " +
-                                     std::to_string(entry_size) + " bytes each");
+    throw contract_failure("elf_short_program_headers", {{"name", name}, {"entry_size", std::to_string(entry_size)}});
   }
   const auto table = member.read(program_headers, entry_size * entries);
   for (uint64_t i = 0; i < entries; ++i) {
     const size_t at = i * entry_size;
     const auto offset = field<uint64_t>(table, at + 8), file_size = field<uint64_t>(table, at + 32);
     if (field<uint32_t>(table, at) == kLoadableSegment && ends_past(offset, file_size, size)) {
-      throw ReplayError(kUnusable, name + " is truncated or corrupt: a loadable segment ends at byte " +
-                                       decimal_sum(offset, file_size) + ", past its " + std::to_string(size) +
-                                       " bytes");
+      throw contract_failure("elf_segment_past_end", {{"name", name}, {"end", decimal_sum(offset, file_size)},
+                                                      {"size", std::to_string(size)}});
     }
   }
 }
