@@ -8,7 +8,6 @@ ones: 0 pass, 1 a file or manifest that does not hold what was built, 2 an unusa
 
 from __future__ import annotations
 
-import json
 import shutil
 import struct
 import subprocess
@@ -276,16 +275,16 @@ def test_elf_segments_and_tables_are_checked_against_the_size():
     import io
 
     from kvexport.errors import UserError
-    from kvexport.elf import check_elf as _check_elf
+    from kvexport.elf import check_elf
 
     whole = elf(220)
-    _check_elf(io.BytesIO(whole), len(whole), "whole.so")
+    check_elf(io.BytesIO(whole), len(whole), "whole.so")
     short = elf(500)
     with pytest.raises(UserError, match="^short.so is truncated or corrupt: a loadable segment ends at byte 500, "
                                         "past its 220 bytes$"):
-        _check_elf(io.BytesIO(short), len(short), "short.so")
+        check_elf(io.BytesIO(short), len(short), "short.so")
     tables = elf(220, section_table_at=200)
     with pytest.raises(UserError, match="its ELF tables lie past its 220 bytes"):
-        _check_elf(io.BytesIO(tables), len(tables), "tables.so")
+        check_elf(io.BytesIO(tables), len(tables), "tables.so")
     with pytest.raises(UserError, match="not a 64-bit little-endian ELF"):
-        _check_elf(io.BytesIO(b"#!/bin/sh\n"), 10, "script.so")
+        check_elf(io.BytesIO(b"#!/bin/sh\n"), 10, "script.so")
