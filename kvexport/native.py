@@ -141,16 +141,27 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
         ], build_dir / "configure.log", env=_configure_environment(compiler))
     _run("C++ build", ["cmake", "--build", str(build_dir), "--target", *targets], build_dir / "build.log")
     if "kvexport_replay" in targets:
-        elf.check_shared_object_file(build_dir / "replay" / "kvexport_replay")
+        _check_runtime(build_dir / "replay" / "kvexport_replay", compiler, build_dir)
     if "kvexport_ops" in targets:
         built = build_dir / OPS_LIBRARY_NAME
-        elf.check_shared_object_file(built)
+        _check_runtime(built, compiler, build_dir)
         _self_test_once(built, compiler)
         if isa == NATIVE_ISA:
             OPS_LIBRARY.parent.mkdir(exist_ok=True)
             shutil.copy2(built, OPS_LIBRARY)
     log.debug("built %s (kernel ISA %s) in %.1f s", ", ".join(targets), isa, time.perf_counter() - started)
     return ops_library_for(isa, multiversion)
+
+
+def _check_runtime(path: Path, compiler: toolchain.Compiler, build_dir: Path) -> None:
+    """What CMake linked must use the shared C++ runtime, as the chosen compiler's probe did; if not,
+    something else on the link line brought a static libstdc++ (docs/design.md §3.8)."""
+    try:
+        elf.check_shared_object_file(path)
+    except UserError:
+        raise NativeBuildError(f"{path} carries its own copy of the C++ runtime although {compiler.path} links the "
+                               f"shared one: a directory with a static libstdc++ reached its link line (see "
+                               f"{build_dir / 'build.log'}): a kvexport defect, please report it with that log") from None
 
 
 def _self_test_once(library: Path, compiler: toolchain.Compiler) -> None:

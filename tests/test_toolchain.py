@@ -187,3 +187,15 @@ def test_the_self_test_catches_the_op_library_a_static_runtime_compiler_builds(s
     assert ("the op library's refusal came back garbled: 'paged_attention: cache [" in message
             or f"killed a fresh process (SIGSEGV); it was compiled by {static_cxx / 'g++'}" in message)
     run_self_test("op-library", OPS_LIBRARY, REAL_GXX)  # the installed one passes
+
+
+def test_a_build_that_links_a_second_runtime_despite_the_probe_is_a_native_build_error(tmp_path, static_cxx):
+    """What the GPU host's CUDAHOSTCXX once did to the link line: caught after the build, not at load."""
+    from kvexport.native import NativeBuildError, _check_runtime
+
+    library = compile_library(str(static_cxx / "g++"), tmp_path / "libkvexport_ops.so")
+    compiler = toolchain.Compiler(REAL_GXX, "PATH")
+    with pytest.raises(NativeBuildError, match=f"^{library} carries its own copy of the C\\+\\+ runtime although "
+                                               f"{REAL_GXX} links the shared one: .*build.log\\): a kvexport defect"):
+        _check_runtime(library, compiler, tmp_path)
+    _check_runtime(compile_library(REAL_GXX, tmp_path / "shared.so"), compiler, tmp_path)
