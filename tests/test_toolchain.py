@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,7 +196,8 @@ def test_a_build_that_links_a_second_runtime_despite_the_probe_is_a_native_build
 
     library = compile_library(str(static_cxx / "g++"), tmp_path / "libkvexport_ops.so")
     compiler = toolchain.Compiler(REAL_GXX, "PATH")
-    with pytest.raises(NativeBuildError, match=f"^{library} carries its own copy of the C\\+\\+ runtime although "
-                                               f"{REAL_GXX} links the shared one: .*build.log\\): a kvexport defect"):
+    with pytest.raises(NativeBuildError, match=f"^{re.escape(str(library))} carries its own copy of the C\\+\\+ runtime "
+                                               f"although {re.escape(REAL_GXX)} links the shared one: .*build.log\\): "
+                                               "a kvexport defect"):
         _check_runtime(library, compiler, tmp_path)
     _check_runtime(compile_library(REAL_GXX, tmp_path / "shared.so"), compiler, tmp_path)
