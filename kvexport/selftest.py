@@ -19,7 +19,6 @@ from pathlib import Path
 from kvexport.errors import UserError
 
 _TIMEOUT_S = 600
-_FAILED = 3
 
 
 class SelfTestError(UserError):
@@ -45,8 +44,8 @@ def run_self_test(kind: str, target: Path, compiler: str) -> None:
 
 
 def _fail(message: str) -> None:
-    print(message, file=sys.stderr)
-    sys.exit(_FAILED)
+    """Ends the child with `message` as its last line of stderr (what run_self_test reports)."""
+    raise SystemExit(message)
 
 
 def check_op_library(path: Path) -> None:
