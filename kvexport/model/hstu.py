@@ -80,10 +80,12 @@ class HSTULayer(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> u, v, q, k, each [N, H, dh]."""
-        u, v, q, k = self.uvqk(self.input_norm(x)).chunk(4, dim=1)
-        u = nn.functional.silu(u)
-        if self.silu_on == "uvqk":
-            v, q, k = nn.functional.silu(v), nn.functional.silu(q), nn.functional.silu(k)
+        uvqk = self.uvqk(self.input_norm(x))
+        if self.silu_on == "uvqk":  # one activation over all four (the default, and the eager hot path)
+            u, v, q, k = nn.functional.silu(uvqk).chunk(4, dim=1)
+        else:
+            u, v, q, k = uvqk.chunk(4, dim=1)
+            u = nn.functional.silu(u)
         return tuple(t.unflatten(1, (self.num_heads, self.head_dim)) for t in (u, v, q, k))
 
     def finish(self, x: torch.Tensor, u: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
