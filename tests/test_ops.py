@@ -153,27 +153,70 @@ def test_upload_on_the_host_copies_and_checks(runtime):
     assert kv.last_error(runtime)[0] == "internal"
 
 
-def test_token_layout_is_the_models_prefix_tokens(runtime):
-    """The op's C++ layout == the model's tensor one (prefix_tokens), for users with and without
-    history; inconsistent jagged sizes are refused in one line, recorded for last_error."""
+LIMITS = json.dumps({"max_batch_size": 4, "max_history_length": 8, "max_num_candidates": 4,
+                     "num_contextual_features": 2, "context_vocab_size": 10, "item_vocab_size": 300,
+                     "action_vocab_size": 300})
+
+
+def layout_request():
+    """Three users (3, 0 and 2 events), two context ids each, one candidate each."""
+    return (torch.tensor([7, 8, 9]), torch.tensor([3, 0, 2]), torch.arange(5) + 100, torch.arange(5) + 200,
+            torch.arange(6).view(3, 2), torch.tensor([1, 1, 1]), torch.tensor([5, 6, 7]))
+
+
+def test_check_request_lays_out_the_models_prefix_tokens(runtime):
+    """check_request's token_ids == the model's tensor layout (prefix_tokens), for users with and
+    without history; its token_lengths are C + 2h; what it returns are copies, not the caller's."""
     from kvexport.model.hstu import prefix_tokens
 
-    history_lengths = torch.tensor([3, 0, 2])
-    item_ids, action_ids = torch.arange(5) + 100, torch.arange(5) + 200
-    context_ids = torch.arange(6).view(3, 2)
-    got = kv.token_layout(runtime, history_lengths, item_ids, action_ids, context_ids)
-    assert got.tolist() == prefix_tokens(history_lengths, item_ids, action_ids, context_ids).token_ids.tolist()
-    assert got[:8].tolist() == [0, 1, 100, 200, 101, 201, 102, 202]
-    with pytest.raises(ValueError, match="^history_lengths sum to 4 but item_ids has 5 entries"):
-        kv.token_layout(runtime, torch.tensor([3, 0, 1]), item_ids, action_ids, context_ids)
-    with pytest.raises(ValueError, match=r"^history_lengths has -1, outside the events given \[0, 5\]"):
-        kv.token_layout(runtime, torch.tensor([3, -1, 3]), item_ids, action_ids, context_ids)
+    request = layout_request()
+    user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates, candidate_ids = request
+    got = kv.check_request(runtime, LIMITS, *request)
+    expected = prefix_tokens(history_lengths, item_ids, action_ids, context_ids)
+    assert got[2].tolist() == expected.token_ids.tolist()
+    assert got[2][:8].tolist() == [0, 1, 100, 200, 101, 201, 102, 202]
+    assert got[1].tolist() == expected.token_lengths.tolist() == [8, 2, 6]
+    for out, given in zip((got[0], got[3], got[4]), (user_ids, num_candidates, candidate_ids), strict=True):
+        assert out.tolist() == given.tolist()
+        assert out.data_ptr() != given.data_ptr()
+    assert kv.last_error(runtime) == ("ok", "")
+
+
+@pytest.mark.parametrize("item,action,expected", [
+    (-1, 0, r"^item_ids has -1, outside the item vocabulary \[0, 299\]"),
+    (300, 0, r"^item_ids has 300, outside the item vocabulary \[0, 299\]"),
+    (0, -5, r"^action_ids has -5, outside the action vocabulary \[0, 299\]"),
+    (0, 2**63 - 1, r"^action_ids has 9223372036854775807, outside the action vocabulary \[0, 299\]"),
+])
+def test_check_request_names_a_bad_event_in_one_line(runtime, item, action, expected):
+    """Events are checked while they are laid out; the refusal names the bad value in one line."""
+    request = list(layout_request())
+    request[2], request[3] = request[2].clone(), request[3].clone()
+    request[2][4], request[3][4] = item, action
+    with pytest.raises(ValueError, match=expected):
+        kv.check_request(runtime, LIMITS, *request)
     assert kv.last_error(runtime)[0] == "invalid_request"
 
 
-def test_opcheck_token_layout(runtime):
-    torch.library.opcheck(torch.ops.kvexport.token_layout.default,
-                          (runtime, torch.tensor([1, 2]), torch.arange(3), torch.arange(3), torch.arange(4).view(2, 2)))
+def test_check_request_names_items_before_actions_wherever_they_lie(runtime):
+    """A bad action early and a bad item late: the item is named, as the checks' order says (the
+    layout meets the action first)."""
+    request = list(layout_request())
+    request[2], request[3] = request[2].clone(), request[3].clone()
+    request[3][0], request[2][4] = 999, 777
+    with pytest.raises(ValueError, match=r"^item_ids has 777, outside the item vocabulary"):
+        kv.check_request(runtime, LIMITS, *request)
+
+
+def test_check_request_refuses_inconsistent_jagged_sizes(runtime):
+    request = list(layout_request())
+    request[1] = torch.tensor([3, 0, 1])
+    with pytest.raises(ValueError, match="^history_lengths sum to 4 but item_ids has 5 entries"):
+        kv.check_request(runtime, LIMITS, *request)
+
+
+def test_opcheck_check_request(runtime):
+    torch.library.opcheck(torch.ops.kvexport.check_request.default, (runtime, LIMITS, *layout_request()))
 
 
 def test_opcheck_upload(runtime):

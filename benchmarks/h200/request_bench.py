@@ -70,7 +70,7 @@ def times(run, warmup: int, repeats: int) -> list[float]:
 
 
 # The ops a request runs, as the profiler names them.
-OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", "token_layout", "upload", *library.STATEFUL_OPS))
+OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", "upload", *library.STATEFUL_OPS))
 
 
 def cuda_profile(package, batch, trace: Path | None) -> dict:

@@ -106,11 +106,6 @@ at::Tensor begin_batch(const std::string& name, const std::string& config, const
   });
 }
 
-at::Tensor token_layout_op(const std::string& name, const at::Tensor& history_lengths, const at::Tensor& item_ids,
-                           const at::Tensor& action_ids, const at::Tensor& context_ids) {
-  return request_op(name, [&] { return token_layout(history_lengths, item_ids, action_ids, context_ids); });
-}
-
 std::vector<at::Tensor> upload_op(const std::string& name, at::TensorList host, const at::Tensor& placement) {
   return request_op(name, [&] { return upload(host, placement.device()); });
 }
@@ -232,14 +227,12 @@ std::tuple<std::string, std::string> gpu_info([[maybe_unused]] const c10::Device
 TORCH_LIBRARY(kvexport, m) {
   // The first op of every request: checks it (on the host, where every request's tensors are)
   // against the package's limits and returns the host tensors the rest of the graph reads (so
-  // nothing indexes with an unchecked id).
+  // nothing indexes with an unchecked id): user_ids, token_lengths, the prefix tokens laid out
+  // (context ids, then item and action ids interleaved, users one after another), num_candidates,
+  // candidate_ids.
   m.def("check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
         "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // The request's prefix tokens on the host, users one after another: context ids, then item and
-  // action ids interleaved.
-  m.def("token_layout(str runtime, Tensor history_lengths, Tensor item_ids, Tensor action_ids, "
-        "Tensor context_ids) -> Tensor");
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Contiguous copies of int64 host tensors on placement's device; on a GPU staged in one pinned
   // buffer and copied asynchronously (a failure is one of request `runtime`'s).
   m.def("upload(str runtime, Tensor[] host, Tensor placement) -> Tensor[]");
@@ -284,7 +277,6 @@ TORCH_LIBRARY(kvexport, m) {
 
 TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
   m.impl("check_request", &check_request_op);
-  m.impl("token_layout", &token_layout_op);
   m.impl("upload", &upload_op);
   m.impl("begin_batch", &begin_batch);
   m.impl("paged_attention", &paged_attention);
@@ -295,12 +287,11 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
 #ifdef KVEXPORT_WITH_CUDA
 // The request ops are device-generic (the runtime lives on the device of begin_batch's
 // placement); only the attention kernel differs. A GPU package's begin_batch, upload and end_batch
-// dispatch here through their device tensor; check_request and token_layout only when a caller
+// dispatch here through their device tensor; check_request only when a caller
 // passes a request on the GPU, to refuse it. hstu_paged_attention's CUDA kernel registers itself
 // (paged_attention_cuda.cu).
 TORCH_LIBRARY_IMPL(kvexport, CUDA, m) {
   m.impl("check_request", &check_request_op);
-  m.impl("token_layout", &token_layout_op);
   m.impl("upload", &upload_op);
   m.impl("begin_batch", &begin_batch);
   m.impl("paged_attention", &paged_attention);

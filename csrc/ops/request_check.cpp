@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 #include <vector>
@@ -114,6 +116,37 @@ void check_distinct(const at::Tensor& user_ids) {
   if (dup != sorted.end()) refuse("user_ids repeat a user (" + std::to_string(*dup) + ") within one batch");
 }
 
+// Each user's context ids, then item and action ids interleaved, users one after another; nullopt
+// (nothing to use) when an item or action id lies outside [0, vocab): the caller names it. The
+// range test is branch-free, so the copy stays one vectorisable pass over the events.
+std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const at::Tensor& items,
+                                        const at::Tensor& actions, const at::Tensor& context, int64_t item_vocab,
+                                        int64_t action_vocab) {
+  const int64_t num_users = context.size(0), num_context = context.size(1);
+  auto tokens = at::empty({num_users * num_context + 2 * items.size(0)}, at::kLong);
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t* length = history_lengths.const_data_ptr<int64_t>();
+  const int64_t *item = items.const_data_ptr<int64_t>(), *action = actions.const_data_ptr<int64_t>();
+  const int64_t* ctx = context.const_data_ptr<int64_t>();
+  // Unsigned comparison: a negative id wraps to a huge value and fails `< vocab` too.
+  const auto item_limit = static_cast<uint64_t>(item_vocab), action_limit = static_cast<uint64_t>(action_vocab);
+  bool bad = false;
+  for (int64_t b = 0; b < num_users; ++b) {
+    out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context, out);
+    for (int64_t e = 0; e < length[b]; ++e) {
+      bad |= static_cast<uint64_t>(item[e]) >= item_limit;
+      bad |= static_cast<uint64_t>(action[e]) >= action_limit;
+      out[2 * e] = item[e];
+      out[2 * e + 1] = action[e];
+    }
+    out += 2 * length[b];
+    item += length[b];
+    action += length[b];
+  }
+  if (bad) return std::nullopt;
+  return tokens;
+}
+
 }  // namespace
 
 // dtype, rank and place first: nothing else may read a tensor whose bytes are not int64 or are
@@ -127,35 +160,6 @@ void check_kind(const char* name, const at::Tensor& t, int64_t ndim) {
     refuse(std::string(name) + " is on " + t.device().str() +
            ": a request's tensors must be on the host (cpu), whatever the package's device");
   }
-}
-
-at::Tensor token_layout(const at::Tensor& history_lengths, const at::Tensor& item_ids, const at::Tensor& action_ids,
-                        const at::Tensor& context_ids) {
-  check_kind("history_lengths", history_lengths, 1);
-  check_kind("item_ids", item_ids, 1);
-  check_kind("action_ids", action_ids, 1);
-  check_kind("context_ids", context_ids, 2);
-  const auto lengths = history_lengths.contiguous(), items = item_ids.contiguous(),
-             actions = action_ids.contiguous(), context = context_ids.contiguous();
-  const int64_t num_users = context.size(0), num_context = context.size(1), num_events = items.size(0);
-  check_rows("history_lengths", lengths, num_users);
-  // Each length bounded first, so that their sum cannot overflow.
-  check_range("history_lengths", lengths, 0, num_events + 1, "the events given");
-  check_jagged("history_lengths", sum_of(lengths), "item_ids", items);
-  check_jagged("history_lengths", num_events, "action_ids", actions);
-  const auto* length = lengths.const_data_ptr<int64_t>();
-  auto tokens = at::empty({num_users * num_context + 2 * num_events}, at::kLong);
-  int64_t* out = tokens.data_ptr<int64_t>();
-  const int64_t *item = items.const_data_ptr<int64_t>(), *action = actions.const_data_ptr<int64_t>();
-  const int64_t* ctx = context.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < num_users; ++b) {
-    out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context, out);
-    for (int64_t e = 0; e < length[b]; ++e) {
-      *out++ = *item++;
-      *out++ = *action++;
-    }
-  }
-  return tokens;
 }
 
 std::vector<at::Tensor> upload(at::TensorList host, const at::Device& device) {
@@ -219,14 +223,21 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   check_jagged("history_lengths", num_events, "item_ids", items);
   check_jagged("history_lengths", num_events, "action_ids", actions);
   check_jagged("num_candidates", sum_of(counts), "candidate_ids", candidates);
-  check_range("item_ids", items, 0, l.item_vocab_size, "the item vocabulary");
+  // The events are the request's bulk: their ranges are tested while they are laid out, in one
+  // pass; when one is bad, the ordered checks name the first bad value, in the same order as
+  // always (items, candidates, actions, context), whatever the layout met first.
+  auto tokens = layout_tokens(history, items, actions, context, l.item_vocab_size, l.action_vocab_size);
+  if (!tokens) check_range("item_ids", items, 0, l.item_vocab_size, "the item vocabulary");
   check_range("candidate_ids", candidates, 0, l.item_vocab_size, "the item vocabulary");
-  check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
+  if (!tokens) check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
   check_range("context_ids", context, 0, l.context_vocab_size, "the context vocabulary");
-
-  // Copies for the rest of the graph (contiguous() may have returned the input itself).
-  return {users.clone(), history.clone(), items.clone(), actions.clone(), context.clone(), counts.clone(),
-          candidates.clone()};
+  if (!tokens) throw std::logic_error("kvexport bug: the layout refused ids the range checks accept");
+  auto token_lengths = at::empty({num_users}, at::kLong);
+  const auto* length = history.const_data_ptr<int64_t>();
+  auto* token_length = token_lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_users; ++b) token_length[b] = l.num_contextual_features + 2 * length[b];
+  // Copies of the small tensors for the rest of the graph (contiguous() may have returned the input).
+  return {users.clone(), std::move(token_lengths), std::move(*tokens), counts.clone(), candidates.clone()};
 }
 
 }  // namespace kvexport::ops

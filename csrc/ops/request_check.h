@@ -10,11 +10,17 @@
 
 namespace kvexport::ops {
 
-using RequestTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// user_ids, token_lengths, token_ids, num_candidates, candidate_ids: what the rest of the graph reads.
+using RequestTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Validates one request (host tensors) against limits_json (Config.request_limits_json) and
-// returns host copies of its tensors, which the rest of the graph reads, so no kernel can index
-// with an unchecked id. Reads nothing from a device, so it never waits for one.
+// returns, on the host, what the rest of the graph reads, so no kernel can index with an unchecked
+// id: copies of user_ids, num_candidates and candidate_ids, each user's prefix length
+// (token_lengths: C + 2h) and its prefix tokens laid out (token_ids, users one after another: its
+// context ids, then item and action ids interleaved, i_1 a_1 i_2 a_2 ...; the host counterpart of
+// the model's prefix_tokens in kvexport/model/hstu.py, which the full recompute runs; the cache
+// parity tests keep the two equal). The events are read once, checked as they are laid out.
+// Reads nothing from a device, so it never waits for one.
 // Throws runtime::RequestError(kInvalidRequest) with one line naming the field and value.
 RequestTensors check_request(const std::string& limits_json, const at::Tensor& user_ids,
                              const at::Tensor& history_lengths, const at::Tensor& item_ids,
@@ -25,14 +31,6 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
 // (RequestError kInvalidRequest): a request is read on the host, whatever the package's device,
 // and nothing may read a tensor whose bytes are not int64.
 void check_kind(const char* name, const at::Tensor& t, int64_t ndim);
-
-// Each user's prefix as one jagged sequence of token ids, users one after another: its context
-// ids, then item and action ids interleaved (i_1 a_1 i_2 a_2 ...). The host counterpart of the
-// model's prefix_tokens (kvexport/model/hstu.py), which the full recompute runs; the cache parity
-// tests keep the two equal. Refuses (kInvalidRequest) tensors that are not int64 host tensors of
-// the request's ranks, or history lengths that do not sum to the events given.
-at::Tensor token_layout(const at::Tensor& history_lengths, const at::Tensor& item_ids, const at::Tensor& action_ids,
-                        const at::Tensor& context_ids);
 
 // Contiguous copies of host tensors on `device`: on a GPU staged in one pinned buffer and copied
 // asynchronously on the current stream (no wait for the device). All must be int64 on the host.

@@ -134,12 +134,6 @@ def _check_tensor(name: str, value: object, ndim: int, where: str) -> torch.Tens
     return value
 
 
-def _check_range(where: str, name: str, values: torch.Tensor, low: int, high: int, what: str) -> None:
-    if values.numel() and (values.min() < low or values.max() >= high):
-        bad = values[(values < low) | (values >= high)][0].item()
-        raise RequestError(f"{where}{name} has {bad}, outside {what} [{low}, {high - 1}]")
-
-
 def check_batch(raw: object, config, index: int | None = None, runtime: str = "") -> Batch:
     """Validates a request (a Batch or a dict of tensors) against the signature and config limits.
 
@@ -163,10 +157,10 @@ def check_batch(raw: object, config, index: int | None = None, runtime: str = ""
     from kvexport.ops import wrappers as kv
 
     try:
-        checked = kv.check_request(runtime, config.request_limits_json(), *(t[name] for name in SIGNATURE))
+        kv.check_request(runtime, config.request_limits_json(), *(t[name] for name in SIGNATURE))
     except ValueError as exc:
         raise RequestError(f"{where}{first_line(exc)}") from None
-    return Batch(*checked)
+    return Batch(*(t[name].contiguous() for name in SIGNATURE))
 
 
 # The fields of one user's request (Package.score_users): UserRequest's, in its order.

@@ -206,17 +206,15 @@ class HSTURanker(nn.Module):
 
         New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
         cached tokens are neither re-embedded nor re-projected. The request's tensors are on the
-        host: they are checked inside the op library first, everything after reads the checked
-        copies, and the batch is laid out (one C++ pass: token_layout, the host counterpart of
-        prefix_tokens) and planned there too; on a GPU, what the model computes
+        host: they are checked inside the op library first, and laid out in the same C++ pass
+        (check_request's token_ids, the host counterpart of prefix_tokens); everything after reads
+        what it returns, and the batch is planned there too; on a GPU, what the model computes
         with is then uploaded at once, so no op waits for the device.
         """
         placement = self.position_embedding.weight  # the runtime lives on the model's device
-        (user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
-         candidate_ids) = kv.check_request(runtime, self.request_limits, user_ids, history_lengths, item_ids,
-                                           action_ids, context_ids, num_candidates, candidate_ids)
-        token_ids = kv.token_layout(runtime, history_lengths, item_ids, action_ids, context_ids)
-        token_lengths = context_ids.shape[1] + 2 * history_lengths
+        user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
+            runtime, self.request_limits, user_ids, history_lengths, item_ids, action_ids, context_ids,
+            num_candidates, candidate_ids)
         # The uncached tokens' index and positions [2, N_new], users in order, positions ascending:
         # the runtime's row order.
         new = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates,

@@ -16,15 +16,9 @@ def _check_request(runtime, limits, user_ids, history_lengths, item_ids, action_
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must match user_ids")
     torch._check(context_ids.shape[0] == user_ids.shape[0], lambda: "context_ids must match user_ids")
     torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
-    return tuple(torch.empty_like(t) for t in (user_ids, history_lengths, item_ids, action_ids, context_ids,
-                                               num_candidates, candidate_ids))
-
-
-@torch.library.register_fake("kvexport::token_layout")
-def _token_layout(runtime, history_lengths, item_ids, action_ids, context_ids):
-    torch._check(history_lengths.shape[0] == context_ids.shape[0], lambda: "history_lengths must match context_ids")
-    torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
-    return item_ids.new_empty(context_ids.shape[0] * context_ids.shape[1] + 2 * item_ids.shape[0])
+    token_ids = item_ids.new_empty(context_ids.shape[0] * context_ids.shape[1] + 2 * item_ids.shape[0])
+    return (torch.empty_like(user_ids), torch.empty_like(history_lengths), token_ids,
+            torch.empty_like(num_candidates), torch.empty_like(candidate_ids))
 
 
 @torch.library.register_fake("kvexport::upload")

@@ -23,7 +23,7 @@ from kvexport.native import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
 # Every op the library defines (csrc/ops/register.cpp's TORCH_LIBRARY block, in its order).
-OPS = ("check_request", "token_layout", "upload", "begin_batch", "paged_attention", "end_batch", "create_runtime",
+OPS = ("check_request", "upload", "begin_batch", "paged_attention", "end_batch", "create_runtime",
        "abort_batch", "last_error", "stat_names", "runtime_stats", "reset_runtime", "evict_user", "cached_length",
        "device_users_lru", "read_user_kv", "drop_runtime", "gpu_info", "attach_remote", "flush_remote",
        "hstu_paged_attention")

@@ -2,9 +2,9 @@
 
 A *runtime* is named by a string (the model's config name); each process holds at most one
 runtime per name. The stateful ops of one request run in this order:
-check_request -> token_layout -> begin_batch -> (upload) -> paged_attention per layer -> end_batch.
-A request's tensors are on the host, whatever the runtime's device: check_request, token_layout,
-begin_batch and end_batch read them there without waiting for a device, and `upload` puts what
+check_request -> begin_batch -> (upload) -> paged_attention per layer -> end_batch.
+A request's tensors are on the host, whatever the runtime's device: check_request, begin_batch and
+end_batch read them there without waiting for a device, and `upload` puts what
 the model computes with on the device from one pinned staging buffer, asynchronously.
 """
 
@@ -29,12 +29,15 @@ def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, histor
                   item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,
                   num_candidates: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Checks a request (host tensors) against the package's limits (Config.request_limits_json)
-    inside the op library.
+    inside the op library, and lays out its prefix tokens in the same pass over its events.
 
-    Returns host copies of the seven tensors, in signature order, for the rest of the graph to
-    read: no kernel then sees an unchecked id. A tensor on a GPU is refused. A refused request
-    raises ValueError and records ("invalid_request", message) for last_error(runtime); every
-    request starts by clearing it.
+    Returns, on the host, what the rest of the graph reads, so no kernel sees an unchecked id:
+    (user_ids, token_lengths, token_ids, num_candidates, candidate_ids). token_lengths [B] are the
+    users' prefix lengths C + 2h and token_ids [sum(P)] their prefix tokens, users one after another:
+    context ids, then item and action ids interleaved (i_1 a_1 i_2 a_2 ...), as
+    kvexport.model.hstu.prefix_tokens lays them out for the full recompute. A tensor on a GPU is
+    refused. A refused request raises ValueError and records ("invalid_request", message) for
+    last_error(runtime); every request starts by clearing it.
     """
     return _ops().check_request(runtime, limits_json, user_ids, history_lengths, item_ids, action_ids,
                                 context_ids, num_candidates, candidate_ids)
@@ -68,14 +71,6 @@ def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_id
     [all candidates][token_ids[new_tokens[0]]], which paged_attention relies on.
     """
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
-
-
-def token_layout(runtime: str, history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
-                 context_ids: torch.Tensor) -> torch.Tensor:
-    """Each user's prefix tokens on the host, users one after another: its context ids, then item
-    and action ids interleaved (i_1 a_1 i_2 a_2 ...): kvexport.model.hstu.prefix_tokens' token_ids,
-    in one pass of C++ (the full recompute keeps the tensor version, on the model's device)."""
-    return _ops().token_layout(runtime, history_lengths, item_ids, action_ids, context_ids)
 
 
 def upload(runtime: str, host: list[torch.Tensor], placement: torch.Tensor) -> list[torch.Tensor]:
