@@ -37,6 +37,13 @@ SILU_ON = ("uvqk", "u")
 # What a layer's output projection reads: u * LN(o) ("gated": kvexport, NVIDIA) or the
 # concatenation [u, o, u * LN(o)] ("concat": Meta's DLRMv3).
 LAYER_OUTPUTS = ("gated", "concat")
+# What a request's item ids are (docs/checkpoint.md): rows of the item table ("rows": kvexport's
+# own, 0..item_vocab_size-1), or the trainer's keys ("keys": any id >= 0; the checkpoint's
+# item_keys name the table's rows, and every id not among them reads its last row), as a trainer
+# with a hash-keyed table (NVIDIA's dynamic embeddings) stores them.
+ITEM_IDS = ("rows", "keys")
+# Where a request's item ids end in "keys" mode: int64's largest value (exclusive).
+MAX_ITEM_KEY = 2**63 - 1
 
 
 class ConfigError(UserError):
@@ -63,6 +70,12 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     silu_on: str = "uvqk"
     layer_output: str = "gated"
+    item_ids: str = "rows"
+
+    @property
+    def item_id_limit(self) -> int:
+        """Item ids of a request lie in [0, item_id_limit): the table's rows, or any key >= 0."""
+        return self.item_vocab_size if self.item_ids == "rows" else MAX_ITEM_KEY
 
     @property
     def max_prefix_length(self) -> int:
@@ -162,7 +175,7 @@ class Config:
                 "max_num_candidates": m.max_num_candidates,
                 "num_contextual_features": m.num_contextual_features,
                 "context_vocab_size": m.context_vocab_size,
-                "item_vocab_size": m.item_vocab_size,
+                "item_vocab_size": m.item_id_limit,
                 "action_vocab_size": m.action_vocab_size,
             },
             sort_keys=True,
@@ -256,9 +269,12 @@ def _check(config: Config) -> None:
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
-                          ("layer_output", LAYER_OUTPUTS)):
+                          ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS)):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
+    if m.item_ids == "keys" and m.item_vocab_size < 2:
+        raise ConfigError(f"model.item_vocab_size must be >= 2 with model.item_ids: keys (the keyed rows, then "
+                          f"the row of unknown ids), got {m.item_vocab_size}")
     if not (math.isfinite(m.layer_norm_eps) and 0 < m.layer_norm_eps < 1):
         raise ConfigError(f"model.layer_norm_eps must be a number in (0, 1), got {m.layer_norm_eps}")
     _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)

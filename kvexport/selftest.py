@@ -69,9 +69,9 @@ def check_op_library(path: Path) -> None:
 
 
 def check_package(root: Path) -> None:
-    """Through the package itself (not the Python-side check): a request with an item id outside
-    the vocabulary is refused with the runtime's code and whole message, then the trace's first
-    request scores as recorded."""
+    """Through the package itself (not the Python-side check): a request with a negative item id
+    (outside the vocabulary whether ids are rows or keys) is refused with the runtime's code and
+    whole message, then the trace's first request scores as recorded."""
     import torch
 
     import kvexport
@@ -84,17 +84,17 @@ def check_package(root: Path) -> None:
     with kvexport.load(root, check_files=False) as package:
         step = next(s for s in package.artifact.trace_steps if not s.get(TRACE_KEYS["expect_error"]))
         request, expected, _ = load_trace_step(root / step[TRACE_KEYS["file"]])
-        vocab = package.config.model.item_vocab_size
+        limit = package.config.model.item_id_limit  # the table's rows, or any key >= 0
         bad = {**request, "item_ids": request["item_ids"].clone()}
-        bad["item_ids"][0] = vocab
-        message = f"item_ids has {vocab}, outside the item vocabulary [0, {vocab - 1}]"
+        bad["item_ids"][0] = -1
+        message = f"item_ids has -1, outside the item vocabulary [0, {limit - 1}]"
         try:
             package.run(Batch(**bad))
         except RequestFailed as exc:
             if exc.code != "invalid_request" or not str(exc).endswith(message):
                 _fail(f"the package refused with {exc.code}: {str(exc)!r}; expected invalid_request: {message!r}")
         else:
-            _fail("the package accepted an item id outside its vocabulary")
+            _fail("the package accepted a negative item id")
         output = package.score(request)
         atol, rtol = package.artifact.tolerance["atol"], package.artifact.tolerance["rtol"]
         if not compare(output.cpu(), expected.to(torch.float32), atol, rtol).passed:

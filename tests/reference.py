@@ -29,20 +29,30 @@ def reference_attention(q, k, v, prefix_length: int, alpha: float, scaling_seqle
     return out
 
 
-def user_tokens(model, context, items, actions):
+def item_row(model, item: int, item_ids: str) -> int:
+    """The item table's row of an id: the id itself, or (item_ids "keys") the position of the id
+    among the model's item_keys, and the table's last row for an id that is not a key."""
+    if item_ids == "rows":
+        return item
+    rows = {key: row for row, key in enumerate(model.item_keys.tolist())}
+    return rows.get(item, model.item_embedding.weight.shape[0] - 1)
+
+
+def user_tokens(model, context, items, actions, item_ids: str = "rows"):
     """Embeddings [P, d] of one user's prefix: context, then item/action pairs, absolute positions."""
     rows = [model.context_embedding.weight[c] for c in context.tolist()]
     for item, action in zip(items.tolist(), actions.tolist()):
-        rows.append(model.item_embedding.weight[item])
+        rows.append(model.item_embedding.weight[item_row(model, item, item_ids)])
         rows.append(model.action_embedding.weight[action])
     tokens = torch.stack(rows) * math.sqrt(model.item_embedding.embedding_dim)
     return tokens + model.position_embedding.weight[: len(rows)]
 
 
 def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
-                      silu_on: str = "uvqk", layer_output: str = "gated") -> torch.Tensor:
+                      silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows") -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
-    semantics switches of the same names (docs/design.md §1.3, §1.5), given by the caller."""
+    semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids, given by the
+    caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -51,10 +61,11 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         actions = batch.action_ids[history_start:history_start + h]
         candidates = batch.candidate_ids[candidate_start:candidate_start + t]
         history_start, candidate_start = history_start + h, candidate_start + t
-        prefix = user_tokens(model, batch.context_ids[b], items, actions)
+        prefix = user_tokens(model, batch.context_ids[b], items, actions, item_ids)
         p = prefix.shape[0]
         scale = math.sqrt(model.item_embedding.embedding_dim)
-        cand = model.item_embedding.weight[candidates] * scale + model.position_embedding.weight[p]
+        candidate_rows = [item_row(model, c, item_ids) for c in candidates.tolist()]
+        cand = model.item_embedding.weight[candidate_rows] * scale + model.position_embedding.weight[p]
         x = torch.cat([prefix, cand])
         for layer in model.layers:
             x = reference_layer(layer, x, p, model.scaling_seqlen, layer_norm_eps, silu_on, layer_output)

@@ -26,7 +26,8 @@ def tiny_with(**model_fields) -> dict:
     return raw
 
 
-SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat"}
+SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
+            "item_ids": "keys"}
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -35,6 +36,7 @@ SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "
     ("layer_output", "sum", "model.layer_output must be one of gated, concat, got 'sum'"),
     ("layer_norm_eps", 0, "model.layer_norm_eps must be a number in (0, 1), got 0"),
     ("layer_norm_eps", "small", "model.layer_norm_eps must be float, got 'small'"),
+    ("item_ids", "hashed", "model.item_ids must be one of rows, keys, got 'hashed'"),
 ])
 def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
@@ -54,7 +56,8 @@ def switched_model(tiny_model, tiny_config, **switches):
     config = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, **switches))
     model = build_model(config, seed=0)
     own = model.state_dict()
-    model.load_state_dict({k: v if v.shape == own[k].shape else own[k] for k, v in tiny_model.state_dict().items()})
+    tiny = tiny_model.state_dict()
+    model.load_state_dict({k: tiny[k] if k in tiny and tiny[k].shape == v.shape else v for k, v in own.items()})
     return model
 
 
@@ -71,15 +74,16 @@ def test_each_switch_matches_the_reference_and_changes_the_output(tiny_model, ti
 
 @pytest.mark.slow
 def test_a_package_with_every_switch_off_its_default_verifies(tmp_path, tiny_artifact, tiny_checkpoint):
-    """Built from the checkpoint tiny_artifact was built from (relu, eps, silu_on and the concat
-    output's wider projection seeded anew): verify checks the package, the eager cached path and
+    """Built from the checkpoint tiny_artifact was built from (relu, eps, silu_on, the concat
+    output's wider projection and the item keys seeded anew; the trace draws keys and unknown ids): verify checks the package, the eager cached path and
     the eager full recompute against the float32 reference, step by step."""
     config = tmp_path / "hstu-tiny-switched.yaml"
     config.write_text(yaml.safe_dump(tiny_with(**SWITCHES)))
     checkpoint = tmp_path / "switched.pt"
     state = torch.load(tiny_checkpoint, weights_only=True)
     wider = build_model(config_from_dict(tiny_with(**SWITCHES)), seed=1).state_dict()
-    torch.save({k: wider[k] if k.endswith("output.weight") else v for k, v in state.items()}, checkpoint)
+    torch.save({**{k: wider[k] if k.endswith("output.weight") else v for k, v in state.items()},
+                "item_keys": wider["item_keys"]}, checkpoint)
     out = tmp_path / "switched"
     built = CliRunner().invoke(main, ["build", str(config), "-o", str(out), "--checkpoint", str(checkpoint)])
     assert built.exit_code == 0, built.output

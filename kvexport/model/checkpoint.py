@@ -35,6 +35,18 @@ def check_state_dict(state_dict: object, model: HSTURanker, path: Path) -> dict[
                 f"checkpoint {path} tensor {key} has shape {list(state_dict[key].shape)}, "
                 f"the config needs {list(tensor.shape)}"
             )
+    keys = state_dict.get("item_keys")
+    if keys is not None:
+        if keys.dtype != torch.int64:
+            raise CheckpointError(f"checkpoint {path} tensor item_keys must be int64, got "
+                                  f"{str(keys.dtype).replace('torch.', '')}")
+        if keys.numel() and int(keys.min()) < 0:
+            raise CheckpointError(f"checkpoint {path} tensor item_keys has a negative key ({int(keys.min())})")
+        repeated = (keys[1:] <= keys[:-1]).nonzero()
+        if repeated.numel():
+            i = int(repeated[0, 0])
+            raise CheckpointError(f"checkpoint {path} tensor item_keys must ascend strictly, but key {i + 1} "
+                                  f"({int(keys[i + 1])}) follows {int(keys[i])}")
     return state_dict
 
 

@@ -136,6 +136,10 @@ class HSTURanker(nn.Module):
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
         self.item_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
+        if m.item_ids == "keys":
+            # The trainer's item keys of rows 0..V-2, ascending; the last row is every other id's.
+            # A random model's keys are spread out, so that ids between them are unknown.
+            self.register_buffer("item_keys", torch.arange(m.item_vocab_size - 1, dtype=torch.int64) * 3 + 1)
         self.action_embedding = nn.Embedding(m.action_vocab_size, m.hidden_size)
         self.position_embedding = nn.Embedding(m.max_prefix_length + 1, m.hidden_size)
         self.layers = nn.ModuleList(
@@ -146,13 +150,22 @@ class HSTURanker(nn.Module):
             nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
         )
 
+    def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """The item table's rows of a request's item ids: the ids themselves, or (model.item_ids:
+        keys) the row of each id among item_keys, and the last row for an id not among them."""
+        if not hasattr(self, "item_keys"):
+            return item_ids
+        last = self.item_keys.shape[0] - 1
+        rows = torch.searchsorted(self.item_keys, item_ids).clamp(max=last)
+        return torch.where(self.item_keys[rows] == item_ids, rows, last + 1)
+
     def embed_prefix(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prefix tokens [N] at absolute positions [N] -> [N, d]."""
         is_context = positions < self.num_contextual_features
         is_item = ~is_context & ((positions - self.num_contextual_features) % 2 == 0)
         is_action = ~is_context & ~is_item
         context = self.context_embedding(torch.where(is_context, token_ids, 0))
-        item = self.item_embedding(torch.where(is_item, token_ids, 0))
+        item = self.item_embedding(self.item_rows(torch.where(is_item, token_ids, 0)))
         action = self.action_embedding(torch.where(is_action, token_ids, 0))
         tokens = torch.where(is_context.unsqueeze(1), context, torch.where(is_item.unsqueeze(1), item, action))
         return tokens * self.embedding_scale + self.position_embedding(positions)
@@ -161,7 +174,7 @@ class HSTURanker(nn.Module):
                          num_candidates: torch.Tensor) -> torch.Tensor:
         """Candidates [T] -> [T, d]; a user's candidates share position P (its prefix length)."""
         positions = torch.repeat_interleave(token_lengths, num_candidates, output_size=candidate_ids.shape[0])
-        return self.item_embedding(candidate_ids) * self.embedding_scale + self.position_embedding(positions)
+        return self.item_embedding(self.item_rows(candidate_ids)) * self.embedding_scale + self.position_embedding(positions)
 
     def score(self, candidate_states: torch.Tensor) -> torch.Tensor:
         """Final candidate states [T, d] -> float32 logits [T, num_tasks]."""

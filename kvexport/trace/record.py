@@ -24,7 +24,7 @@ from kvexport.model.hstu import HSTURanker
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.progress import Progress
-from kvexport.trace.workload import Workload, WorkloadSpec
+from kvexport.trace.workload import Workload, WorkloadSpec, item_keys_of
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ class TraceStep:
     expect_error: str = ""
 
 
-def _trace_workload(config: Config) -> Workload:
+def _trace_workload(config: Config, model: HSTURanker) -> Workload:
     t = config.trace
     spec = WorkloadSpec.from_trace_config(t, t.num_users, rewrite_fraction=0.0)
-    return Workload(config.model, spec, seed=t.seed)
+    return Workload(config.model, spec, seed=t.seed, item_keys=item_keys_of(model))
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -61,7 +61,7 @@ class _Script:
 
     def __init__(self, config: Config, model: HSTURanker, cache: KVCacheManager):
         self.config, self.model, self.cache = config, model, cache
-        self.workload = _trace_workload(config)
+        self.workload = _trace_workload(config, model)
         self.steps: list[tuple[TraceStep, torch.Tensor | None]] = []
         self.next_user = 0
         self.progress = Progress("trace (eager cached path)", None, log)

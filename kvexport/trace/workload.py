@@ -15,6 +15,8 @@ from kvexport.config import ModelConfig
 from kvexport.model.batch import Batch, UserRequest
 
 REWRITES = ("edit", "delete", "context")
+# With item keys, the share of drawn items that are keys (the rest: any id, mostly unknown ones).
+KNOWN_ITEM_SHARE = 0.9
 
 
 @dataclasses.dataclass
@@ -46,11 +48,19 @@ def _int64(ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def item_keys_of(model: torch.nn.Module) -> list[int] | None:
+    """A keyed model's item keys (HSTURanker.item_keys) as a list, or None for a model of rows."""
+    keys = getattr(model, "item_keys", None)
+    return None if keys is None else keys.tolist()
+
+
 class Workload:
     """Generates batches; every user carries its full (possibly rewritten) history."""
 
-    def __init__(self, model: ModelConfig, spec: WorkloadSpec, seed: int):
-        self.model, self.spec = model, spec
+    def __init__(self, model: ModelConfig, spec: WorkloadSpec, seed: int, item_keys: list[int] | None = None):
+        """item_keys: a keyed model's item keys (model.item_ids: keys); its requests then draw
+        mostly known keys and some unknown ids. Without them, items are drawn as table rows."""
+        self.model, self.spec, self.item_keys = model, spec, item_keys
         self.rng = random.Random(seed)
         self.users: dict[int, UserHistory] = {}
         self.events: Counter[str] = Counter()
@@ -58,20 +68,27 @@ class Workload:
     def _ids(self, vocab: int, n: int) -> list[int]:
         return [self.rng.randrange(vocab) for _ in range(n)]
 
+    def _items(self, n: int) -> list[int]:
+        if self.item_keys is None:
+            return self._ids(self.model.item_vocab_size, n)
+        unknown_bound = self.item_keys[-1] + 2  # ids up to one past the largest key
+        return [self.rng.choice(self.item_keys) if self.rng.random() < KNOWN_ITEM_SHARE
+                else self.rng.randrange(unknown_bound) for _ in range(n)]
+
     def new_user(self, user_id: int, num_events: int | None = None) -> UserHistory:
         """A first-time user with a random history (of `num_events` events, if given)."""
         n = num_events if num_events is not None else self.rng.randint(self.spec.min_history_length,
                                                                          self.spec.max_history_length)
         m = self.model
         user = UserHistory(user_id, self._ids(m.context_vocab_size, m.num_contextual_features),
-                           self._ids(m.item_vocab_size, n), self._ids(m.action_vocab_size, n))
+                           self._items(n), self._ids(m.action_vocab_size, n))
         self.users[user_id] = user
         self.events["new"] += 1
         return user
 
     def grow(self, user: UserHistory, num_events: int) -> None:
         """Appends events; past the maximum, the oldest events slide out of the window."""
-        user.item_ids += self._ids(self.model.item_vocab_size, num_events)
+        user.item_ids += self._items(num_events)
         user.action_ids += self._ids(self.model.action_vocab_size, num_events)
         overflow = len(user.item_ids) - self.spec.max_history_length
         if overflow > 0:
@@ -84,7 +101,7 @@ class Workload:
         n = len(user.item_ids)
         if kind == "edit" and n:
             i = self.rng.randrange(n)
-            user.item_ids[i] = (user.item_ids[i] + 1) % self.model.item_vocab_size
+            user.item_ids[i] = (user.item_ids[i] + 1) % self.model.item_id_limit
         elif kind == "delete" and n > 1:
             i = self.rng.randrange(n - 1)
             del user.item_ids[i:i + 2], user.action_ids[i:i + 2]
@@ -108,7 +125,7 @@ class Workload:
     def request(self, user: UserHistory, num_candidates: int | None = None) -> UserRequest:
         t = num_candidates or self.rng.randint(1, self.spec.num_candidates)
         return UserRequest(user.user_id, _int64(user.item_ids), _int64(user.action_ids),
-                           _int64(user.context_ids), _int64(self._ids(self.model.item_vocab_size, t)))
+                           _int64(user.context_ids), _int64(self._items(t)))
 
     def next_batch(self, batch_size: int) -> Batch:
         """A batch of distinct users drawn from the population, each advanced one step."""

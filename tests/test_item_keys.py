@@ -1,0 +1,127 @@
+"""model.item_ids: keys — requests carry the trainer's item keys; the checkpoint's item_keys name
+the item table's rows and every other id reads its last row (docs/checkpoint.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import yaml
+
+from kvexport.config import MAX_ITEM_KEY, ConfigError, config_from_dict
+from kvexport.model import build_model, random_batch
+from kvexport.model.batch import Batch, UserRequest
+from kvexport.model.checkpoint import CheckpointError, load_checkpoint
+from kvexport.ops import wrappers as kv
+from kvexport.ops.manager import KVCacheManager
+from kvexport.trace.workload import Workload, WorkloadSpec, item_keys_of
+from tests.conftest import TINY
+from tests.reference import reference_forward
+
+
+def keyed_config(name: str = "keyed", **cache):
+    raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
+    raw["name"] = name
+    raw["model"]["item_ids"] = "keys"
+    raw["model"]["max_history_length"] = 48
+    raw["kv_cache"].update(cache)
+    raw["trace"]["max_trace_history_length"] = 48
+    return config_from_dict(raw)
+
+
+def user(user_id: int, items: list[int], candidates: list[int]) -> UserRequest:
+    n = len(items)
+    return UserRequest(user_id, torch.tensor(items), torch.arange(n) % 4, torch.tensor([1, 2, 3]),
+                       torch.tensor(candidates))
+
+
+def test_keys_and_unknown_ids_match_the_reference():
+    """Keys read their rows, any other id the last row: the model agrees with the reference, whose
+    mapping is a plain dict over the model's item_keys."""
+    config = keyed_config()
+    model = build_model(config, seed=3)
+    keys = model.item_keys
+    assert keys.tolist()[:3] == [1, 4, 7]
+    batch = Batch.concat([user(0, [1, 2, 4, 10**12, int(keys[-1])], [7, 8, 0]),
+                          user(1, [int(keys[-1]) + 1], [int(keys[5])])])
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), reference_forward(model, batch, item_ids="keys"),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_every_unknown_id_reads_one_row_and_a_key_its_own():
+    config = keyed_config()
+    model = build_model(config, seed=3)
+    with torch.no_grad():
+        unknown_a = model(Batch.concat([user(0, [1, 4], [2])]))
+        unknown_b = model(Batch.concat([user(0, [1, 4], [10**15])]))
+        known = model(Batch.concat([user(0, [1, 4], [7])]))
+    torch.testing.assert_close(unknown_a, unknown_b, rtol=0, atol=0)
+    assert (known - unknown_a).abs().max() > 1e-4
+
+
+def test_cached_equals_recompute_with_keys_under_eviction():
+    config = keyed_config("keyed-parity", device_pages=21, host_pages=42)
+    model = build_model(config, seed=1)
+    cache = KVCacheManager(config)
+    cache.reset()
+    spec = WorkloadSpec(num_users=10, min_history_length=8, max_history_length=48, max_new_events=6,
+                        num_candidates=6, rewrite_fraction=0.15)
+    workload = Workload(config.model, spec, seed=2, item_keys=item_keys_of(model))
+    keys, seen_known, seen_unknown = set(model.item_keys.tolist()), 0, 0
+    for step in range(30):
+        batch = workload.next_batch(batch_size=1 + step % 3)
+        seen_known += sum(int(i) in keys for i in batch.item_ids.tolist())
+        seen_unknown += sum(int(i) not in keys for i in batch.item_ids.tolist())
+        with torch.no_grad():
+            cached, full = model.forward_cached(batch), model(batch)
+        assert torch.allclose(cached, full, rtol=0, atol=1e-4), f"request {step}: cached != recompute"
+    stats = cache.stats()
+    cache.close()
+    assert stats["device_evictions"] > 0 and stats["hit_tokens"] > 0
+    assert seen_known > 0 and seen_unknown > 0
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    (-1, r"^item_ids has -1, outside the item vocabulary \[0, 9223372036854775806\]"),
+    (MAX_ITEM_KEY, r"^item_ids has 9223372036854775807, outside the item vocabulary"),
+])
+def test_keys_mode_refuses_only_ids_outside_int64s_non_negative_range(item, message):
+    config = keyed_config()
+    model = build_model(config, seed=0)
+    batch = random_batch(config.model, seed=1, history_lengths=[3], num_candidates=[2])
+    batch.item_ids[1] = item
+    with pytest.raises(ValueError, match=message):
+        kv.check_request("keyed-refusal", model.request_limits, *batch.tensors())
+
+
+def test_a_large_key_is_a_valid_request():
+    config = keyed_config()
+    model = build_model(config, seed=0)
+    batch = Batch.concat([user(0, [2**62, 1], [2**62 + 5])])
+    kv.check_request("keyed-valid", model.request_limits, *batch.tensors())
+
+
+def test_keys_need_a_table_of_at_least_two_rows():
+    raw = yaml.safe_load(TINY.read_text())
+    raw["model"].update(item_ids="keys", item_vocab_size=1)
+    with pytest.raises(ConfigError, match=r"^model.item_vocab_size must be >= 2 with model.item_ids: keys"):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    (torch.tensor([1, 4, 4]), r"item_keys must ascend strictly, but key 2 \(4\) follows 4$"),
+    (torch.tensor([5, 3, 9]), r"item_keys must ascend strictly, but key 1 \(3\) follows 5$"),
+    (torch.tensor([-2, 3, 9]), r"item_keys has a negative key \(-2\)$"),
+    (torch.tensor([1.0, 2.0, 3.0]), r"item_keys must be int64, got float32$"),
+])
+def test_a_checkpoint_with_bad_keys_is_refused_in_one_line(tmp_path, keys, message):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["model"].update(item_ids="keys", item_vocab_size=4)
+    config = config_from_dict(raw)
+    model = build_model(config)
+    path = tmp_path / "keys.pt"
+    torch.save({**model.state_dict(), "item_keys": keys}, path)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, model)
