@@ -321,6 +321,73 @@ def init_checkpoint(config: Path, output: Path, seed: int) -> None:
     click.echo(f"wrote {output} ({sum(p.numel() for p in model.parameters())} parameters)")
 
 
+class TableRows(click.ParamType):
+    """NAME=ROWS: the rows of one of the trainer's data-parallel embedding tables."""
+
+    name = "NAME=ROWS"
+
+    def convert(self, value, param, ctx) -> tuple[str, int]:
+        name, equals, rows = str(value).partition("=")
+        if not equals or not name or not rows.isdigit() or int(rows) < 1:
+            self.fail(f"{_param_name(param)} takes NAME=ROWS with ROWS a positive integer, got {value!r}", param, ctx)
+        return name, int(rows)
+
+
+@main.command("import-checkpoint")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--from", "trainer", type=click.Choice(["nvidia"]), required=True,
+              help="The trainer that wrote SOURCE: NVIDIA recsys-examples (examples/hstu ranking).")
+@click.option("-o", "--output", type=WritablePath(), required=True, help="kvexport checkpoint to write.")
+@click.option("--config-out", type=WritablePath(),
+              help="kvexport config to write (default: OUTPUT with the suffix .yaml).")
+@click.option("--trainer-config", type=click.Path(path_type=Path), required=True,
+              help="The trainer's gin file (NetworkArgs, DatasetArgs, RankingArgs bindings).")
+@click.option("--table-rows", type=TableRows(), multiple=True,
+              help="Rows of a data-parallel table (repeatable); the checkpoint does not hold them.")
+@click.option("--item-table", default="video_id", show_default=True, help="The item feature's table.")
+@click.option("--action-table", default="action_weights", show_default=True, help="The action feature's table.")
+@click.option("--no-contextual-features", "skip_contextual", is_flag=True,
+              help="Leave the contextual features' tables out (recsys-examples' disable_contextual_features).")
+@click.option("--iteration", type=click.IntRange(min=0), help="Which iter<N> of SOURCE (default: the newest).")
+@click.option("--name", help="The model's name in the config (default: the output's stem).")
+@_handle_errors
+def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path,
+                      table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str,
+                      skip_contextual: bool, iteration: int | None, name: str | None) -> None:
+    """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
+
+    Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
+    --trainer-config and the options. Anything that cannot be mapped exactly is refused in one line
+    (exit 2) and nothing is written. docs/checkpoint.md, *Importing*, says what is supported.
+    """
+    import torch
+    import yaml
+
+    from kvexport.config import config_from_dict
+    from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
+    from kvexport.io import write_atomically
+    from kvexport.model import build_model
+    from kvexport.model.checkpoint import check_state_dict
+
+    config_out = config_out or output.with_suffix(".yaml")
+    options = ImportOptions(item_table=item_table, action_table=action_table, table_rows=dict(table_rows),
+                            skip_contextual=skip_contextual, iteration=iteration)
+    imported = import_nvidia(source, trainer_config, options, name or output.stem)
+    config = config_from_dict(imported.config)  # the written config must load as it is
+    check_state_dict(imported.state_dict, build_model(config), output)
+    write_atomically(output, lambda tmp: torch.save(imported.state_dict, tmp), "checkpoint")
+    try:
+        write_atomically(config_out, lambda tmp: tmp.write_text(yaml.safe_dump(imported.config, sort_keys=False)),
+                         "config")
+    except BaseException:
+        output.unlink(missing_ok=True)
+        raise
+    for note in imported.notes:
+        click.echo(note)
+    click.echo(f"wrote {output} and {config_out} ({trainer}; "
+               f"{sum(t.numel() for t in imported.state_dict.values())} values)")
+
+
 @main.command()
 @config_argument
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvexport.artifact import open_artifact
 from kvexport.cli import main
 from kvexport.config import load_config
-from kvexport.errors import RequestFailed, UserError
+from kvexport.errors import RequestFailed
 from kvexport.model import build_model, random_batch
 from kvexport.runner import PackageRunner
 from tests.conftest import TINY

@@ -1,0 +1,309 @@
+"""NVIDIA recsys-examples HSTU ranking checkpoints -> a kvexport checkpoint and config.
+
+The trainer's directory as it writes it (docs/checkpoint.md, *Importing*): `iter<N>/torch_module/
+model.<rank>.pth` (the dense weights, replicated: rank 0's are read; a ShardedTensor is joined from
+every rank's file), the data-parallel tables as one flat parameter, and each dynamic (hash-keyed)
+table as its ranks' dumps under `iter<N>/dynamicemb_module/`. What the checkpoint does not hold
+comes from the trainer's gin file (`NetworkArgs`, `DatasetArgs`, `RankingArgs`) or from explicit
+options, never from a guess: the rows of each data-parallel table, and the attention normaliser's
+contextual term. Anything that cannot be mapped exactly is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvexport.errors import UserError
+from kvexport.importers.nvidia import read_dynamic_table, read_gin
+from kvexport.importers.sharded import ShardedValue, assemble, load_trainer_file
+
+LAYER_PREFIX = "_hstu_block._attention_layers."
+POSITIONS = "_hstu_block._preprocessor._positional_encoder._position_embeddings_weight"
+FLAT_TABLES = re.compile(r"_embedding_collection\._data_parallel_embedding_collection\.embeddings\.(.+)_weights")
+MODEL_PARALLEL = "_model_parallel_embedding_collection"
+HEAD = "_mlp._mlp."
+# A layer's tensors: NVIDIA's name -> (kvexport's name, transposed: NVIDIA stores x @ W as [in, out]).
+LAYER_TENSORS = {
+    "_linear_uvqk_weight": ("uvqk.weight", True),
+    "_linear_uvqk_bias": ("uvqk.bias", False),
+    "_input_layernorm_weight": ("input_norm.weight", False),
+    "_input_layernorm_bias": ("input_norm.bias", False),
+    "_output_layernorm_weight": ("attention_norm.weight", False),
+    "_output_layernorm_bias": ("attention_norm.bias", False),
+    "_linear_proj_weight": ("output.weight", True),
+}
+# The gin defaults of the bindings the import reads (NVIDIA's gin_config_args), used when the file
+# does not bind them.
+GIN_DEFAULTS = {
+    "NetworkArgs.norm_epsilon": 1e-5,
+    "NetworkArgs.dtype_str": "bfloat16",
+    "NetworkArgs.num_position_buckets": 8192,
+    "NetworkArgs.scaling_seqlen": -1,
+    "RankingArgs.prediction_head_act_type": "relu",
+    "RankingArgs.prediction_head_bias": True,
+}
+GIN_REQUIRED = ("NetworkArgs.num_layers", "NetworkArgs.num_attention_heads", "NetworkArgs.hidden_size",
+                "NetworkArgs.kv_channels", "DatasetArgs.max_history_seqlen", "DatasetArgs.max_num_candidates",
+                "RankingArgs.prediction_head_arch", "RankingArgs.num_tasks")
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+class CheckpointImportError(UserError):
+    """The trainer's checkpoint cannot be imported exactly; the message names what and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportOptions:
+    item_table: str = "video_id"      # the dynamic (or data-parallel) table of the item feature
+    action_table: str = "action_weights"
+    table_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows of each data-parallel table
+    # Import without the trainer's contextual features (their tables are left out), as recsys-examples'
+    # own inference runs with disable_contextual_features; without it, such tables are refused.
+    skip_contextual: bool = False
+    iteration: int | None = None      # the iter<N> directory (default: the newest)
+
+
+@dataclasses.dataclass(frozen=True)
+class Imported:
+    config: dict[str, Any]           # a kvexport config file's mapping
+    state_dict: dict[str, torch.Tensor]
+    notes: list[str]                 # one line each: what was derived and from where
+
+
+def _refuse(message: str) -> None:
+    raise CheckpointImportError(message)
+
+
+def iteration_directory(source: Path, iteration: int | None) -> Path:
+    """source itself when it holds torch_module/, else its iter<N> (the newest, or the one given)."""
+    if (source / "torch_module").is_dir():
+        return source
+    if not source.is_dir():
+        _refuse(f"{source}: no such directory (expected the trainer's save directory or one of its iter<N>)")
+    found = {int(p.name[4:]): p for p in source.iterdir() if re.fullmatch(r"iter\d+", p.name) and p.is_dir()}
+    if iteration is not None:
+        if iteration not in found:
+            _refuse(f"{source}: no iter{iteration} directory (found: {', '.join(f'iter{i}' for i in sorted(found)) or 'none'})")
+        return found[iteration]
+    if not found:
+        _refuse(f"{source}: neither torch_module/ nor any iter<N> directory inside")
+    return found[max(found)]
+
+
+def _rank_files(directory: Path) -> list[Path]:
+    files = {int(m.group(1)): p for p in directory.glob("model.*.pth") if (m := re.fullmatch(r"model\.(\d+)\.pth", p.name))}
+    if 0 not in files:
+        _refuse(f"{directory}: no model.0.pth (the trainer writes model.<rank>.pth for each rank)")
+    missing = [r for r in range(max(files) + 1) if r not in files]
+    if missing:
+        _refuse(f"{directory}: model.{missing[0]}.pth is missing ({max(files) + 1} ranks wrote files)")
+    return [files[r] for r in range(len(files))]
+
+
+def read_model_state(directory: Path) -> dict[str, Any]:
+    """Rank 0's model_state_dict, every ShardedTensor joined from all ranks' files."""
+    paths = _rank_files(directory)
+    states = []
+    for path in paths:
+        saved = load_trainer_file(path, "trainer checkpoint")
+        if not isinstance(saved, dict) or not isinstance(saved.get("model_state_dict"), dict):
+            _refuse(f"{path}: not a recsys-examples checkpoint (no model_state_dict)")
+        states.append(saved["model_state_dict"])
+        if not any(isinstance(v, ShardedValue) for v in states[0].values()):
+            break  # replicated dense weights: rank 0 alone is enough
+    state = dict(states[0])
+    for key, value in state.items():
+        if isinstance(value, ShardedValue):
+            parts = [s.get(key) for s in states]
+            if any(not isinstance(p, ShardedValue) for p in parts):
+                _refuse(f"{key}: sharded in model.0.pth but not in every rank's file")
+            state[key] = assemble(key, parts)
+    return state
+
+
+def _gin(path: Path) -> dict[str, Any]:
+    bindings = {**GIN_DEFAULTS, **read_gin(path)}
+    missing = [name for name in GIN_REQUIRED if name not in bindings]
+    if missing:
+        _refuse(f"trainer config {path} does not bind {missing[0]}, which the checkpoint does not hold")
+    return bindings
+
+
+def _tensor(state: dict[str, Any], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if key not in state:
+        _refuse(f"checkpoint lacks {key}")
+    value = state[key]
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        _refuse(f"{key} holds no values ({type(value).__name__}{' on meta' if isinstance(value, torch.Tensor) else ''})")
+    if tuple(value.shape) != shape:
+        _refuse(f"{key} has shape {list(value.shape)}, the trainer config implies {list(shape)}")
+    if not value.dtype.is_floating_point:
+        _refuse(f"{key} has dtype {str(value.dtype).replace('torch.', '')}, not a floating type")
+    return value.float()
+
+
+def _flat_tables(state: dict[str, Any], dim: int, table_rows: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The data-parallel tables, cut from their flat parameter in name order by their rows."""
+    tables: dict[str, torch.Tensor] = {}
+    for key in [k for k in state if FLAT_TABLES.fullmatch(k)]:
+        names = FLAT_TABLES.fullmatch(key).group(1).split("/")
+        flat = state[key]
+        if not isinstance(flat, torch.Tensor) or flat.is_meta:
+            _refuse(f"{key} holds no values")
+        unknown = [n for n in names if n not in table_rows]
+        if unknown:
+            _refuse(f"{key}: the rows of data-parallel table {unknown[0]} are not in the checkpoint; "
+                    f"give them (--table-rows {unknown[0]}=N, as the trainer's embedding config says)")
+        if flat.numel() % dim:
+            _refuse(f"{key}: {flat.numel()} values are not rows of {dim}")
+        rows = flat.reshape(-1, dim)
+        total = sum(table_rows[n] for n in names)
+        if rows.shape[0] != total:
+            _refuse(f"{key}: {rows.shape[0]} rows, but the tables' rows given sum to {total} "
+                    f"({', '.join(f'{n}={table_rows[n]}' for n in names)})")
+        first = 0
+        for name in names:
+            tables[name] = rows[first:first + table_rows[name]].float()
+            first += table_rows[name]
+    return tables
+
+
+def _dynamic_tables(dumps: Path) -> dict[str, Path]:
+    """Each dynamic table dumped under `dumps` (one folder per embedding collection) -> its folder."""
+    tables: dict[str, Path] = {}
+    for collection in sorted(p for p in dumps.iterdir() if p.is_dir()) if dumps.is_dir() else []:
+        for keys in collection.glob("*_emb_keys.rank_*"):
+            tables.setdefault(keys.name.split("_emb_keys.rank_")[0], collection)
+    return tables
+
+
+def _unmapped(state: dict[str, Any], used: set[str]) -> None:
+    for key in sorted(state):
+        if key in used or MODEL_PARALLEL in key:
+            continue
+        _refuse(f"checkpoint tensor {key} has no counterpart in kvexport's model (unknown key)")
+
+
+def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, name: str) -> Imported:
+    """Maps a recsys-examples ranking checkpoint onto kvexport's model (docs/checkpoint.md)."""
+    directory = iteration_directory(source, options.iteration)
+    gin = _gin(trainer_config)
+    layers, heads = gin["NetworkArgs.num_layers"], gin["NetworkArgs.num_attention_heads"]
+    hidden, head_dim = gin["NetworkArgs.hidden_size"], gin["NetworkArgs.kv_channels"]
+    if hidden != heads * head_dim:
+        _refuse(f"NetworkArgs.hidden_size ({hidden}) is not num_attention_heads ({heads}) * kv_channels "
+                f"({head_dim}): kvexport's layers need them equal")
+    arch = list(gin["RankingArgs.prediction_head_arch"])
+    tasks = gin["RankingArgs.num_tasks"]
+    if len(arch) != 2 or arch[-1] != tasks:
+        _refuse(f"RankingArgs.prediction_head_arch {arch}: kvexport's head is one hidden layer, then "
+                f"num_tasks ({tasks}) logits")
+    activation = gin["RankingArgs.prediction_head_act_type"]
+    if activation not in ("relu", "silu"):
+        _refuse(f"RankingArgs.prediction_head_act_type {activation!r}: kvexport's head has relu or silu")
+    dtype = gin["NetworkArgs.dtype_str"]
+    if dtype not in DTYPES:
+        _refuse(f"NetworkArgs.dtype_str {dtype!r} is not one of {', '.join(DTYPES)}")
+    max_history, max_candidates = gin["DatasetArgs.max_history_seqlen"], gin["DatasetArgs.max_num_candidates"]
+    num_context = 0
+    # recsys-examples' inference divides by the longest sequence it serves: 2 (history + candidates) + C.
+    scaling = gin["NetworkArgs.scaling_seqlen"]
+    if scaling == -1:
+        scaling = 2 * (max_history + max_candidates) + num_context
+    state = read_model_state(directory / "torch_module")
+    used: set[str] = set()
+    out: dict[str, torch.Tensor] = {}
+    notes = [f"read {directory / 'torch_module'}", f"attention normaliser S = {scaling} "
+             f"(2 * (max_history_seqlen {max_history} + max_num_candidates {max_candidates}) + {num_context})"]
+    for i in range(layers):
+        shapes = {"_linear_uvqk_weight": (hidden, 4 * hidden), "_linear_uvqk_bias": (4 * hidden,),
+                  "_input_layernorm_weight": (hidden,), "_input_layernorm_bias": (hidden,),
+                  "_output_layernorm_weight": (hidden,), "_output_layernorm_bias": (hidden,),
+                  "_linear_proj_weight": (hidden, hidden)}
+        for theirs, (ours, transposed) in LAYER_TENSORS.items():
+            key = f"{LAYER_PREFIX}{i}.{theirs}"
+            value = _tensor(state, key, shapes[theirs])
+            out[f"layers.{i}.{ours}"] = value.t().contiguous() if transposed else value
+            used.add(key)
+        out[f"layers.{i}.output.bias"] = torch.zeros(hidden)  # NVIDIA's projection has no bias
+    extra_layer = f"{LAYER_PREFIX}{layers}."
+    if any(k.startswith(extra_layer) for k in state):
+        _refuse(f"checkpoint has a layer {layers} but NetworkArgs.num_layers is {layers}")
+    buckets = gin["NetworkArgs.num_position_buckets"]
+    positions = _tensor(state, POSITIONS, (buckets, hidden))
+    used.add(POSITIONS)
+    longest = num_context + 2 * max_history
+    # NVIDIA reads row min(position, buckets - 1); kvexport's table has a row per position.
+    rows = torch.arange(longest + 1).clamp(max=buckets - 1)
+    out["position_embedding.weight"] = positions[rows]
+    if longest >= buckets:
+        notes.append(f"positions {buckets - 1}..{longest} share row {buckets - 1}, as the trainer clamps them")
+    bias = gin["RankingArgs.prediction_head_bias"]
+    for index, shape in ((0, (arch[0], hidden)), (2, (tasks, arch[0]))):
+        weight = f"{HEAD}{index}.weight"
+        out[f"head.{index}.weight"] = _tensor(state, weight, shape)
+        used.add(weight)
+        if bias:
+            out[f"head.{index}.bias"] = _tensor(state, f"{HEAD}{index}.bias", (shape[0],))
+            used.add(f"{HEAD}{index}.bias")
+        else:
+            out[f"head.{index}.bias"] = torch.zeros(shape[0])
+    flat = _flat_tables(state, hidden, options.table_rows)
+    used.update(k for k in state if FLAT_TABLES.fullmatch(k))
+    if options.action_table not in flat:
+        _refuse(f"action table {options.action_table} is not among the data-parallel tables "
+                f"({', '.join(flat) or 'none'})")
+    out["action_embedding.weight"] = flat.pop(options.action_table)
+    dumps = directory / "dynamicemb_module"
+    dynamic = _dynamic_tables(dumps)
+    if options.item_table not in flat and options.item_table not in dynamic:
+        _refuse(f"item table {options.item_table}: neither a data-parallel table nor dumped under {dumps}")
+    context_tables = [n for n in flat if n != options.item_table] + [n for n in dynamic if n != options.item_table]
+    if context_tables and not options.skip_contextual:
+        _refuse(f"table {context_tables[0]} is neither the item nor the action table: a contextual feature's, and "
+                "kvexport has no per-feature contextual tables yet (--no-contextual-features imports the model "
+                "as recsys-examples' inference runs with disable_contextual_features)")
+    if context_tables:
+        notes.append(f"left out (no contextual features): tables {', '.join(context_tables)}")
+    if options.item_table in flat:
+        out["item_embedding.weight"] = flat.pop(options.item_table)
+        item_ids = "rows"
+    else:
+        holder = dynamic[options.item_table]
+        table = read_dynamic_table(holder, options.item_table, hidden)
+        if table.keys.numel() and int(table.keys[0]) < 0:
+            _refuse(f"item table {options.item_table} holds a negative key ({int(table.keys[0])}); kvexport "
+                    "takes keys >= 0")
+        # Every id the table lacks reads zeros, as recsys-examples' evaluation answers a missing key.
+        out["item_embedding.weight"] = torch.cat([table.values, torch.zeros(1, hidden)])
+        out["item_keys"] = table.keys
+        item_ids = "keys"
+        notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
+                     "unknown ids read a zero row")
+    _unmapped(state, used)
+    out["context_embedding.weight"] = torch.zeros(1, hidden)
+    pages = -(-longest // 32)
+    config = {
+        "name": name,
+        "model": {
+            "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "head_dim": head_dim,
+            "num_contextual_features": num_context, "max_history_length": max_history,
+            "max_num_candidates": max_candidates, "scaling_seqlen": scaling, "num_tasks": tasks,
+            "dtype": DTYPES[dtype], "context_vocab_size": 1,
+            "item_vocab_size": out["item_embedding.weight"].shape[0],
+            "action_vocab_size": out["action_embedding.weight"].shape[0], "mlp_hidden_size": arch[0],
+            "head_activation": activation, "layer_norm_eps": float(gin["NetworkArgs.norm_epsilon"]),
+            "silu_on": "uvqk", "layer_output": "gated", "item_ids": item_ids,
+        },
+        "kv_cache": {"page_size": 32, "device_pages": 8 * pages, "host_pages": 32 * pages},
+        "serving": {"max_batch_size": 8, "device": "cpu"},
+        "trace": {"seed": 0, "num_users": 8, "min_history_length": min(16, max_history),
+                  "max_trace_history_length": min(256, max_history), "max_new_events": min(8, max_history),
+                  "num_candidates": min(16, max_candidates)},
+    }
+    return Imported(config, out, notes)
