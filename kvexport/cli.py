@@ -346,6 +346,8 @@ class TableRows(click.ParamType):
               help="Rows of a data-parallel table (repeatable); the checkpoint does not hold them.")
 @click.option("--item-table", default="video_id", show_default=True, help="The item feature's table.")
 @click.option("--action-table", default="action_weights", show_default=True, help="The action feature's table.")
+@click.option("--contextual-features", "contextual", metavar="NAME,...", default="",
+              help="The contextual features' tables in token order (recsys-examples' preprocessor order).")
 @click.option("--no-contextual-features", "skip_contextual", is_flag=True,
               help="Leave the contextual features' tables out (recsys-examples' disable_contextual_features).")
 @click.option("--iteration", type=click.IntRange(min=0), help="Which iter<N> of SOURCE (default: the newest).")
@@ -353,7 +355,7 @@ class TableRows(click.ParamType):
 @_handle_errors
 def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path,
                       table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str,
-                      skip_contextual: bool, iteration: int | None, name: str | None) -> None:
+                      contextual: str, skip_contextual: bool, iteration: int | None, name: str | None) -> None:
     """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
 
     Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
@@ -370,8 +372,9 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
     from kvexport.model.checkpoint import check_state_dict
 
     config_out = config_out or output.with_suffix(".yaml")
+    features = tuple(f.strip() for f in contextual.split(",") if f.strip())
     options = ImportOptions(item_table=item_table, action_table=action_table, table_rows=dict(table_rows),
-                            skip_contextual=skip_contextual, iteration=iteration)
+                            contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
     imported = import_nvidia(source, trainer_config, options, name or output.stem)
     config = config_from_dict(imported.config)  # the written config must load as it is
     check_state_dict(imported.state_dict, build_model(config), output)

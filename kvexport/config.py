@@ -44,6 +44,14 @@ LAYER_OUTPUTS = ("gated", "concat")
 ITEM_IDS = ("rows", "keys")
 # Where a request's item ids end in "keys" mode: int64's largest value (exclusive).
 MAX_ITEM_KEY = 2**63 - 1
+# What a request's context ids are: rows of the one shared context table ("rows": kvexport's own), or
+# each feature's own keys ("keys": a trainer with one table per contextual feature). With keys, the
+# checkpoint's context_keys hold (feature << CONTEXT_FEATURE_SHIFT) | key for every row but the last,
+# ascending, and a pair that is not among them reads the last row (docs/design.md §1.2).
+CONTEXT_IDS = ("rows", "keys")
+CONTEXT_FEATURE_SHIFT = 56
+MAX_CONTEXT_KEY = 2**CONTEXT_FEATURE_SHIFT  # context keys lie in [0, 2^56)
+MAX_KEYED_CONTEXT_FEATURES = 2**(63 - CONTEXT_FEATURE_SHIFT)  # so that every pair is a non-negative int64
 
 
 class ConfigError(UserError):
@@ -71,11 +79,17 @@ class ModelConfig:
     silu_on: str = "uvqk"
     layer_output: str = "gated"
     item_ids: str = "rows"
+    context_ids: str = "rows"
 
     @property
     def item_id_limit(self) -> int:
         """Item ids of a request lie in [0, item_id_limit): the table's rows, or any key >= 0."""
         return self.item_vocab_size if self.item_ids == "rows" else MAX_ITEM_KEY
+
+    @property
+    def context_id_limit(self) -> int:
+        """Context ids of a request lie in [0, context_id_limit): the shared table's rows, or keys < 2^56."""
+        return self.context_vocab_size if self.context_ids == "rows" else MAX_CONTEXT_KEY
 
     @property
     def max_prefix_length(self) -> int:
@@ -174,7 +188,7 @@ class Config:
                 "max_history_length": m.max_history_length,
                 "max_num_candidates": m.max_num_candidates,
                 "num_contextual_features": m.num_contextual_features,
-                "context_vocab_size": m.context_vocab_size,
+                "context_vocab_size": m.context_id_limit,
                 "item_vocab_size": m.item_id_limit,
                 "action_vocab_size": m.action_vocab_size,
             },
@@ -269,9 +283,12 @@ def _check(config: Config) -> None:
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
-                          ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS)):
+                          ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS)):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
+    if m.context_ids == "keys" and not 0 < m.num_contextual_features <= MAX_KEYED_CONTEXT_FEATURES:
+        raise ConfigError(f"model.num_contextual_features must be 1..{MAX_KEYED_CONTEXT_FEATURES} with "
+                          f"model.context_ids: keys, got {m.num_contextual_features}")
     if m.item_ids == "keys" and m.item_vocab_size < 2:
         raise ConfigError(f"model.item_vocab_size must be >= 2 with model.item_ids: keys (the keyed rows, then "
                           f"the row of unknown ids), got {m.item_vocab_size}")

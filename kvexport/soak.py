@@ -18,7 +18,7 @@ from kvexport.model.hstu import HSTURanker
 from kvexport.remote import DEFAULT_WRITE_POLICY
 from kvexport.trace.record import reference_model
 from kvexport.trace.verify import check_integrity, compare
-from kvexport.trace.workload import Workload, WorkloadSpec, item_keys_of
+from kvexport.trace.workload import Workload, WorkloadSpec, context_keys_of, item_keys_of
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ def _soak(artifact: Artifact, runner, model, num_requests: int, num_users: int, 
           route: tuple[int, int]) -> SoakReport:
     t = artifact.config.trace
     spec = WorkloadSpec.from_trace_config(t, num_users, rewrite_fraction=0.1)
-    workload = Workload(artifact.config.model, spec, seed, item_keys=item_keys_of(model))
+    workload = Workload(artifact.config.model, spec, seed, item_keys=item_keys_of(model),
+                        context_keys=context_keys_of(model))
     sizes = random.Random(seed + 1)
     router = random.Random(seed + 2)  # drawn for every request, so all N processes agree
     max_batch = min(_largest_safe_batch(artifact, spec.max_history_length), num_users)

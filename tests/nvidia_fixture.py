@@ -113,9 +113,10 @@ def write_checkpoint(save_dir: Path, world: int, state: dict[str, torch.Tensor],
 
 
 def write_sample(out: Path, world: int = 2) -> None:
-    """OUT/save (the trainer's save directory, `world` ranks) and OUT/ranking.gin."""
+    """OUT/save (the trainer's save directory, `world` ranks, contextual features user_id,
+    user_active_degree, register_days_range) and OUT/ranking.gin."""
     out.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(out / "save", world, dense_state(), tables())
+    write_checkpoint(out / "save", world, dense_state(), tables(contextual=True))
     (out / "ranking.gin").write_text(gin_text())
 
 

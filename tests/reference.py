@@ -38,9 +38,20 @@ def item_row(model, item: int, item_ids: str) -> int:
     return rows.get(item, model.item_embedding.weight.shape[0] - 1)
 
 
-def user_tokens(model, context, items, actions, item_ids: str = "rows"):
+def context_row(model, feature: int, context: int, context_ids: str) -> int:
+    """The context table's row of a feature's id: the id itself, or (context_ids "keys") the position
+    of the pair among the model's context_keys (feature in the top bits, docs/checkpoint.md), and
+    the table's last row for a pair that is not a key."""
+    if context_ids == "rows":
+        return context
+    rows = {key: row for row, key in enumerate(model.context_keys.tolist())}
+    return rows.get((feature << 56) | context, model.context_embedding.weight.shape[0] - 1)
+
+
+def user_tokens(model, context, items, actions, item_ids: str = "rows", context_ids: str = "rows"):
     """Embeddings [P, d] of one user's prefix: context, then item/action pairs, absolute positions."""
-    rows = [model.context_embedding.weight[c] for c in context.tolist()]
+    rows = [model.context_embedding.weight[context_row(model, f, c, context_ids)]
+            for f, c in enumerate(context.tolist())]
     for item, action in zip(items.tolist(), actions.tolist()):
         rows.append(model.item_embedding.weight[item_row(model, item, item_ids)])
         rows.append(model.action_embedding.weight[action])
@@ -49,10 +60,11 @@ def user_tokens(model, context, items, actions, item_ids: str = "rows"):
 
 
 def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
-                      silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows") -> torch.Tensor:
+                      silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows",
+                      context_ids: str = "rows") -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
-    semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids, given by the
-    caller."""
+    semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids and
+    context_ids, given by the caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -61,7 +73,7 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         actions = batch.action_ids[history_start:history_start + h]
         candidates = batch.candidate_ids[candidate_start:candidate_start + t]
         history_start, candidate_start = history_start + h, candidate_start + t
-        prefix = user_tokens(model, batch.context_ids[b], items, actions, item_ids)
+        prefix = user_tokens(model, batch.context_ids[b], items, actions, item_ids, context_ids)
         p = prefix.shape[0]
         scale = math.sqrt(model.item_embedding.embedding_dim)
         candidate_rows = [item_row(model, c, item_ids) for c in candidates.tolist()]

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import kvexport
 from kvexport.cli import main
-from kvexport.config import load_config
+from kvexport.config import config_from_dict, load_config
 from kvexport.importers.nvidia import read_gin
 from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
 from kvexport.model import build_model
@@ -31,6 +31,9 @@ USERS = [
     (2, [99], [2], [3]),
     (3, [57, 57, 4, 10], [3, 3, 1, 0], [123456789012, 42]),
 ]
+# The contextual features in token order, and each user's ids: a known and an unknown user_id.
+FEATURES = ("user_id", "user_active_degree", "register_days_range")
+CONTEXTS = {1: (700, 2, 1), 2: (5, 0, 0), 3: (6000, 1, 1)}
 
 
 def write_source(tmp_path: Path, world: int, contextual: bool = False, state=None, tables=None, **gin) -> tuple:
@@ -49,42 +52,48 @@ def run_import(save: Path, gin_file: Path, out: Path, *extra: str):
                                      *TABLE_ROWS, *extra])
 
 
-def batch_of(users) -> Batch:
-    return Batch.concat([UserRequest(u, torch.tensor(i), torch.tensor(a), torch.zeros(0, dtype=torch.int64),
-                                     torch.tensor(c)) for u, i, a, c in users])
+def batch_of(users, features=()) -> Batch:
+    return Batch.concat([UserRequest(u, torch.tensor(i), torch.tensor(a),
+                                     torch.tensor(CONTEXTS[u][:len(features)], dtype=torch.int64), torch.tensor(c))
+                         for u, i, a, c in users])
 
 
-def reference(state, tables, gin_file, users) -> torch.Tensor:
+def reference(state, tables, gin_file, users, features=()) -> torch.Tensor:
     gin = {"NetworkArgs.num_position_buckets": 8192, **read_gin(gin_file)}
-    return torch.cat([nvidia_ranking_forward(state, tables, gin, i, a, c) for _, i, a, c in users])
+    return torch.cat([nvidia_ranking_forward(state, tables, gin, i, a, c, dict(zip(features, CONTEXTS[u])))
+                      for u, i, a, c in users])
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(scope="module", params=[(1, ()), (2, FEATURES)], ids=["world1", "world2-contextual"])
 def imported(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"nvidia-w{request.param}")
-    save, gin_file, state, tables = write_source(tmp, request.param)
+    """World 1 without contextual features; world 2 with them (a dynamic user_id table among them)."""
+    world, features = request.param
+    tmp = tmp_path_factory.mktemp(f"nvidia-w{world}")
+    save, gin_file, state, tables = write_source(tmp, world, contextual=bool(features))
     out = tmp / "imported"
     out.mkdir()
-    result = run_import(save, gin_file, out)
+    rows = [f"--table-rows={name}={n}" for name, n in fx.CONTEXT_TABLES.items()] if features else []
+    result = run_import(save, gin_file, out, *rows, *(["--contextual-features", ",".join(features)] if features else []))
     assert result.exit_code == 0, result.output
-    return out, gin_file, state, tables
+    return out, gin_file, state, tables, features
 
 
 def test_the_imported_model_is_recsys_examples_forward(imported):
     """Full recompute and the cached path (a first request, then the same users grown by an
     event) against the independent reference, on known and unknown item ids."""
-    out, gin_file, state, tables = imported
+    out, gin_file, state, tables, features = imported
     config = load_config(out / "model.yaml")
     assert config.model.item_ids == "keys" and config.model.head_activation == "relu"
-    assert config.model.scaling_seqlen == 2 * (fx.MAX_HISTORY + fx.MAX_CANDIDATES)
+    assert config.model.context_ids == ("keys" if features else "rows")
+    assert config.model.scaling_seqlen == 2 * (fx.MAX_HISTORY + fx.MAX_CANDIDATES) + len(features)
     model = build_model(config, out / "model.pt")
     grown = [(u, i + [10], a + [2], c) for u, i, a, c in USERS[1:]]
     cache = KVCacheManager(config)
     try:
         with torch.no_grad():
             for users in (USERS, grown):
-                expected = reference(state, tables, gin_file, users)
-                batch = batch_of(users)
+                expected = reference(state, tables, gin_file, users, features)
+                batch = batch_of(users, features)
                 torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(model.forward_cached(batch), expected, rtol=1e-5, atol=1e-5)
         assert cache.stats()["hit_tokens"] > 0
@@ -96,7 +105,7 @@ def test_the_imported_model_is_recsys_examples_forward(imported):
 def test_the_package_and_the_cpp_replay_agree_with_the_reference(imported, tmp_path):
     """build, then verify (Python) and replay (the C++ harness) of the trace, whose expectations
     the reference reproduces; and the reference's own requests scored by the package."""
-    out, gin_file, state, tables = imported
+    out, gin_file, state, tables, features = imported
     artifact = tmp_path / "artifact"
     built = CliRunner().invoke(main, ["build", str(out / "model.yaml"), "-o", str(artifact),
                                       "--checkpoint", str(out / "model.pt")])
@@ -107,27 +116,29 @@ def test_the_package_and_the_cpp_replay_agree_with_the_reference(imported, tmp_p
     first = torch.load(artifact / "trace" / "step_0000.pt", weights_only=True)
     offsets = [0, *torch.cumsum(first["history_lengths"], 0).tolist()]
     candidate_offsets = [0, *torch.cumsum(first["num_candidates"], 0).tolist()]
-    users = [(int(first["user_ids"][b]), first["item_ids"][offsets[b]:offsets[b + 1]].tolist(),
-              first["action_ids"][offsets[b]:offsets[b + 1]].tolist(),
-              first["candidate_ids"][candidate_offsets[b]:candidate_offsets[b + 1]].tolist())
-             for b in range(len(first["user_ids"]))]
-    torch.testing.assert_close(first["expected_full"].float(), reference(state, tables, gin_file, users),
-                               rtol=1e-5, atol=1e-5)
+    expected = []
+    gin = {"NetworkArgs.num_position_buckets": 8192, **read_gin(gin_file)}
+    for b in range(len(first["user_ids"])):
+        items = first["item_ids"][offsets[b]:offsets[b + 1]].tolist()
+        actions = first["action_ids"][offsets[b]:offsets[b + 1]].tolist()
+        candidates = first["candidate_ids"][candidate_offsets[b]:candidate_offsets[b + 1]].tolist()
+        contexts = dict(zip(features, first["context_ids"][b].tolist()))
+        expected.append(nvidia_ranking_forward(state, tables, gin, items, actions, candidates, contexts))
+    torch.testing.assert_close(first["expected_full"].float(), torch.cat(expected), rtol=1e-5, atol=1e-5)
     with kvexport.load(artifact) as package:
-        torch.testing.assert_close(package.run(batch_of(USERS)).cpu(), reference(state, tables, gin_file, USERS),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(package.run(batch_of(USERS, features)).cpu(),
+                                   reference(state, tables, gin_file, USERS, features), rtol=1e-5, atol=1e-5)
 
 
 def _perturbations():
-    for key in fx.dense_state():
-        yield key
-    yield "table:action_weights"
-    yield "table:video_id"
+    yield from fx.dense_state()
+    yield from (f"table:{name}" for name in fx.tables(contextual=True))
 
 
 @pytest.mark.parametrize("perturbed", list(_perturbations()))
 def test_changing_any_one_upstream_tensor_changes_the_output(tmp_path, perturbed):
-    state, tables = fx.dense_state(), fx.tables()
+    """Every dense tensor and every table, the contextual features' included (imported with them)."""
+    state, tables = fx.dense_state(), fx.tables(contextual=True)
     baseline = _imported_output(tmp_path / "a", state, tables)
     state, tables = copy.deepcopy(state), copy.deepcopy(tables)
     target = tables[perturbed[6:]]["rows"] if perturbed.startswith("table:") else state[perturbed]
@@ -138,16 +149,16 @@ def test_changing_any_one_upstream_tensor_changes_the_output(tmp_path, perturbed
 
 def _imported_output(tmp_path: Path, state, tables) -> torch.Tensor:
     save, gin_file, _, _ = write_source(tmp_path, 1, state=state, tables=tables)
-    result = import_nvidia(save, gin_file, ImportOptions(table_rows={"action_weights": fx.ACTION_ROWS}), "perturbed")
-    from kvexport.config import config_from_dict
-
+    options = ImportOptions(table_rows={"action_weights": fx.ACTION_ROWS, **fx.CONTEXT_TABLES},
+                            contextual_features=FEATURES)
+    result = import_nvidia(save, gin_file, options, "perturbed")
     model = build_model(config_from_dict(result.config))
     model.load_state_dict(result.state_dict)
     with torch.no_grad():
-        return model(batch_of(USERS))
+        return model(batch_of(USERS, FEATURES))
 
 
-def test_contextual_tables_are_refused_or_left_out_when_asked(tmp_path):
+def test_contextual_tables_are_refused_unless_named_or_left_out(tmp_path):
     save, gin_file, state, tables = write_source(tmp_path, 2, contextual=True)
     out = tmp_path / "out"
     out.mkdir()
@@ -157,9 +168,9 @@ def test_contextual_tables_are_refused_or_left_out_when_asked(tmp_path):
     refused = run_import(save, gin_file, out, *extra)
     assert refused.exit_code == 2
     assert refused.output.strip().splitlines() == [
-        "error: table user_active_degree is neither the item nor the action table: a contextual feature's, and "
-        "kvexport has no per-feature contextual tables yet (--no-contextual-features imports the model as "
-        "recsys-examples' inference runs with disable_contextual_features)"]
+        "error: table user_active_degree is neither the item nor the action table nor a contextual feature given: "
+        "name the contextual features in token order (--contextual-features a,b,...), or import without them as "
+        "recsys-examples' inference runs with disable_contextual_features (--no-contextual-features)"]
     assert list(out.iterdir()) == []
     result = run_import(save, gin_file, out, *extra, "--no-contextual-features")
     assert result.exit_code == 0, result.output
@@ -209,4 +220,21 @@ def test_what_cannot_be_mapped_is_refused_in_one_line_and_nothing_is_written(tmp
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--contextual-features", "user_id,age"],
+     "contextual feature age: no data-parallel or dynamic table of that name (tables: user_active_degree, "
+     "register_days_range, user_id)"),
+    (["--contextual-features", "user_id", "--no-contextual-features"],
+     "contextual features given and left out at once: choose --contextual-features or --no-contextual-features"),
+])
+def test_contextual_features_that_do_not_fit_are_refused(tmp_path, extra, message):
+    save, gin_file, _, _ = write_source(tmp_path, 1, contextual=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [f"--table-rows={name}={n}" for name, n in fx.CONTEXT_TABLES.items()]
+    result = run_import(save, gin_file, out, *rows, *extra)
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [f"error: {message}"], result.output
     assert list(out.iterdir()) == []

@@ -5,8 +5,9 @@ model.<rank>.pth` (the dense weights, replicated: rank 0's are read; a ShardedTe
 every rank's file), the data-parallel tables as one flat parameter, and each dynamic (hash-keyed)
 table as its ranks' dumps under `iter<N>/dynamicemb_module/`. What the checkpoint does not hold
 comes from the trainer's gin file (`NetworkArgs`, `DatasetArgs`, `RankingArgs`) or from explicit
-options, never from a guess: the rows of each data-parallel table, and the attention normaliser's
-contextual term. Anything that cannot be mapped exactly is refused in one line naming it.
+options, never from a guess: the rows of each data-parallel table, and which tables are the
+contextual features, in token order. Anything that cannot be mapped exactly is refused in one line
+naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
 from kvexport.errors import UserError
 from kvexport.importers.nvidia import read_dynamic_table, read_gin
 from kvexport.importers.sharded import ShardedValue, assemble, load_trainer_file
@@ -62,8 +64,11 @@ class ImportOptions:
     item_table: str = "video_id"      # the dynamic (or data-parallel) table of the item feature
     action_table: str = "action_weights"
     table_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows of each data-parallel table
+    # The trainer's contextual features in token order (recsys-examples' dataset preprocessor's
+    # order); each names its table, data-parallel or dynamic.
+    contextual_features: tuple[str, ...] = ()
     # Import without the trainer's contextual features (their tables are left out), as recsys-examples'
-    # own inference runs with disable_contextual_features; without it, such tables are refused.
+    # own inference runs with disable_contextual_features; without either option such tables are refused.
     skip_contextual: bool = False
     iteration: int | None = None      # the iter<N> directory (default: the newest)
 
@@ -210,7 +215,12 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
     if dtype not in DTYPES:
         _refuse(f"NetworkArgs.dtype_str {dtype!r} is not one of {', '.join(DTYPES)}")
     max_history, max_candidates = gin["DatasetArgs.max_history_seqlen"], gin["DatasetArgs.max_num_candidates"]
-    num_context = 0
+    if options.contextual_features and options.skip_contextual:
+        _refuse("contextual features given and left out at once: choose --contextual-features or "
+                "--no-contextual-features")
+    num_context = len(options.contextual_features)
+    if num_context > MAX_KEYED_CONTEXT_FEATURES:
+        _refuse(f"{num_context} contextual features: kvexport keys at most {MAX_KEYED_CONTEXT_FEATURES}")
     # recsys-examples' inference divides by the longest sequence it serves: 2 (history + candidates) + C.
     scaling = gin["NetworkArgs.scaling_seqlen"]
     if scaling == -1:
@@ -263,13 +273,40 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
     dynamic = _dynamic_tables(dumps)
     if options.item_table not in flat and options.item_table not in dynamic:
         _refuse(f"item table {options.item_table}: neither a data-parallel table nor dumped under {dumps}")
-    context_tables = [n for n in flat if n != options.item_table] + [n for n in dynamic if n != options.item_table]
-    if context_tables and not options.skip_contextual:
-        _refuse(f"table {context_tables[0]} is neither the item nor the action table: a contextual feature's, and "
-                "kvexport has no per-feature contextual tables yet (--no-contextual-features imports the model "
-                "as recsys-examples' inference runs with disable_contextual_features)")
-    if context_tables:
-        notes.append(f"left out (no contextual features): tables {', '.join(context_tables)}")
+    others = [n for n in [*flat, *dynamic] if n != options.item_table]
+    absent = [n for n in options.contextual_features if n not in others]
+    if absent:
+        _refuse(f"contextual feature {absent[0]}: no data-parallel or dynamic table of that name "
+                f"(tables: {', '.join(others) or 'none'})")
+    unused = [n for n in others if n not in options.contextual_features]
+    if unused and not options.skip_contextual:
+        _refuse(f"table {unused[0]} is neither the item nor the action table nor a contextual feature given: "
+                "name the contextual features in token order (--contextual-features a,b,...), or import "
+                "without them as recsys-examples' inference runs with disable_contextual_features "
+                "(--no-contextual-features)")
+    if unused:
+        notes.append(f"left out (no contextual features): tables {', '.join(unused)}")
+    context_rows, context_keys = [], []
+    for feature, table_name in enumerate(options.contextual_features):
+        if table_name in flat:
+            rows = flat[table_name]
+            keys = torch.arange(rows.shape[0])
+        else:
+            table = read_dynamic_table(dynamic[table_name], table_name, hidden)
+            rows, keys = table.values, table.keys
+        if keys.numel() and (int(keys[0]) < 0 or int(keys[-1]) >= MAX_CONTEXT_KEY):
+            bad = int(keys[0]) if int(keys[0]) < 0 else int(keys[-1])
+            _refuse(f"contextual feature {table_name} has key {bad}; kvexport takes context keys in [0, 2^56)")
+        context_rows.append(rows)
+        context_keys.append((feature << CONTEXT_FEATURE_SHIFT) | keys)
+    if num_context:
+        # Every pair a feature's table lacks reads zeros, as the trainer's evaluation answers a
+        # missing key of a dynamic table (an id past a data-parallel table's rows too: documented).
+        out["context_embedding.weight"] = torch.cat([*context_rows, torch.zeros(1, hidden)])
+        out["context_keys"] = torch.cat(context_keys)
+        notes.append(f"contextual features, in token order: {', '.join(options.contextual_features)}")
+    else:
+        out["context_embedding.weight"] = torch.zeros(1, hidden)
     if options.item_table in flat:
         out["item_embedding.weight"] = flat.pop(options.item_table)
         item_ids = "rows"
@@ -286,7 +323,6 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
         notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
                      "unknown ids read a zero row")
     _unmapped(state, used)
-    out["context_embedding.weight"] = torch.zeros(1, hidden)
     pages = -(-longest // 32)
     config = {
         "name": name,
@@ -294,11 +330,12 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
             "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "head_dim": head_dim,
             "num_contextual_features": num_context, "max_history_length": max_history,
             "max_num_candidates": max_candidates, "scaling_seqlen": scaling, "num_tasks": tasks,
-            "dtype": DTYPES[dtype], "context_vocab_size": 1,
+            "dtype": DTYPES[dtype], "context_vocab_size": out["context_embedding.weight"].shape[0],
             "item_vocab_size": out["item_embedding.weight"].shape[0],
             "action_vocab_size": out["action_embedding.weight"].shape[0], "mlp_hidden_size": arch[0],
             "head_activation": activation, "layer_norm_eps": float(gin["NetworkArgs.norm_epsilon"]),
             "silu_on": "uvqk", "layer_output": "gated", "item_ids": item_ids,
+            "context_ids": "keys" if num_context else "rows",
         },
         "kv_cache": {"page_size": 32, "device_pages": 8 * pages, "host_pages": 32 * pages},
         "serving": {"max_batch_size": 8, "device": "cpu"},

@@ -35,19 +35,23 @@ def check_state_dict(state_dict: object, model: HSTURanker, path: Path) -> dict[
                 f"checkpoint {path} tensor {key} has shape {list(state_dict[key].shape)}, "
                 f"the config needs {list(tensor.shape)}"
             )
-    keys = state_dict.get("item_keys")
-    if keys is not None:
-        if keys.dtype != torch.int64:
-            raise CheckpointError(f"checkpoint {path} tensor item_keys must be int64, got "
-                                  f"{str(keys.dtype).replace('torch.', '')}")
-        if keys.numel() and int(keys.min()) < 0:
-            raise CheckpointError(f"checkpoint {path} tensor item_keys has a negative key ({int(keys.min())})")
-        repeated = (keys[1:] <= keys[:-1]).nonzero()
-        if repeated.numel():
-            i = int(repeated[0, 0])
-            raise CheckpointError(f"checkpoint {path} tensor item_keys must ascend strictly, but key {i + 1} "
-                                  f"({int(keys[i + 1])}) follows {int(keys[i])}")
+    for name in ("item_keys", "context_keys"):
+        if name in state_dict:
+            _check_keys(state_dict[name], name, path)
     return state_dict
+
+
+def _check_keys(keys: torch.Tensor, name: str, path: Path) -> None:
+    """A key table (docs/checkpoint.md): int64, each key >= 0, strictly ascending."""
+    if keys.dtype != torch.int64:
+        raise CheckpointError(f"checkpoint {path} tensor {name} must be int64, got {str(keys.dtype).replace('torch.', '')}")
+    if keys.numel() and int(keys.min()) < 0:
+        raise CheckpointError(f"checkpoint {path} tensor {name} has a negative key ({int(keys.min())})")
+    repeated = (keys[1:] <= keys[:-1]).nonzero()
+    if repeated.numel():
+        i = int(repeated[0, 0])
+        raise CheckpointError(f"checkpoint {path} tensor {name} must ascend strictly, but key {i + 1} "
+                              f"({int(keys[i + 1])}) follows {int(keys[i])}")
 
 
 def load_checkpoint(path: str | Path, model: HSTURanker) -> dict[str, torch.Tensor]:

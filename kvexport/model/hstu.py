@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kvexport.config import Config, ModelConfig
+from kvexport.config import CONTEXT_FEATURE_SHIFT, Config, ModelConfig
 from kvexport.model.batch import Batch
 from kvexport.ops import jagged
 from kvexport.ops import wrappers as kv
@@ -135,6 +135,13 @@ class HSTURanker(nn.Module):
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
+        if m.context_ids == "keys":
+            # (feature << CONTEXT_FEATURE_SHIFT) | key of rows 0..V-2, ascending; the last row is every
+            # other pair's. A random model's rows are dealt to the features in turn, keys spread out.
+            rows = torch.arange(m.context_vocab_size - 1)
+            feature, local = rows % m.num_contextual_features, rows // m.num_contextual_features
+            keys = (feature << CONTEXT_FEATURE_SHIFT) | (local * 3 + 1)
+            self.register_buffer("context_keys", keys.sort().values)
         self.item_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
         if m.item_ids == "keys":
             # The trainer's item keys of rows 0..V-2, ascending; the last row is every other id's.
@@ -155,16 +162,23 @@ class HSTURanker(nn.Module):
         keys) the row of each id among item_keys, and the last row for an id not among them."""
         if not hasattr(self, "item_keys"):
             return item_ids
-        last = self.item_keys.shape[0] - 1
-        rows = torch.searchsorted(self.item_keys, item_ids).clamp(max=last)
-        return torch.where(self.item_keys[rows] == item_ids, rows, last + 1)
+        return _keyed_rows(self.item_keys, item_ids)
+
+    def context_rows(self, context_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The context table's rows of context ids of the given features (their positions 0..C-1):
+        the ids themselves, or (model.context_ids: keys) the row of each (feature, id) pair among
+        context_keys, and the last row for a pair not among them."""
+        if not hasattr(self, "context_keys"):
+            return context_ids
+        return _keyed_rows(self.context_keys, (features << CONTEXT_FEATURE_SHIFT) | context_ids)
 
     def embed_prefix(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prefix tokens [N] at absolute positions [N] -> [N, d]."""
         is_context = positions < self.num_contextual_features
         is_item = ~is_context & ((positions - self.num_contextual_features) % 2 == 0)
         is_action = ~is_context & ~is_item
-        context = self.context_embedding(torch.where(is_context, token_ids, 0))
+        context = self.context_embedding(self.context_rows(torch.where(is_context, token_ids, 0),
+                                                           torch.where(is_context, positions, 0)))
         item = self.item_embedding(self.item_rows(torch.where(is_item, token_ids, 0)))
         action = self.action_embedding(torch.where(is_action, token_ids, 0))
         tokens = torch.where(is_context.unsqueeze(1), context, torch.where(is_item.unsqueeze(1), item, action))
@@ -246,6 +260,16 @@ class HSTURanker(nn.Module):
         logits = self.score(x[: candidate_ids.shape[0]])
         kv.end_batch(runtime, user_ids, logits)
         return logits
+
+
+def _keyed_rows(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row of each id among ascending `keys` (a table of len(keys) + 1 rows); the last row for an id
+    that is not a key."""
+    if keys.shape[0] == 0:  # no keys: every id reads the one row
+        return torch.zeros_like(ids)
+    last = keys.shape[0] - 1
+    rows = torch.searchsorted(keys, ids).clamp(max=last)
+    return torch.where(keys[rows] == ids, rows, last + 1)
 
 
 def _user_major_rows(token_lengths: torch.Tensor, num_candidates: torch.Tensor):

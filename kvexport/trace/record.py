@@ -24,7 +24,7 @@ from kvexport.model.hstu import HSTURanker
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.progress import Progress
-from kvexport.trace.workload import Workload, WorkloadSpec, item_keys_of
+from kvexport.trace.workload import Workload, WorkloadSpec, context_keys_of, item_keys_of
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class TraceStep:
 def _trace_workload(config: Config, model: HSTURanker) -> Workload:
     t = config.trace
     spec = WorkloadSpec.from_trace_config(t, t.num_users, rewrite_fraction=0.0)
-    return Workload(config.model, spec, seed=t.seed, item_keys=item_keys_of(model))
+    return Workload(config.model, spec, seed=t.seed, item_keys=item_keys_of(model),
+                    context_keys=context_keys_of(model))
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

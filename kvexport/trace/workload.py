@@ -11,12 +11,12 @@ from collections import Counter
 
 import torch
 
-from kvexport.config import ModelConfig
+from kvexport.config import CONTEXT_FEATURE_SHIFT, ModelConfig
 from kvexport.model.batch import Batch, UserRequest
 
 REWRITES = ("edit", "delete", "context")
-# With item keys, the share of drawn items that are keys (the rest: any id, mostly unknown ones).
-KNOWN_ITEM_SHARE = 0.9
+# With keys, the share of drawn ids that are keys (the rest: any id, mostly unknown ones).
+KNOWN_KEY_SHARE = 0.9
 
 
 @dataclasses.dataclass
@@ -54,13 +54,26 @@ def item_keys_of(model: torch.nn.Module) -> list[int] | None:
     return None if keys is None else keys.tolist()
 
 
+def context_keys_of(model: torch.nn.Module) -> list[list[int]] | None:
+    """A keyed model's keys of each contextual feature (HSTURanker.context_keys), or None."""
+    keys = getattr(model, "context_keys", None)
+    if keys is None:
+        return None
+    per_feature: list[list[int]] = [[] for _ in range(model.num_contextual_features)]
+    for pair in keys.tolist():
+        per_feature[pair >> CONTEXT_FEATURE_SHIFT].append(pair & ((1 << CONTEXT_FEATURE_SHIFT) - 1))
+    return per_feature
+
+
 class Workload:
     """Generates batches; every user carries its full (possibly rewritten) history."""
 
-    def __init__(self, model: ModelConfig, spec: WorkloadSpec, seed: int, item_keys: list[int] | None = None):
-        """item_keys: a keyed model's item keys (model.item_ids: keys); its requests then draw
-        mostly known keys and some unknown ids. Without them, items are drawn as table rows."""
-        self.model, self.spec, self.item_keys = model, spec, item_keys
+    def __init__(self, model: ModelConfig, spec: WorkloadSpec, seed: int, item_keys: list[int] | None = None,
+                 context_keys: list[list[int]] | None = None):
+        """item_keys: a keyed model's item keys (model.item_ids: keys); context_keys: each contextual
+        feature's keys (model.context_ids: keys). Requests then draw mostly known keys and some
+        unknown ids; without them, ids are drawn as table rows."""
+        self.model, self.spec, self.item_keys, self.context_keys = model, spec, item_keys, context_keys
         self.rng = random.Random(seed)
         self.users: dict[int, UserHistory] = {}
         self.events: Counter[str] = Counter()
@@ -72,15 +85,21 @@ class Workload:
         if self.item_keys is None:
             return self._ids(self.model.item_vocab_size, n)
         unknown_bound = self.item_keys[-1] + 2  # ids up to one past the largest key
-        return [self.rng.choice(self.item_keys) if self.rng.random() < KNOWN_ITEM_SHARE
+        return [self.rng.choice(self.item_keys) if self.rng.random() < KNOWN_KEY_SHARE
                 else self.rng.randrange(unknown_bound) for _ in range(n)]
+
+    def _contexts(self) -> list[int]:
+        if self.context_keys is None:
+            return self._ids(self.model.context_vocab_size, self.model.num_contextual_features)
+        return [self.rng.choice(keys) if keys and self.rng.random() < KNOWN_KEY_SHARE
+                else self.rng.randrange(max(keys, default=0) + 2) for keys in self.context_keys]
 
     def new_user(self, user_id: int, num_events: int | None = None) -> UserHistory:
         """A first-time user with a random history (of `num_events` events, if given)."""
         n = num_events if num_events is not None else self.rng.randint(self.spec.min_history_length,
                                                                          self.spec.max_history_length)
         m = self.model
-        user = UserHistory(user_id, self._ids(m.context_vocab_size, m.num_contextual_features),
+        user = UserHistory(user_id, self._contexts(),
                            self._items(n), self._ids(m.action_vocab_size, n))
         self.users[user_id] = user
         self.events["new"] += 1
@@ -107,7 +126,7 @@ class Workload:
             del user.item_ids[i:i + 2], user.action_ids[i:i + 2]
         elif kind == "context" and user.context_ids:
             j = self.rng.randrange(len(user.context_ids))
-            user.context_ids[j] = (user.context_ids[j] + 1) % self.model.context_vocab_size
+            user.context_ids[j] = (user.context_ids[j] + 1) % self.model.context_id_limit
         else:
             return
         self.events[kind] += 1

@@ -1,5 +1,6 @@
-"""model.item_ids: keys — requests carry the trainer's item keys; the checkpoint's item_keys name
-the item table's rows and every other id reads its last row (docs/checkpoint.md)."""
+"""model.item_ids / context_ids: keys — requests carry the trainer's item keys and each contextual
+feature's own keys; the checkpoint's item_keys and context_keys name the tables' rows and every
+other id reads the table's last row (docs/checkpoint.md)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,31 @@ import pytest
 import torch
 import yaml
 
-from kvexport.config import MAX_ITEM_KEY, ConfigError, config_from_dict
+from kvexport.config import MAX_CONTEXT_KEY, MAX_ITEM_KEY, ConfigError, config_from_dict
 from kvexport.model import build_model, random_batch
 from kvexport.model.batch import Batch, UserRequest
 from kvexport.model.checkpoint import CheckpointError, load_checkpoint
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
-from kvexport.trace.workload import Workload, WorkloadSpec, item_keys_of
+from kvexport.trace.workload import Workload, WorkloadSpec, context_keys_of, item_keys_of
 from tests.conftest import TINY
 from tests.reference import reference_forward
 
 
-def keyed_config(name: str = "keyed", **cache):
+def keyed_config(name: str = "keyed", context_ids: str = "rows", **cache):
     raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
     raw["name"] = name
     raw["model"]["item_ids"] = "keys"
+    raw["model"]["context_ids"] = context_ids
     raw["model"]["max_history_length"] = 48
     raw["kv_cache"].update(cache)
     raw["trace"]["max_trace_history_length"] = 48
     return config_from_dict(raw)
 
 
-def user(user_id: int, items: list[int], candidates: list[int]) -> UserRequest:
+def user(user_id: int, items: list[int], candidates: list[int], context: tuple[int, ...] = (1, 2, 3)) -> UserRequest:
     n = len(items)
-    return UserRequest(user_id, torch.tensor(items), torch.arange(n) % 4, torch.tensor([1, 2, 3]),
+    return UserRequest(user_id, torch.tensor(items), torch.arange(n) % 4, torch.tensor(context),
                        torch.tensor(candidates))
 
 
@@ -61,14 +63,34 @@ def test_every_unknown_id_reads_one_row_and_a_key_its_own():
     assert (known - unknown_a).abs().max() > 1e-4
 
 
+def test_context_keys_are_per_feature_and_match_the_reference():
+    """The same id reads another row in another feature; unknown pairs read the last row."""
+    config = keyed_config(context_ids="keys")
+    model = build_model(config, seed=3)
+    per_feature = context_keys_of(model)
+    assert [keys[:2] for keys in per_feature] == [[1, 4], [1, 4], [1, 4]]
+    batch = Batch.concat([user(0, [1, 4], [7], context=(1, 1, 1)), user(1, [1], [4], context=(4, 2, 10**12)),
+                          user(2, [4], [1], context=(2, 5, 7))])
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), reference_forward(model, batch, item_ids="keys", context_ids="keys"),
+                                   rtol=1e-5, atol=1e-5)
+        same_id = model(Batch.concat([user(0, [1], [7], context=(1, 4, 7))]))
+        swapped = model(Batch.concat([user(0, [1], [7], context=(4, 1, 7))]))
+        unknown_a = model(Batch.concat([user(0, [1], [7], context=(2, 4, 7))]))
+        unknown_b = model(Batch.concat([user(0, [1], [7], context=(5, 4, 7))]))
+    assert (same_id - swapped).abs().max() > 1e-6  # the tiny model divides attention by S = 1024
+    torch.testing.assert_close(unknown_a, unknown_b, rtol=0, atol=0)
+
+
 def test_cached_equals_recompute_with_keys_under_eviction():
-    config = keyed_config("keyed-parity", device_pages=21, host_pages=42)
+    config = keyed_config("keyed-parity", context_ids="keys", device_pages=21, host_pages=42)
     model = build_model(config, seed=1)
     cache = KVCacheManager(config)
     cache.reset()
     spec = WorkloadSpec(num_users=10, min_history_length=8, max_history_length=48, max_new_events=6,
                         num_candidates=6, rewrite_fraction=0.15)
-    workload = Workload(config.model, spec, seed=2, item_keys=item_keys_of(model))
+    workload = Workload(config.model, spec, seed=2, item_keys=item_keys_of(model),
+                        context_keys=context_keys_of(model))
     keys, seen_known, seen_unknown = set(model.item_keys.tolist()), 0, 0
     for step in range(30):
         batch = workload.next_batch(batch_size=1 + step % 3)
@@ -96,6 +118,22 @@ def test_keys_mode_refuses_only_ids_outside_int64s_non_negative_range(item, mess
         kv.check_request("keyed-refusal", model.request_limits, *batch.tensors())
 
 
+def test_context_keys_stop_below_two_to_the_56():
+    config = keyed_config(context_ids="keys")
+    model = build_model(config, seed=0)
+    batch = Batch.concat([user(0, [1], [4], context=(1, MAX_CONTEXT_KEY, 3))])
+    with pytest.raises(ValueError, match=r"^context_ids has 72057594037927936, outside the context vocabulary "
+                                         r"\[0, 72057594037927935\]"):
+        kv.check_request("keyed-refusal", model.request_limits, *batch.tensors())
+
+
+def test_context_keys_need_contextual_features():
+    raw = yaml.safe_load(TINY.read_text())
+    raw["model"].update(context_ids="keys", num_contextual_features=0)
+    with pytest.raises(ConfigError, match=r"^model.num_contextual_features must be 1..128 with model.context_ids: keys"):
+        config_from_dict(raw)
+
+
 def test_a_large_key_is_a_valid_request():
     config = keyed_config()
     model = build_model(config, seed=0)
@@ -115,13 +153,14 @@ def test_keys_need_a_table_of_at_least_two_rows():
     (torch.tensor([5, 3, 9]), r"item_keys must ascend strictly, but key 1 \(3\) follows 5$"),
     (torch.tensor([-2, 3, 9]), r"item_keys has a negative key \(-2\)$"),
     (torch.tensor([1.0, 2.0, 3.0]), r"item_keys must be int64, got float32$"),
+    (torch.tensor([7, 2, 9]), r"context_keys must ascend strictly, but key 1 \(2\) follows 7$"),
 ])
 def test_a_checkpoint_with_bad_keys_is_refused_in_one_line(tmp_path, keys, message):
     raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(item_ids="keys", item_vocab_size=4)
+    raw["model"].update(item_ids="keys", item_vocab_size=4, context_ids="keys", context_vocab_size=4)
     config = config_from_dict(raw)
     model = build_model(config)
     path = tmp_path / "keys.pt"
-    torch.save({**model.state_dict(), "item_keys": keys}, path)
+    torch.save({**model.state_dict(), message.split()[0]: keys}, path)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(path, model)
