@@ -127,13 +127,6 @@ def test_context_keys_stop_below_two_to_the_56():
         kv.check_request("keyed-refusal", model.request_limits, *batch.tensors())
 
 
-def test_context_keys_need_contextual_features():
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(context_ids="keys", num_contextual_features=0)
-    with pytest.raises(ConfigError, match=r"^model.num_contextual_features must be 1..128 with model.context_ids: keys"):
-        config_from_dict(raw)
-
-
 def test_a_large_key_is_a_valid_request():
     config = keyed_config()
     model = build_model(config, seed=0)
@@ -141,10 +134,15 @@ def test_a_large_key_is_a_valid_request():
     kv.check_request("keyed-valid", model.request_limits, *batch.tensors())
 
 
-def test_keys_need_a_table_of_at_least_two_rows():
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"item_ids": "keys", "item_vocab_size": 1}, r"^model.item_vocab_size must be >= 2 with model.item_ids: keys"),
+    ({"context_ids": "keys", "num_contextual_features": 0},
+     r"^model.num_contextual_features must be 1..128 with model.context_ids: keys"),
+])
+def test_a_keyed_config_that_cannot_hold_keys_is_refused(fields, message):
     raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(item_ids="keys", item_vocab_size=1)
-    with pytest.raises(ConfigError, match=r"^model.item_vocab_size must be >= 2 with model.item_ids: keys"):
+    raw["model"].update(fields)
+    with pytest.raises(ConfigError, match=message):
         config_from_dict(raw)
 
 
