@@ -4,7 +4,9 @@ Writes a table of `--rows` keys of `--dim` float32 values (about 1 GB by default
 dumps of `--world` ranks into a temporary directory, then reads it with
 kvexport.importers.nvidia.read_dynamic_table in a fresh process and reports its wall time and peak
 resident memory against the table's size: a reader that held the dump and the sorted table at once
-would peak at twice the table.
+would peak at twice the table. Then the whole `kvexport import-checkpoint --from nvidia` of a
+one-layer ranker (hidden size `--dim`) whose item table is that table, in a fresh process: its
+time and peak memory over a process that only imported torch and kvexport's CLI.
 
     .venv/bin/python benchmarks/import_table.py --json benchmarks/import-table.json
 """
@@ -39,6 +41,63 @@ def write_dump(directory: Path, rows: int, dim: int, world: int) -> None:
                 out.write(bytes(torch.randn(count, dim).numpy()))
 
 
+COLLECTION = "model._embedding_collection._model_parallel_embedding_collection"
+
+
+def write_ranker(save: Path, table_dumps: Path, dim: int, world: int) -> Path:
+    """A recsys-examples save directory (iter1, `world` ranks) of a one-layer ranker whose item
+    table is the dumped table; returns its gin file."""
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "_hstu_block._attention_layers.0._linear_uvqk_weight": torch.randn(dim, 4 * dim, generator=g),
+        "_hstu_block._attention_layers.0._linear_uvqk_bias": torch.zeros(4 * dim),
+        "_hstu_block._preprocessor._positional_encoder._position_embeddings_weight": torch.randn(64, dim, generator=g),
+        "_mlp._mlp.0.weight": torch.randn(dim, dim, generator=g), "_mlp._mlp.0.bias": torch.zeros(dim),
+        "_mlp._mlp.2.weight": torch.randn(2, dim, generator=g), "_mlp._mlp.2.bias": torch.zeros(2),
+        "_embedding_collection._data_parallel_embedding_collection.embeddings.action_weights_weights":
+            torch.randn(4 * dim, generator=g),
+    }
+    for name in ("_input_layernorm", "_output_layernorm"):
+        state[f"_hstu_block._attention_layers.0.{name}_weight"] = torch.ones(dim)
+        state[f"_hstu_block._attention_layers.0.{name}_bias"] = torch.zeros(dim)
+    state["_hstu_block._attention_layers.0._linear_proj_weight"] = torch.randn(dim, dim, generator=g)
+    root = save / "iter1"
+    (root / "torch_module").mkdir(parents=True)
+    for rank in range(world):
+        torch.save({"model_state_dict": state, "optimizer_state_dict": {}}, root / "torch_module" / f"model.{rank}.pth")
+    (root / "dynamicemb_module").mkdir()
+    (root / "dynamicemb_module" / COLLECTION).symlink_to(table_dumps)
+    gin = save / "ranking.gin"
+    gin.write_text("\n".join([
+        "DatasetArgs.max_history_seqlen = 16", "DatasetArgs.max_num_candidates = 4", "NetworkArgs.num_layers = 1",
+        "NetworkArgs.num_attention_heads = 2", f"NetworkArgs.hidden_size = {dim}", f"NetworkArgs.kv_channels = {dim // 2}",
+        "NetworkArgs.num_position_buckets = 64", "NetworkArgs.dtype_str = 'float32'",
+        f"RankingArgs.prediction_head_arch = [{dim}, 2]", "RankingArgs.num_tasks = 2"]) + "\n")
+    return gin
+
+
+def import_whole(work: Path, dim: int, world: int) -> dict:
+    """`kvexport import-checkpoint` of write_ranker's checkpoint in a fresh process: seconds and peak RSS."""
+    save = work / "save"
+    gin = write_ranker(save, work / "dumps", dim, world)
+    baseline_kib = _peak_kib("import kvexport.cli")
+    arguments = ["import-checkpoint", "--from", "nvidia", str(save), "--trainer-config", str(gin),
+                 "--table-rows", "action_weights=4", "--item-table", "table", "-o", str(work / "model.pt")]
+    started = time.perf_counter()
+    peak_kib = _peak_kib(f"from kvexport.cli import main; main({arguments!r}, standalone_mode=False)")
+    seconds = time.perf_counter() - started
+    return {"import_seconds": round(seconds, 2), "import_peak_rss_mib": round(peak_kib / 1024, 1),
+            "import_baseline_rss_mib": round(baseline_kib / 1024, 1),
+            "checkpoint_mib": round((work / "model.pt").stat().st_size / 2**20, 1)}
+
+
+def _peak_kib(code: str) -> int:
+    """Peak resident memory (KiB) of a fresh Python process that imports torch, then runs `code`."""
+    script = f"import resource, torch\n{code}\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    result = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    return int(result.stdout.split()[-1])
+
+
 def read_in_this_process(directory: Path, dim: int) -> dict:
     from kvexport.importers.nvidia import read_dynamic_table
 
@@ -64,12 +123,17 @@ def main() -> None:
         print(json.dumps(read_in_this_process(args.read, args.dim)))
         return
     with tempfile.TemporaryDirectory(prefix="kvexport-import-bench-") as work:
-        write_dump(Path(work), args.rows, args.dim, args.world)
-        reader = subprocess.run([sys.executable, __file__, "--read", work, "--dim", str(args.dim)], check=True,
+        dumps = Path(work) / "dumps"
+        dumps.mkdir()
+        write_dump(dumps, args.rows, args.dim, args.world)
+        reader = subprocess.run([sys.executable, __file__, "--read", str(dumps), "--dim", str(args.dim)], check=True,
                                 capture_output=True, text=True)
-    result = {**json.loads(reader.stdout), "world": args.world, "dim": args.dim,
+        whole = import_whole(Path(work), args.dim, args.world)
+    result = {**json.loads(reader.stdout), **whole, "world": args.world, "dim": args.dim,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
     result["peak_over_table"] = round((result["peak_rss_mib"] - result["rss_before_mib"]) / result["table_mib"], 2)
+    result["import_peak_over_table"] = round(
+        (result["import_peak_rss_mib"] - result["import_baseline_rss_mib"]) / result["table_mib"], 2)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -368,8 +368,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
     from kvexport.config import config_from_dict
     from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
     from kvexport.io import write_atomically
-    from kvexport.model import build_model
     from kvexport.model.checkpoint import check_state_dict
+    from kvexport.model.hstu import HSTURanker
 
     config_out = config_out or output.with_suffix(".yaml")
     features = tuple(f.strip() for f in contextual.split(",") if f.strip())
@@ -377,7 +377,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                             contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
     imported = import_nvidia(source, trainer_config, options, name or output.stem)
     config = config_from_dict(imported.config)  # the written config must load as it is
-    check_state_dict(imported.state_dict, build_model(config), output)
+    with torch.device("meta"):  # the model's shapes only, without allocating its tables
+        check_state_dict(imported.state_dict, HSTURanker(config), output)
     write_atomically(output, lambda tmp: torch.save(imported.state_dict, tmp), "checkpoint")
     try:
         write_atomically(config_out, lambda tmp: tmp.write_text(yaml.safe_dump(imported.config, sort_keys=False)),

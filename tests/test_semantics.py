@@ -92,7 +92,8 @@ def test_a_package_with_every_switch_off_its_default_verifies(tmp_path, tiny_art
     result = CliRunner().invoke(main, ["verify", str(out)])
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["config"]["model"]["silu_on"] == "u" and manifest["dims"]["item_ids"] == "keys"
+    assert manifest["config"]["model"]["silu_on"] == "u"
+    assert manifest["dims"]["item_ids"] == manifest["dims"]["context_ids"] == "keys"
     key = TRACE_KEYS["expected_cached"]
     switched_first = torch.load(out / "trace" / "step_0000.pt", weights_only=True)[key]
     default_first = torch.load(tiny_artifact / "trace" / "step_0000.pt", weights_only=True)[key]

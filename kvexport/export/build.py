@@ -81,12 +81,13 @@ def signature(config: Config, device: str) -> dict:
 
 
 def dims(config: Config) -> dict[str, int | str]:
-    """The limits a request must keep, as the manifest and `kvexport inspect` show them; item_ids says
-    whether item ids are the table's rows or the trainer's keys (docs/design.md §1.2)."""
+    """The limits a request must keep, as the manifest and `kvexport inspect` show them; item_ids and
+    context_ids say whether those ids are table rows or the trainer's keys (docs/design.md §1.2)."""
     m = config.model
     return {"max_batch_size": config.serving.max_batch_size, "max_history_length": m.max_history_length,
             "max_num_candidates": m.max_num_candidates, "num_contextual_features": m.num_contextual_features,
-            "context_vocab_size": m.context_vocab_size, "item_vocab_size": m.item_vocab_size,
+            "context_vocab_size": m.context_vocab_size, "context_ids": m.context_ids,
+            "item_vocab_size": m.item_vocab_size,
             "item_ids": m.item_ids, "action_vocab_size": m.action_vocab_size, "num_tasks": m.num_tasks}
 
 

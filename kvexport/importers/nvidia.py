@@ -32,7 +32,7 @@ class DynamicTable:
     """A hash-keyed table as dense rows: keys ascending, values[i] the row of keys[i]."""
 
     keys: torch.Tensor  # int64 [n], strictly increasing
-    values: torch.Tensor  # float32 [n, dim]
+    values: torch.Tensor  # float32 [n + spare rows, dim]
 
 
 def _dump_files(directory: Path, table: str) -> dict[tuple[str, int], Path]:
@@ -57,8 +57,9 @@ def _dump_files(directory: Path, table: str) -> dict[tuple[str, int], Path]:
     return found
 
 
-def read_dynamic_table(directory: Path, table: str, dim: int) -> DynamicTable:
-    """Every rank's dump of `table` joined into dense rows sorted by key.
+def read_dynamic_table(directory: Path, table: str, dim: int, spare_rows: int = 0) -> DynamicTable:
+    """Every rank's dump of `table` joined into dense rows sorted by key; `spare_rows` zero rows
+    follow them in the same tensor (an importer's row for unknown keys, without a second copy).
 
     Refused by file: a size that is not a whole number of keys or rows of `dim` floats, keys and
     values of different lengths, a key on a rank round-robin placement does not give it, a key
@@ -91,7 +92,8 @@ def read_dynamic_table(directory: Path, table: str, dim: int) -> DynamicTable:
         raise UserError(f"dynamic table {table}: key {int(repeated[0])} is held twice")
     destination = torch.empty_like(order)  # the sorted row each dumped row goes to
     destination[order] = torch.arange(order.numel())
-    values = torch.empty(keys.numel(), dim, dtype=torch.float32)
+    values = torch.empty(keys.numel() + spare_rows, dim, dtype=torch.float32)
+    values[keys.numel():] = 0
     start = 0
     for rank, part in enumerate(keys_parts):
         _scatter_rows(files[("values", rank)], len(part), dim, destination[start:start + len(part)], values)

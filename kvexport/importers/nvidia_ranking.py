@@ -173,7 +173,8 @@ def _flat_tables(state: dict[str, Any], dim: int, table_rows: dict[str, int]) ->
                     f"({', '.join(f'{n}={table_rows[n]}' for n in names)})")
         first = 0
         for name in names:
-            tables[name] = rows[first:first + table_rows[name]].float()
+            # A copy: a view would make torch.save write the whole flat parameter once per table.
+            tables[name] = rows[first:first + table_rows[name]].to(torch.float32, copy=True)
             first += table_rows[name]
     return tables
 
@@ -312,12 +313,13 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
         item_ids = "rows"
     else:
         holder = dynamic[options.item_table]
-        table = read_dynamic_table(holder, options.item_table, hidden)
+        # Every id the table lacks reads a zero last row, as recsys-examples' evaluation answers a
+        # missing key: read in place as the table's spare row (the table is the import's bulk).
+        table = read_dynamic_table(holder, options.item_table, hidden, spare_rows=1)
         if table.keys.numel() and int(table.keys[0]) < 0:
             _refuse(f"item table {options.item_table} holds a negative key ({int(table.keys[0])}); kvexport "
                     "takes keys >= 0")
-        # Every id the table lacks reads zeros, as recsys-examples' evaluation answers a missing key.
-        out["item_embedding.weight"] = torch.cat([table.values, torch.zeros(1, hidden)])
+        out["item_embedding.weight"] = table.values
         out["item_keys"] = table.keys
         item_ids = "keys"
         notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
