@@ -392,6 +392,35 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                f"{sum(t.numel() for t in imported.state_dict.values())} values)")
 
 
+@main.command("triton-repo")
+@click.argument("out", type=ArtifactDirectory())
+@click.option("-o", "--output", "repo", type=click.Path(path_type=Path), required=True,
+              help="Model repository to write (a new or empty directory).")
+@click.option("--name", help="The Triton model's name (default: the artifact's config name).")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Model instances (each loads the package and keeps its own cache).")
+@click.option("--python-path", "python_path", multiple=True, type=click.Path(path_type=Path),
+              help="A site directory for the Python backend's interpreter (repeatable): where torch and "
+                   "kvexport are installed, when that is not the interpreter's own site-packages.")
+@click.option("--this-python", is_flag=True,
+              help="Add this Python's site-packages to --python-path (serving from this virtual environment).")
+@_handle_errors
+def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_path: tuple[Path, ...],
+                this_python: bool) -> None:
+    """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
+
+    Serve it with `tritonserver --model-repository REPO` where torch and kvexport are importable;
+    docs/hosting.md says how.
+    """
+    import site
+
+    from kvexport.serving.repository import write_repository
+
+    paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
+    model = write_repository(out, repo, name, instances, paths)
+    click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
+
+
 @main.command()
 @config_argument
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")

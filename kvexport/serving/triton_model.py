@@ -1,0 +1,69 @@
+"""kvexport's model for Triton's Python backend: `kvexport triton-repo` copies this file as
+REPO/<name>/1/model.py. It runs inside Triton's Python-backend stub, not in kvexport's process.
+
+initialize loads the artifact (its files checked against its manifest first) that the repository
+holds beside this file, or the one its config's `artifact` parameter names; a `python_path`
+parameter adds site directories (a virtual environment's) to the stub's interpreter first. execute
+scores each Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and
+answers every request alone: its logits, or its own error — a refused request its one-line
+message with INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an
+unexpected failure INTERNAL, logged once with its traceback.
+"""
+
+import json
+import os
+import site
+import traceback
+
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
+        # stub defines TritonError once the model is being initialised, not at import.
+        self.error_codes = {"invalid_request": pb_utils.TritonError.INVALID_ARG,
+                            "capacity_exceeded": pb_utils.TritonError.UNAVAILABLE}
+        config = json.loads(args["model_config"])
+        parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
+            site.addsitedir(directory)  # its .pth files too (an editable install's)
+        import kvexport
+        from kvexport.serving.batcher import BatchScorer
+        from kvexport.serving.signature import INPUT_NAMES, LOGITS
+
+        self.logger = pb_utils.Logger
+        self.input_names, self.output_name = INPUT_NAMES, LOGITS
+        artifact = parameters.get("artifact") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifact")
+        self.package = kvexport.load(artifact)
+        self.scorer = BatchScorer(self.package)
+
+    def execute(self, requests):
+        inputs = [{name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
+                  for request in requests]
+        try:
+            results = self.scorer.score(inputs)
+        except Exception:  # an unexpected failure: find whose, request by request
+            results = [self._score_alone(one) for one in inputs]
+        return [self._response(result) for result in results]
+
+    def _score_alone(self, inputs):
+        try:
+            return self.scorer.score([inputs])[0]
+        except Exception as exc:
+            self.logger.log_error(f"kvexport: a request failed unexpectedly\n{traceback.format_exc()}")
+            return exc
+
+    def _response(self, result):
+        from kvexport.errors import RequestFailed
+
+        if isinstance(result, RequestFailed):
+            code = self.error_codes.get(result.code, pb_utils.TritonError.INTERNAL)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result).splitlines()[0], code))
+        if isinstance(result, BaseException):
+            message = f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
+        logits = result.detach().float().cpu().numpy()[None]  # [1, T, num_tasks]: Triton's batch dimension
+        return pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, logits)])
+
+    def finalize(self):
+        self.package.close()

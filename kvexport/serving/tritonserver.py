@@ -1,0 +1,63 @@
+"""The `tritonserver` binary the `serve` extra installs (nvidia-pytriton's), run on a model repository.
+
+What it takes to start it on a repository of kvexport's (kvexport.serving.repository), read from
+the installed distribution, never guessed:
+- a backend directory holding the Python backend and the Python-backend stub built for this
+  interpreter's Python version (the distribution ships one stub per version beside the backend);
+- the distribution's own libraries on the loader's path;
+- this interpreter's libpython preloaded, in the server's environment only: the stub links
+  libpython3.X.so.1.0 by name, and the loader may otherwise find another build of it, whose C code
+  then runs this interpreter's standard library (the model fails to load).
+
+The stub's interpreter ignores PYTHONPATH (it starts isolated) and sees the base installation's
+site-packages only: a repository served from a virtual environment names the environment's site
+directory in its `python_path` parameter (`kvexport triton-repo --python-path`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from kvexport.errors import UserError
+
+
+def _distribution() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("tritonserver needs the serve extra: pip install -e '.[serve]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+
+
+def libpython() -> Path:
+    """This interpreter's shared libpython."""
+    path = Path(sysconfig.get_config_var("LIBDIR") or "") / (sysconfig.get_config_var("INSTSONAME") or "")
+    if not path.is_file():
+        raise UserError(f"this Python has no shared libpython ({path}); Triton's Python backend needs one")
+    return path
+
+
+def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
+    """(command prefix, environment) of tritonserver with its backends laid out under workdir."""
+    dist = _distribution()
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise UserError(f"the installed tritonserver has no Python-backend stub for Python {version} ({stub})")
+    backend = workdir / "backends" / "python"
+    backend.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        target = backend / name
+        if not target.exists():
+            target.symlink_to(dist / "backends" / "python" / name)
+    shutil.copy2(stub, backend / "triton_python_backend_stub")
+    env = dict(os.environ)
+    libs = dist.parent.parent / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH", "")]))
+    env["LD_PRELOAD"] = " ".join(filter(None, [str(libpython()), env.get("LD_PRELOAD", "")]))
+    command = [str(dist / "bin" / "tritonserver"), "--backend-directory", str(workdir / "backends")]
+    return command, env
