@@ -143,3 +143,36 @@ def test_a_refused_request_gets_its_own_400_and_the_next_is_served(served_repo, 
                                    rtol=0, atol=artifact.tolerance["atol"])
     finally:
         client.close()
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact):
+    """The cache's and the requests' counters, on Triton's metrics port, after a refused request and
+    a user scored twice (the second time from its cache)."""
+    from tritonclient.utils import InferenceServerException
+
+    from kvexport.artifact import open_artifact
+    from kvexport.runner import load_trace_step
+
+    step = open_artifact(tiny_artifact).trace_steps[0]
+    user = split_batch(load_trace_step(tiny_artifact / step["file"], True)[0])[0]
+    good = user_arrays(user)
+    bad = {**good, "candidate_ids": np.array([-5], dtype=np.int64)}
+    client = Client("http", served_repo, "hstu-tiny")
+    try:
+        client.infer(good)
+        client.infer(good)
+        with pytest.raises(InferenceServerException):
+            client.infer(bad)
+    finally:
+        client.close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{served_repo.metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("kvexport_")}
+    assert values['kvexport_requests_total{model="hstu-tiny",result="refused"}'] >= 1
+    assert values['kvexport_requests_total{model="hstu-tiny",result="ok"}'] >= 1
+    assert values['kvexport_cache_hit_tokens_total{model="hstu-tiny"}'] > 0
+    assert values['kvexport_batches_total{model="hstu-tiny"}'] >= 1
+    assert "# TYPE kvexport_cache_device_pages_used gauge" in text

@@ -12,6 +12,7 @@ Triton's own metrics server listens on a private port of 127.0.0.1; the metrics 
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import logging
 import threading
@@ -27,30 +28,52 @@ LEVEL_SUFFIXES = ("_used", "_users", "_max", "_connected")
 TRITON_TIMEOUT_S = 5.0
 
 
-def _family(lines: list[str], name: str, kind: str, help_text: str, samples: list[tuple[str, int]]) -> None:
-    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    lines += [f"{name}{{{labels}}} {value}" for labels, value in samples]
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One value of one metric family: the family's name, kind ("counter" or "gauge") and help text."""
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[tuple[str, str], ...]
+    value: int
+
+
+def samples(model: str, cache: dict[str, int], batches) -> list[Sample]:
+    """kvexport's metrics (cache: Package.stats(); batches: BatchCounters), families in order."""
+    label = (("model", model),)
+    out: list[Sample] = []
+    for stat, value in cache.items():
+        if stat.endswith(LEVEL_SUFFIXES):
+            out.append(Sample(f"kvexport_cache_{stat}", "gauge", f"KV cache {stat.replace('_', ' ')} now", label,
+                              value))
+        else:
+            out.append(Sample(f"kvexport_cache_{stat}_total", "counter", f"KV cache {stat.replace('_', ' ')}",
+                              label, value))
+    out += [
+        Sample("kvexport_batches_total", "counter", "Package calls that scored a batch of users", label,
+               batches.batches),
+        Sample("kvexport_batch_users_total", "counter", "Users scored in those batches", label, batches.batch_users),
+        Sample("kvexport_split_batches_total", "counter",
+               "Merged batches the package refused, then scored one user at a time", label, batches.split_batches),
+        Sample("kvexport_requests_total", "counter", "Inference requests by result", (*label, ("result", "ok")),
+               batches.requests_ok),
+        Sample("kvexport_requests_total", "counter", "Inference requests by result",
+               (*label, ("result", "refused")), batches.requests_refused),
+    ]
+    return out
 
 
 def render(model: str, cache: dict[str, int], batches) -> str:
     """kvexport's metrics in the Prometheus text format (cache: Package.stats(); batches: BatchCounters)."""
-    label = f'model="{model}"'
     lines: list[str] = []
-    for stat, value in cache.items():
-        if stat.endswith(LEVEL_SUFFIXES):
-            _family(lines, f"kvexport_cache_{stat}", "gauge", f"KV cache {stat.replace('_', ' ')} now",
-                    [(label, value)])
-        else:
-            _family(lines, f"kvexport_cache_{stat}_total", "counter", f"KV cache {stat.replace('_', ' ')}",
-                    [(label, value)])
-    _family(lines, "kvexport_batches_total", "counter", "Package calls that scored a batch of users",
-            [(label, batches.batches)])
-    _family(lines, "kvexport_batch_users_total", "counter", "Users scored in those batches",
-            [(label, batches.batch_users)])
-    _family(lines, "kvexport_split_batches_total", "counter",
-            "Merged batches the package refused, then scored one user at a time", [(label, batches.split_batches)])
-    _family(lines, "kvexport_requests_total", "counter", "Inference requests by result",
-            [(f'{label},result="ok"', batches.requests_ok), (f'{label},result="refused"', batches.requests_refused)])
+    described: set[str] = set()
+    for sample in samples(model, cache, batches):
+        if sample.name not in described:
+            described.add(sample.name)
+            lines += [f"# HELP {sample.name} {sample.help}", f"# TYPE {sample.name} {sample.kind}"]
+        labels = ",".join(f'{key}="{value}"' for key, value in sample.labels)
+        lines.append(f"{sample.name}{{{labels}}} {sample.value}")
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,9 @@ parameter adds site directories (a virtual environment's) to the stub's interpre
 scores each Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and
 answers every request alone: its logits, or its own error — a refused request its one-line
 message with INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an
-unexpected failure INTERNAL, logged once with its traceback.
+unexpected failure INTERNAL, logged once with its traceback. After each batch, kvexport's counters
+(the cache's, the batches', the requests') are published through the Python backend's custom
+metrics API, on Triton's own metrics port (kvexport.serving.metrics names them).
 """
 
 import json
@@ -36,6 +38,8 @@ class TritonPythonModel:
         artifact = parameters.get("artifact") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifact")
         self.package = kvexport.load(artifact)
         self.scorer = BatchScorer(self.package)
+        self.metric_families, self.published = {}, {}
+        self._publish_metrics()
 
     def execute(self, requests):
         inputs = [{name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
@@ -44,7 +48,30 @@ class TritonPythonModel:
             results = self.scorer.score(inputs)
         except Exception:  # an unexpected failure: find whose, request by request
             results = [self._score_alone(one) for one in inputs]
-        return [self._response(result) for result in results]
+        responses = [self._response(result) for result in results]
+        self._publish_metrics()
+        return responses
+
+    def _publish_metrics(self):
+        """Triton's metrics: a counter moves by what it grew since the last batch, a gauge is set."""
+        from kvexport.serving.metrics import samples
+
+        for sample in samples(self.package.name, self.package.stats(), self.scorer.counters()):
+            family = self.metric_families.get(sample.name)
+            if family is None:
+                kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
+                family = self.metric_families[sample.name] = pb_utils.MetricFamily(
+                    name=sample.name, description=sample.help, kind=kind)
+            key = (sample.name, sample.labels)
+            if key not in self.published:
+                self.published[key] = [family.Metric(labels=dict(sample.labels)), 0]
+            metric, last = self.published[key]
+            if sample.kind == "counter":
+                if sample.value > last:
+                    metric.increment(sample.value - last)
+            else:
+                metric.set(sample.value)
+            self.published[key][1] = sample.value
 
     def _score_alone(self, inputs):
         try:
