@@ -4,17 +4,22 @@ the trace's recorded expectations and the eager model, never with the server's o
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from kvexport.cli import main
-from tests.test_serve import Client, free_ports, needs_pytriton, split_batch, user_arrays
+from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, http_get, metric, needs_pytriton,
+                              split_batch, user_arrays)
+from tests.test_serve import eager  # noqa: F401  (a fixture)
 
 START_TIMEOUT_S = 90
 
@@ -69,14 +74,40 @@ def _ready(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def served_repo(tiny_artifact, tmp_path_factory):
-    """tritonserver --model-repository REPO on the tiny artifact's repository, this venv's Python."""
+# Appended to a repository's model.py by one test: user 4242's requests make the scorer raise.
+FAILING_USER = 4242
+RAISING_MODEL = f"""
+
+_initialize = TritonPythonModel.initialize
+
+
+def _initialize_with_a_failing_user(self, args):
+    _initialize(self, args)
+    score = self.scorer.score
+
+    def score_or_raise(inputs):
+        if any(int(one["user_id"].flat[0]) == {FAILING_USER} for one in inputs):
+            raise RuntimeError("a bug for user {FAILING_USER}")
+        return score(inputs)
+
+    self.scorer.score = score_or_raise
+
+
+TritonPythonModel.initialize = _initialize_with_a_failing_user
+"""
+
+
+@contextlib.contextmanager
+def plain_tritonserver(artifact, work, patch: str = ""):
+    """tritonserver --model-repository REPO (127.0.0.1, free ports) on the artifact's repository,
+    this venv's Python; yields (ports, server log path)."""
     from kvexport.serving import tritonserver
 
-    work = tmp_path_factory.mktemp("triton-repo")
     repo = work / "repo"
-    write_repo(tiny_artifact, repo, "--this-python")
+    write_repo(artifact, repo, "--this-python")
+    if patch:
+        model = next(repo.iterdir()) / "1" / "model.py"
+        model.write_text(model.read_text() + patch)
     command, env = tritonserver.prepare(work)
     ports = free_ports()
     log = (work / "server.log").open("w")
@@ -84,26 +115,37 @@ def served_repo(tiny_artifact, tmp_path_factory):
                                 "--grpc-address", "127.0.0.1", "--http-port", str(ports.http),
                                 "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _ready(ports.http):
-        if process.poll() is not None or time.monotonic() > deadline:
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(ports.http):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"tritonserver did not come up:\n{(work / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield ports, work / "server.log"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             process.kill()
-            pytest.fail(f"tritonserver did not come up:\n{(work / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.2)
-    yield ports
-    process.terminate()
-    process.wait(timeout=60)
-    log.close()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def served_repo(tiny_artifact, tmp_path_factory):
+    with plain_tritonserver(tiny_artifact, tmp_path_factory.mktemp("triton-repo")) as (ports, _):
+        yield ports
 
 
 @needs_pytriton
 @pytest.mark.slow
-def test_the_trace_through_a_plain_tritonserver(served_repo, tiny_artifact):
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_trace_through_a_plain_tritonserver(served_repo, tiny_artifact, protocol):
     from kvexport.artifact import open_artifact
     from kvexport.runner import load_trace_step
 
     artifact = open_artifact(tiny_artifact)
-    client = Client("http", served_repo, "hstu-tiny", concurrency=artifact.config.serving.max_batch_size)
+    client = Client(protocol, served_repo, "hstu-tiny", concurrency=artifact.config.serving.max_batch_size)
     try:
         for step in artifact.trace_steps:
             if step.get("expect_error"):
@@ -176,3 +218,83 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
     assert values['kvexport_cache_hit_tokens_total{model="hstu-tiny"}'] > 0
     assert values['kvexport_batches_total{model="hstu-tiny"}'] >= 1
     assert "# TYPE kvexport_cache_device_pages_used gauge" in text
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_concurrent_clients_with_returning_users_match_the_eager_recompute(served_repo, tiny_config, eager):
+    """16 clients (HTTP and gRPC) sharing returning users: every answer equals the eager full
+    recompute; Triton merged requests into batches and returning users came from the cache."""
+    plans = _returning_users_plan(tiny_config, clients=16, per_client=15, users=24, seed=7)
+    expected = eager([r for plan in plans for r in plan])
+    before = http_get(served_repo.metrics, "/metrics")[1]
+    outputs: list[list] = [[] for _ in plans]
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        client = Client("http" if index % 2 else "grpc", served_repo, "hstu-tiny")
+        try:
+            for request in plans[index]:
+                outputs[index].append(client.infer(user_arrays(request)))
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(plans))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    got = [o for output in outputs for o in output]
+    assert len(got) == len(expected) == 240
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
+    after = http_get(served_repo.metrics, "/metrics")[1]
+    executions = (metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1")
+                  - metric(before, "nv_inference_exec_count", model="hstu-tiny", version="1"))
+    assert 240 / executions > 1, f"Triton's mean batch size {240 / executions}"
+    hits = (metric(after, "kvexport_cache_hit_tokens_total", model="hstu-tiny")
+            - metric(before, "kvexport_cache_hit_tokens_total", model="hstu-tiny"))
+    assert hits > 0
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_path, eager):
+    """Sent at once with two good users: the failing request gets an INTERNAL error (HTTP 500)
+    with one line, its batch-mates their logits, and the server logs the traceback once."""
+    from tritonclient.utils import InferenceServerException
+
+    from kvexport.model.batch import random_user
+    from kvexport.config import load_config
+    from tests.conftest import TINY
+
+    m = load_config(TINY).model
+    generator = torch.Generator().manual_seed(3)
+    good = [random_user(m, generator, uid, 6, 3) for uid in (1, 2)]
+    failing = random_user(m, generator, FAILING_USER, 6, 3)
+    with plain_tritonserver(tiny_artifact, tmp_path, RAISING_MODEL) as (ports, server_log):
+        import tritonclient.http as http
+
+        client = http.InferenceServerClient(f"127.0.0.1:{ports.http}", concurrency=3)
+        sender = Client("http", ports, "hstu-tiny")
+        try:
+            pending = [client.async_infer("hstu-tiny", sender.inputs(user_arrays(u))) for u in (good[0], failing, good[1])]
+            results = []
+            for p in pending:
+                try:
+                    results.append(p.get_result(timeout=60).as_numpy("logits")[0])
+                except InferenceServerException as exc:
+                    results.append(exc)
+        finally:
+            sender.close()
+            client.close()
+        log_text = server_log.read_text()
+    assert isinstance(results[1], InferenceServerException) and results[1].status() == "500"
+    assert results[1].message().endswith(f"internal error: RuntimeError: a bug for user {FAILING_USER}")
+    expected = eager(good)
+    for got, want in zip((results[0], results[2]), expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    assert log_text.count(f"RuntimeError: a bug for user {FAILING_USER}") == 1
+    assert log_text.count("kvexport: a request failed unexpectedly") == 1

@@ -46,7 +46,9 @@ class TritonPythonModel:
                   for request in requests]
         try:
             results = self.scorer.score(inputs)
-        except Exception:  # an unexpected failure: find whose, request by request
+        except Exception:  # an unexpected failure: found below, request by request (logged there)
+            results = None
+        if results is None:
             results = [self._score_alone(one) for one in inputs]
         responses = [self._response(result) for result in results]
         self._publish_metrics()
