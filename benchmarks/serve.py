@@ -1,10 +1,14 @@
-"""Serving benchmark: throughput and p50/p99 latency of `kvexport serve` against concurrency, with
-Triton's dynamic batching on and off, side by side in one run.
+"""Serving benchmark: throughput and p50/p99 latency against concurrency, two routes side by side
+in one run, each with Triton's dynamic batching on and off, and the same requests scored in-process.
 
-Two servers of one artifact run at once (`--batching` and `--no-batching`, ports on 127.0.0.1);
-for each concurrency the two are driven one after the other for the same time by the same
-workload: each client thread sends one request at a time over gRPC, users returning with growing
-histories. The mean batch size is read from each server's kvexport metrics.
+Routes: `kvexport serve` (its own process drives tritonserver through PyTriton), and a plain
+`tritonserver --model-repository` on `kvexport triton-repo`'s repository (the model runs inside
+Triton's Python-backend stub). Four servers of one artifact run at once (ports on 127.0.0.1); for
+each concurrency they are driven one after the other for the same time by the same workload: each
+client thread sends one request at a time over gRPC, users returning with growing histories. The
+mean batch size is read from each server's kvexport metrics. In-process: one thread scores the same
+workload with Package.score_users, one request per call; a route's server overhead per request is
+its p50 at one client minus that.
 
     .venv/bin/python benchmarks/serve.py artifacts/hstu-tiny --json benchmarks/serve-tiny.json \
         --plot benchmarks/serve-tiny.png
@@ -22,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -45,19 +50,37 @@ def free_port() -> int:
 
 
 class Served:
-    """A `kvexport serve` process on free ports of 127.0.0.1."""
+    """A server on free ports of 127.0.0.1, in its own session: `kvexport serve` (route "serve") or a
+    plain tritonserver on `kvexport triton-repo`'s repository (route "repository")."""
 
-    def __init__(self, artifact: Path, batching: bool):
+    def __init__(self, artifact: Path, route: str, batching: bool, work: Path):
         self.grpc, self.metrics = free_port(), free_port()
         http = free_port()
+        flag = "--batching" if batching else "--no-batching"
+        if route == "serve":
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
+                 "--http-port", str(http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), flag],
+                stdout=subprocess.PIPE, text=True, start_new_session=True)
+            line = self.process.stdout.readline()
+            if not line.startswith("serving "):
+                raise SystemExit(f"kvexport serve did not start: {line!r}")
+            return
+        from kvexport.serving import tritonserver
+
+        repo, server = work / f"repo-{flag[2:]}", work / f"server-{flag[2:]}"
+        subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(artifact), "-o", str(repo),
+                        "--this-python", flag], check=True, capture_output=True)
+        command, env = tritonserver.prepare(server)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
-             "--http-port", str(http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
-             "--batching" if batching else "--no-batching"],
-            stdout=subprocess.PIPE, text=True, start_new_session=True)
-        line = self.process.stdout.readline()
-        if not line.startswith("serving "):
-            raise SystemExit(f"kvexport serve did not start: {line!r}")
+            [*command, "--model-repository", str(repo), "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
+             "--http-port", str(http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(http):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"tritonserver did not start on {repo}")
+            time.sleep(0.2)
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as response:
@@ -79,8 +102,17 @@ class Served:
         self.process.wait(timeout=120)
 
 
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def workload(config, client: int, num_users: int, seed: int):
-    """One client's endless requests: its own users, each returning with 4 more events."""
+    """One client's endless requests (arrays of the serving signature, no batch dimension): its own
+    users, each returning with 4 more events."""
     m = config.model
     generator = torch.Generator().manual_seed(seed * 1000 + client)
     longest = min(m.max_history_length, 256)
@@ -90,15 +122,39 @@ def workload(config, client: int, num_users: int, seed: int):
         user = users[visit % num_users]
         events = 8 + 4 * (visit // num_users) % (longest - 8)
         visit += 1
-        arrays = {"user_id": np.array([user.user_id]), "item_ids": user.item_ids[:events].numpy(),
-                  "action_ids": user.action_ids[:events].numpy(), "context_ids": user.context_ids.numpy(),
-                  "candidate_ids": user.candidate_ids.numpy()}
-        inputs = []
-        for name, array in arrays.items():
-            tensor = grpcclient.InferInput(name, [1, *array.shape], "INT64")
-            tensor.set_data_from_numpy(array.astype(np.int64)[None])
-            inputs.append(tensor)
-        yield inputs
+        yield {"user_id": np.array([user.user_id]), "item_ids": user.item_ids[:events].numpy(),
+               "action_ids": user.action_ids[:events].numpy(), "context_ids": user.context_ids.numpy(),
+               "candidate_ids": user.candidate_ids.numpy()}
+
+
+def grpc_inputs(arrays: dict[str, np.ndarray]) -> list:
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, [1, *array.shape], "INT64")
+        tensor.set_data_from_numpy(array.astype(np.int64)[None])
+        inputs.append(tensor)
+    return inputs
+
+
+def in_process(artifact: Path, config, seconds: float) -> dict:
+    """One thread scoring client 0's workload with Package.score_users, one request per call."""
+    import kvexport
+    from kvexport.model.batch import UserRequest
+
+    requests = workload(config, 0, 4, 0)
+    latencies = []
+    with kvexport.load(artifact) as package:
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop:
+            arrays = next(requests)
+            user = UserRequest(int(arrays["user_id"][0]), *(torch.from_numpy(arrays[name].astype(np.int64)) for name in
+                                                            ("item_ids", "action_ids", "context_ids", "candidate_ids")))
+            sent = time.perf_counter()
+            package.score_users([user])
+            latencies.append(time.perf_counter() - sent)
+    flat = np.array(latencies) * 1e3
+    return {"requests": int(flat.size), "p50_ms": round(float(np.percentile(flat, 50)), 3),
+            "p99_ms": round(float(np.percentile(flat, 99)), 3)}
 
 
 def drive(served: Served, model: str, config, clients: int, seconds: float) -> dict:
@@ -114,7 +170,7 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
         requests = workload(config, index, 4, 0)
         try:
             while time.monotonic() < stop:
-                inputs = next(requests)
+                inputs = grpc_inputs(next(requests))
                 sent = time.perf_counter()
                 client.infer(model, inputs, client_timeout=60)
                 latencies[index].append(time.perf_counter() - sent)
@@ -147,9 +203,9 @@ def plot(results: dict, path: Path) -> None:
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
     for mode, rows in results["modes"].items():
         clients = [row["clients"] for row in rows]
-        throughput.plot(clients, [row["throughput_rps"] for row in rows], marker="o", label=f"batching {mode}")
-        latency.plot(clients, [row["p50_ms"] for row in rows], marker="o", label=f"p50, batching {mode}")
-        latency.plot(clients, [row["p99_ms"] for row in rows], marker="x", linestyle="--", label=f"p99, batching {mode}")
+        throughput.plot(clients, [row["throughput_rps"] for row in rows], marker="o", label=mode)
+        latency.plot(clients, [row["p50_ms"] for row in rows], marker="o", label=f"p50, {mode}")
+        latency.plot(clients, [row["p99_ms"] for row in rows], marker="x", linestyle="--", label=f"p99, {mode}")
     throughput.set(xlabel="concurrent clients", ylabel="requests / s", xscale="log", xticks=CONCURRENCY,
                    xticklabels=[str(c) for c in CONCURRENCY], title=f"{results['model']}: throughput")
     latency.set(xlabel="concurrent clients", ylabel="latency (ms)", xscale="log", xticks=CONCURRENCY,
@@ -169,29 +225,41 @@ def main() -> None:
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     load = os.getloadavg()
-    servers = {"on": Served(args.artifact, True), "off": Served(args.artifact, False)}
     results = {"model": artifact.config.name, "machine": f"{platform.processor() or platform.machine()}, "
                f"{os.cpu_count()} cores", "load_before": [round(x, 2) for x in load],
-               "seconds_per_point": args.seconds, "modes": {"on": [], "off": []}}
-    try:
-        for clients in CONCURRENCY:
-            for mode, served in servers.items():
-                row = drive(served, artifact.config.name, artifact.config, clients, args.seconds)
-                results["modes"][mode].append(row)
-                print(f"batching {mode:>3}, {clients:>2} clients: {row['throughput_rps']:7.1f} req/s, "
-                      f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
-                      f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
-                      f"client {row['client_cpu_ms_per_request']} ms",
-                      flush=True)
-    finally:
-        for served in servers.values():
-            with contextlib.suppress(Exception):
-                served.stop()
+               "seconds_per_point": args.seconds, "modes": {}}
+    results["in_process"] = in_process(args.artifact, artifact.config, args.seconds)
+    print(f"in-process, 1 thread: p50 {results['in_process']['p50_ms']} ms, p99 {results['in_process']['p99_ms']} ms",
+          flush=True)
+    servers = {}
+    with tempfile.TemporaryDirectory(prefix="kvexport-serve-bench-") as work:
+        try:
+            for route in ("serve", "repository"):
+                for batching in (True, False):
+                    mode = f"{route}, batching {'on' if batching else 'off'}"
+                    servers[mode] = Served(args.artifact, route, batching, Path(work))
+                    results["modes"][mode] = []
+            for clients in CONCURRENCY:
+                for mode, served in servers.items():
+                    row = drive(served, artifact.config.name, artifact.config, clients, args.seconds)
+                    results["modes"][mode].append(row)
+                    print(f"{mode:>26}, {clients:>2} clients: {row['throughput_rps']:7.1f} req/s, "
+                          f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
+                          f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
+                          f"client {row['client_cpu_ms_per_request']} ms", flush=True)
+        finally:
+            for served in servers.values():
+                with contextlib.suppress(Exception):
+                    served.stop()
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    on, off = results["modes"]["on"][-1], results["modes"]["off"][-1]
-    results["speedup_at_16"] = round(on["throughput_rps"] / off["throughput_rps"], 2)
-    print(f"throughput at 16 clients, batching on / off: {results['speedup_at_16']}x; "
-          f"load average before {results['load_before']}, after {results['load_after']}")
+    results["speedup_at_16"], results["overhead_ms_at_1"] = {}, {}
+    for route in ("serve", "repository"):
+        on, off = results["modes"][f"{route}, batching on"], results["modes"][f"{route}, batching off"]
+        results["speedup_at_16"][route] = round(on[-1]["throughput_rps"] / off[-1]["throughput_rps"], 2)
+        results["overhead_ms_at_1"][route] = round(on[0]["p50_ms"] - results["in_process"]["p50_ms"], 2)
+    print(f"throughput at 16 clients, batching on / off: {results['speedup_at_16']}; server overhead per request "
+          f"at 1 client (p50 minus in-process p50): {results['overhead_ms_at_1']} ms; load average before "
+          f"{results['load_before']}, after {results['load_after']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:

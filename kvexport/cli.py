@@ -404,9 +404,11 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                    "kvexport are installed, when that is not the interpreter's own site-packages.")
 @click.option("--this-python", is_flag=True,
               help="Add this Python's site-packages to --python-path (serving from this virtual environment).")
+@click.option("--batching/--no-batching", default=True, show_default=True,
+              help="Triton's dynamic batcher merges concurrent users (off: one user per model execution).")
 @_handle_errors
 def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_path: tuple[Path, ...],
-                this_python: bool) -> None:
+                this_python: bool, batching: bool) -> None:
     """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
 
     Serve it with `tritonserver --model-repository REPO` where torch and kvexport are importable;
@@ -417,7 +419,7 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_
     from kvexport.serving.repository import write_repository
 
     paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
-    model = write_repository(out, repo, name, instances, paths)
+    model = write_repository(out, repo, name, instances, paths, batching)
     click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
 
 

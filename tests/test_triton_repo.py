@@ -48,6 +48,17 @@ def test_the_repository_is_a_triton_model_config_and_the_artifact(tiny_artifact,
     assert (model / "1" / "artifact" / "manifest.json").read_bytes() == (tiny_artifact / "manifest.json").read_bytes()
 
 
+def test_without_batching_the_model_takes_one_user_per_execution(tiny_artifact, tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    write_repo(tiny_artifact, tmp_path / "repo", "--no-batching", "--python-path", str(tmp_path))
+    text = (tmp_path / "repo" / "hstu-tiny" / "config.pbtxt").read_text()
+    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert config.max_batch_size == 1 and not config.HasField("dynamic_batching")
+    assert config.parameters["python_path"].string_value == str(tmp_path)
+
+
 @pytest.mark.parametrize("case", ["not_empty", "bad_name", "missing_python_path"])
 def test_a_repository_that_cannot_be_written_is_refused_in_one_line(tiny_artifact, tmp_path, case):
     repo = tmp_path / "repo"

@@ -31,8 +31,9 @@ RAGGED = (ITEM_IDS, "action_ids", CANDIDATE_IDS)
 
 
 def model_config(name: str, max_batch_size: int, num_contextual_features: int, num_tasks: int, device: str,
-                 instances: int, python_path: Sequence[str] = ()) -> str:
-    """config.pbtxt of the repository's model (Triton's text protobuf)."""
+                 instances: int, python_path: Sequence[str] = (), batching: bool = True) -> str:
+    """config.pbtxt of the repository's model (Triton's text protobuf); without batching, one user
+    per model execution (max_batch_size 1, no dynamic batcher)."""
     dims = {USER_ID: "[ 1 ]", CONTEXT_IDS: f"[ {num_contextual_features} ]"}
     inputs = ",\n".join(
         f'  {{ name: "{n}" data_type: TYPE_INT64 dims: {dims.get(n, "[ -1 ]")}'
@@ -41,10 +42,10 @@ def model_config(name: str, max_batch_size: int, num_contextual_features: int, n
     lines = [
         f'name: "{name}"',
         'backend: "python"',
-        f"max_batch_size: {max_batch_size}",
+        f"max_batch_size: {max_batch_size if batching else 1}",
         f"input [\n{inputs}\n]",
         f'output [\n  {{ name: "{LOGITS}" data_type: TYPE_FP32 dims: [ -1, {num_tasks} ] }}\n]',
-        "dynamic_batching { }",
+        *(["dynamic_batching { }"] if batching else []),
         f"instance_group [ {{ kind: {kind} count: {instances} }} ]",
     ]
     if python_path:
@@ -54,7 +55,7 @@ def model_config(name: str, max_batch_size: int, num_contextual_features: int, n
 
 
 def write_repository(out: Path, repo: Path, name: str | None = None, instances: int = 1,
-                     python_path: Sequence[str] = ()) -> Path:
+                     python_path: Sequence[str] = (), batching: bool = True) -> Path:
     """Writes the repository for the artifact OUT; returns the model's directory."""
     artifact = open_artifact(out)
     check_integrity(artifact)
@@ -77,7 +78,7 @@ def write_repository(out: Path, repo: Path, name: str | None = None, instances: 
         device = artifact.manifest.get("device", config.serving.device)
         (model / "config.pbtxt").write_text(model_config(
             name, config.serving.max_batch_size, config.model.num_contextual_features, config.model.num_tasks,
-            device, instances, python_path))
+            device, instances, python_path, batching))
         shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
         shutil.copytree(artifact.root, model / "1" / "artifact")
         if repo.exists():
