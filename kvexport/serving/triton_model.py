@@ -42,8 +42,7 @@ class TritonPythonModel:
         self._publish_metrics()
 
     def execute(self, requests):
-        inputs = [{name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
-                  for request in requests]
+        inputs = [{name: self._array(request, name) for name in self.input_names} for request in requests]
         try:
             results = self.scorer.score(inputs)
         except Exception:  # an unexpected failure: found below, request by request (logged there)
@@ -75,6 +74,14 @@ class TritonPythonModel:
                 metric.set(sample.value)
             self.published[key][1] = sample.value
 
+    @staticmethod
+    def _array(request, name):
+        """An input as a numpy array, through DLPack and torch: the stub's own numpy conversion
+        assumes the numpy ABI it was built with, which the interpreter's numpy need not have."""
+        import torch
+
+        return torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack()).numpy()
+
     def _score_alone(self, inputs):
         try:
             return self.scorer.score([inputs])[0]
@@ -91,8 +98,8 @@ class TritonPythonModel:
         if isinstance(result, BaseException):
             message = f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
-        logits = result.detach().float().cpu().numpy()[None]  # [1, T, num_tasks]: Triton's batch dimension
-        return pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, logits)])
+        logits = result.detach().float().cpu().contiguous()[None]  # [1, T, num_tasks]: Triton's batch dimension
+        return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(self.output_name, logits)])
 
     def finalize(self):
         self.package.close()
