@@ -508,7 +508,7 @@ def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, r
     Exit 0 when every batch is ok; 2 when any was refused (the file is still written) or the input
     is unusable.
     """
-    from kvexport.serve import OK, score_request_file
+    from kvexport.request_file import OK, score_request_file
 
     results = score_request_file(out, requests_path, output_path, remote=_remote_url(remote, remote_password_file),
                                  remote_write=remote_write)
@@ -527,7 +527,7 @@ def inspect(target: Path, as_json: bool) -> None:
     """Show metadata, signature, dims, required libraries, sizes and versions of OUT or a model.pt2."""
     import json
 
-    from kvexport.serve import describe
+    from kvexport.describe import describe
     from kvexport.serving.signature import from_package_signature
 
     info = describe(target)

@@ -179,9 +179,9 @@ class _RefusingRunner:
 
 def test_run_records_each_batch_status_and_writes_the_file(tiny_config, tmp_path, monkeypatch):
     import kvexport
-    import kvexport.serve
+    import kvexport.request_file
 
-    monkeypatch.setattr(kvexport.serve, "open_artifact", lambda out: SimpleNamespace(config=tiny_config))
+    monkeypatch.setattr(kvexport.request_file, "open_artifact", lambda out: SimpleNamespace(config=tiny_config))
     monkeypatch.setattr(kvexport, "load", lambda artifact, **options: _RefusingRunner(artifact))
     m = tiny_config.model
     batches = [random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
