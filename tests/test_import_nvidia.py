@@ -192,6 +192,8 @@ def test_contextual_tables_are_refused_unless_named_or_left_out(tmp_path):
      "_hstu_block._attention_layers.0._linear_uvqk_weight has shape [8, 32], the trainer config implies [16, 64]"),
     ({"gin": {"RankingArgs.num_tasks": None}},
      "does not bind RankingArgs.num_tasks, which the checkpoint does not hold"),
+    ({"gin": {"NetworkArgs.num_layers": "'2'"}}, "NetworkArgs.num_layers = '2' is not a positive integer"),
+    ({"gin": {"NetworkArgs.scaling_seqlen": 0}}, "NetworkArgs.scaling_seqlen = 0 is neither -1 nor a positive integer"),
     ({"gin": {"NetworkArgs.hidden_size": 6}},
      "NetworkArgs.hidden_size (6) is not num_attention_heads (2) * kv_channels (4): kvexport's layers need them equal"),
     ({"rows": []}, "the rows of data-parallel table action_weights are not in the checkpoint; give them "

@@ -136,6 +136,15 @@ def _gin(path: Path) -> dict[str, Any]:
     missing = [name for name in GIN_REQUIRED if name not in bindings]
     if missing:
         _refuse(f"trainer config {path} does not bind {missing[0]}, which the checkpoint does not hold")
+    for name in (*GIN_REQUIRED, "NetworkArgs.num_position_buckets"):
+        value = bindings[name]
+        if name == "RankingArgs.prediction_head_arch":
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and v > 0 for v in value)
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if not ok:
+            kind = "a list of positive integers" if name == "RankingArgs.prediction_head_arch" else "a positive integer"
+            _refuse(f"trainer config {path}: {name} = {value!r} is not {kind}")
     return bindings
 
 
@@ -226,11 +235,17 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
     scaling = gin["NetworkArgs.scaling_seqlen"]
     if scaling == -1:
         scaling = 2 * (max_history + max_candidates) + num_context
+        derived = (f"2 * (max_history_seqlen {max_history} + max_num_candidates {max_candidates}) + "
+                   f"{num_context} contextual features")
+    elif isinstance(scaling, int) and not isinstance(scaling, bool) and scaling > 0:
+        derived = "NetworkArgs.scaling_seqlen"
+    else:
+        _refuse(f"trainer config {trainer_config}: NetworkArgs.scaling_seqlen = {scaling!r} is neither -1 nor a "
+                "positive integer")
     state = read_model_state(directory / "torch_module")
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
-    notes = [f"read {directory / 'torch_module'}", f"attention normaliser S = {scaling} "
-             f"(2 * (max_history_seqlen {max_history} + max_num_candidates {max_candidates}) + {num_context})"]
+    notes = [f"read {directory / 'torch_module'}", f"attention normaliser S = {scaling} ({derived})"]
     for i in range(layers):
         shapes = {"_linear_uvqk_weight": (hidden, 4 * hidden), "_linear_uvqk_bias": (4 * hidden,),
                   "_input_layernorm_weight": (hidden,), "_input_layernorm_bias": (hidden,),
