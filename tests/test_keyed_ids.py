@@ -131,7 +131,8 @@ def test_a_large_key_is_a_valid_request():
     config = keyed_config()
     model = build_model(config, seed=0)
     batch = Batch.concat([user(0, [2**62, 1], [2**62 + 5])])
-    kv.check_request("keyed-valid", model.request_limits, *batch.tensors())
+    _, _, token_ids, _, candidate_ids = kv.check_request("keyed-valid", model.request_limits, *batch.tensors())
+    assert token_ids.tolist() == [1, 2, 3, 2**62, 0, 1, 1] and candidate_ids.tolist() == [2**62 + 5]
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -563,17 +563,14 @@ def _returning_users_plan(config, clients: int, per_client: int, users: int, see
     return plans
 
 
-@needs_pytriton
-@pytest.mark.slow
-def test_concurrent_clients_with_returning_users_are_batched_and_correct(server, tiny_config, eager):
-    plans = _returning_users_plan(tiny_config, clients=16, per_client=50, users=24, seed=5)
-    expected = eager([r for plan in plans for r in plan])
-    before = http_get(server.ports.metrics, "/metrics")[1]
+def run_clients(ports: Ports, plans: list[list[UserRequest]]) -> list[np.ndarray]:
+    """One client thread per plan (odd ones over HTTP, even ones over gRPC), each sending its
+    requests one at a time; every answer, plan after plan. Fails on any client's error."""
     outputs: list[list] = [[] for _ in plans]
     errors: list[BaseException] = []
 
     def run(index: int) -> None:
-        client = Client("http" if index % 2 else "grpc", server.ports, "hstu-tiny")
+        client = Client("http" if index % 2 else "grpc", ports, "hstu-tiny")
         try:
             for request in plans[index]:
                 outputs[index].append(client.infer(user_arrays(request)))
@@ -589,7 +586,16 @@ def test_concurrent_clients_with_returning_users_are_batched_and_correct(server,
         t.join(300)
     assert not any(t.is_alive() for t in threads), "clients did not finish"
     assert errors == []
-    got = [o for output in outputs for o in output]
+    return [o for output in outputs for o in output]
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_concurrent_clients_with_returning_users_are_batched_and_correct(server, tiny_config, eager):
+    plans = _returning_users_plan(tiny_config, clients=16, per_client=50, users=24, seed=5)
+    expected = eager([r for plan in plans for r in plan])
+    before = http_get(server.ports.metrics, "/metrics")[1]
+    got = run_clients(server.ports, plans)
     assert len(got) == len(expected) == 800
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, expected))
     assert worst <= ATOL

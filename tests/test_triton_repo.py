@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +17,7 @@ from click.testing import CliRunner
 
 from kvexport.cli import main
 from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, http_get, metric, needs_pytriton,
-                              split_batch, user_arrays)
+                              run_clients, split_batch, user_arrays)
 from tests.test_serve import eager  # noqa: F401  (a fixture)
 
 START_TIMEOUT_S = 90
@@ -239,26 +238,7 @@ def test_concurrent_clients_with_returning_users_match_the_eager_recompute(serve
     plans = _returning_users_plan(tiny_config, clients=16, per_client=15, users=24, seed=7)
     expected = eager([r for plan in plans for r in plan])
     before = http_get(served_repo.metrics, "/metrics")[1]
-    outputs: list[list] = [[] for _ in plans]
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        client = Client("http" if index % 2 else "grpc", served_repo, "hstu-tiny")
-        try:
-            for request in plans[index]:
-                outputs[index].append(client.infer(user_arrays(request)))
-        except BaseException as exc:  # noqa: BLE001 — reported below
-            errors.append(exc)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(plans))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    assert not any(t.is_alive() for t in threads) and errors == []
-    got = [o for output in outputs for o in output]
+    got = run_clients(served_repo, plans)
     assert len(got) == len(expected) == 240
     assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
     after = http_get(served_repo.metrics, "/metrics")[1]

@@ -52,7 +52,7 @@ GIN_DEFAULTS = {
 GIN_REQUIRED = ("NetworkArgs.num_layers", "NetworkArgs.num_attention_heads", "NetworkArgs.hidden_size",
                 "NetworkArgs.kv_channels", "DatasetArgs.max_history_seqlen", "DatasetArgs.max_num_candidates",
                 "RankingArgs.prediction_head_arch", "RankingArgs.num_tasks")
-DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+DTYPES = ("bfloat16", "float16", "float32")  # NetworkArgs.dtype_str values kvexport's config takes
 
 
 class CheckpointImportError(UserError):
@@ -347,7 +347,7 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
             "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "head_dim": head_dim,
             "num_contextual_features": num_context, "max_history_length": max_history,
             "max_num_candidates": max_candidates, "scaling_seqlen": scaling, "num_tasks": tasks,
-            "dtype": DTYPES[dtype], "context_vocab_size": out["context_embedding.weight"].shape[0],
+            "dtype": dtype, "context_vocab_size": out["context_embedding.weight"].shape[0],
             "item_vocab_size": out["item_embedding.weight"].shape[0],
             "action_vocab_size": out["action_embedding.weight"].shape[0], "mlp_hidden_size": arch[0],
             "head_activation": activation, "layer_norm_eps": float(gin["NetworkArgs.norm_epsilon"]),

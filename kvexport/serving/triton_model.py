@@ -29,9 +29,16 @@ class TritonPythonModel:
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
             site.addsitedir(directory)  # its .pth files too (an editable install's)
+        import torch
+
         import kvexport
+        from kvexport.errors import RequestFailed
         from kvexport.serving.batcher import BatchScorer
+        from kvexport.serving.metrics import samples
         from kvexport.serving.signature import INPUT_NAMES, LOGITS
+
+        # Imported once here (the backend's interpreter finds them only after python_path), used per batch.
+        self.torch, self.request_failed, self.metric_samples = torch, RequestFailed, samples
 
         self.logger = pb_utils.Logger
         self.input_names, self.output_name = INPUT_NAMES, LOGITS
@@ -55,9 +62,7 @@ class TritonPythonModel:
 
     def _publish_metrics(self):
         """Triton's metrics: a counter moves by what it grew since the last batch, a gauge is set."""
-        from kvexport.serving.metrics import samples
-
-        for sample in samples(self.package.name, self.package.stats(), self.scorer.counters()):
+        for sample in self.metric_samples(self.package.name, self.package.stats(), self.scorer.counters()):
             family = self.metric_families.get(sample.name)
             if family is None:
                 kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
@@ -74,13 +79,10 @@ class TritonPythonModel:
                 metric.set(sample.value)
             self.published[key][1] = sample.value
 
-    @staticmethod
-    def _array(request, name):
+    def _array(self, request, name):
         """An input as a numpy array, through DLPack and torch: the stub's own numpy conversion
         assumes the numpy ABI it was built with, which the interpreter's numpy need not have."""
-        import torch
-
-        return torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack()).numpy()
+        return self.torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack()).numpy()
 
     def _score_alone(self, inputs):
         try:
@@ -90,9 +92,7 @@ class TritonPythonModel:
             return exc
 
     def _response(self, result):
-        from kvexport.errors import RequestFailed
-
-        if isinstance(result, RequestFailed):
+        if isinstance(result, self.request_failed):
             code = self.error_codes.get(result.code, pb_utils.TritonError.INTERNAL)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result).splitlines()[0], code))
         if isinstance(result, BaseException):

@@ -81,18 +81,21 @@ class Workload:
     def _ids(self, vocab: int, n: int) -> list[int]:
         return [self.rng.randrange(vocab) for _ in range(n)]
 
+    def _keyed(self, keys: list[int]) -> int:
+        """Mostly one of `keys`, else any id up to one past the largest (mostly an unknown one)."""
+        if keys and self.rng.random() < KNOWN_KEY_SHARE:
+            return self.rng.choice(keys)
+        return self.rng.randrange(max(keys, default=0) + 2)
+
     def _items(self, n: int) -> list[int]:
         if self.item_keys is None:
             return self._ids(self.model.item_vocab_size, n)
-        unknown_bound = self.item_keys[-1] + 2  # ids up to one past the largest key
-        return [self.rng.choice(self.item_keys) if self.rng.random() < KNOWN_KEY_SHARE
-                else self.rng.randrange(unknown_bound) for _ in range(n)]
+        return [self._keyed(self.item_keys) for _ in range(n)]
 
     def _contexts(self) -> list[int]:
         if self.context_keys is None:
             return self._ids(self.model.context_vocab_size, self.model.num_contextual_features)
-        return [self.rng.choice(keys) if keys and self.rng.random() < KNOWN_KEY_SHARE
-                else self.rng.randrange(max(keys, default=0) + 2) for keys in self.context_keys]
+        return [self._keyed(keys) for keys in self.context_keys]
 
     def new_user(self, user_id: int, num_events: int | None = None) -> UserHistory:
         """A first-time user with a random history (of `num_events` events, if given)."""
