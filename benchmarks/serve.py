@@ -1,14 +1,16 @@
 """Serving benchmark: throughput and p50/p99 latency against concurrency, two routes side by side
 in one run, each with Triton's dynamic batching on and off, and the same requests scored in-process.
 
-Routes: `kvexport serve` (its own process drives tritonserver through PyTriton), and a plain
-`tritonserver --model-repository` on `kvexport triton-repo`'s repository (the model runs inside
-Triton's Python-backend stub). Four servers of one artifact run at once (ports on 127.0.0.1); for
+Routes: `kvexport serve` (which runs the artifact's repository under the serve extra's tritonserver,
+the artifact referenced where it is), and a plain `tritonserver --model-repository` on `kvexport
+triton-repo`'s repository (the artifact copied into it); in both the model runs inside Triton's
+Python-backend stub. Four servers of one artifact run at once (ports on 127.0.0.1); for
 each concurrency they are driven one after the other for the same time by the same workload: each
 client thread sends one request at a time over gRPC, users returning with growing histories. The
 mean batch size is read from each server's kvexport metrics. In-process: one thread scores the same
 workload with Package.score_users, one request per call; a route's server overhead per request is
-its p50 at one client minus that.
+its p50 at one client minus that. Last, each server is stopped (SIGTERM) right after its last
+answer: the time until its process has exited is its stop time.
 
     .venv/bin/python benchmarks/serve.py artifacts/hstu-tiny --json benchmarks/serve-tiny.json \
         --plot benchmarks/serve-tiny.png
@@ -97,9 +99,12 @@ class Served:
                     total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
+    def stop(self) -> float:
+        """SIGTERM, then the seconds until the server's process has exited."""
+        started = time.monotonic()
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=120)
+        return time.monotonic() - started
 
 
 def _ready(port: int) -> bool:
@@ -247,10 +252,13 @@ def main() -> None:
                           f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
                           f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
                           f"client {row['client_cpu_ms_per_request']} ms", flush=True)
+            results["stop_s"] = {mode: round(served.stop(), 2) for mode, served in servers.items()}
+            print(f"stop (SIGTERM to exit, after the last answer): {results['stop_s']} s", flush=True)
         finally:
             for served in servers.values():
-                with contextlib.suppress(Exception):
-                    served.stop()
+                if served.process.poll() is None:
+                    with contextlib.suppress(Exception):
+                        served.stop()
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     results["speedup_at_16"], results["overhead_ms_at_1"] = {}, {}
     for route in ("serve", "repository"):

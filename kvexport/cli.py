@@ -406,20 +406,27 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
               help="Add this Python's site-packages to --python-path (serving from this virtual environment).")
 @click.option("--batching/--no-batching", default=True, show_default=True,
               help="Triton's dynamic batcher merges concurrent users (off: one user per model execution).")
+@remote_options
 @_handle_errors
 def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_path: tuple[Path, ...],
-                this_python: bool, batching: bool) -> None:
+                this_python: bool, batching: bool, remote: str | None, remote_write: str,
+                remote_password_file: Path | None) -> None:
     """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
 
     Serve it with `tritonserver --model-repository REPO` where torch and kvexport are importable;
-    docs/hosting.md says how.
+    docs/hosting.md says how. The remote tier's password goes in a file the serving host mounts
+    (--remote-password-file, read when the model loads), never in the URL: Triton serves the
+    model's config to any client.
     """
     import site
 
-    from kvexport.serving.repository import write_repository
+    from kvexport.serving.repository import Remote, write_repository
 
+    if remote is None and remote_password_file is not None:
+        raise UserError("--remote-password-file needs --remote URL")
     paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
-    model = write_repository(out, repo, name, instances, paths, batching)
+    tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
+    model = write_repository(out, repo, name, instances, paths, batching, tier)
     click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
 
 
@@ -583,7 +590,7 @@ def _format_serving_signature(serving: dict) -> str:
 @click.option("--grpc-port", type=PORT, default=8001, show_default=True,
               help="Triton's gRPC port (KServe v2).")
 @click.option("--metrics-port", type=PORT, default=8002, show_default=True,
-              help="Prometheus metrics: Triton's, then kvexport's cache and batch counters.")
+              help="Triton's Prometheus metrics port: its own metrics and kvexport's cache and batch counters.")
 @click.option("--batching/--no-batching", default=True, show_default=True,
               help="Merge concurrent users into one package call (--no-batching: one request per call, "
                    "to measure what batching brings).")
@@ -598,12 +605,14 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
     One inference request is one user, each tensor a batch of one (as `kvexport inspect OUT` prints):
       user_id [1, 1], item_ids [1, h], action_ids [1, h], context_ids [1, C], candidate_ids [1, T]
       INT64 -> logits [1, T, num_tasks] FP32
-    The Triton model is named after the artifact. Triton's dynamic batcher merges concurrent
-    requests into one jagged batch of the package (up to its max_batch_size users); two requests of
-    one user never share a package call and run in the order they reach the model. A bad request
-    gets a Triton error with a one-line message (HTTP 400, gRPC INVALID_ARGUMENT). Ready
-    (/v2/health/ready) once the package is loaded and warmed up. SIGTERM or SIGINT: new requests
-    are refused, those in flight are answered, then it exits 0.
+    Runs the model repository `kvexport triton-repo` writes (the artifact referenced where it is,
+    in a private workspace) under the extra's tritonserver. The Triton model is named after the
+    artifact. Triton's dynamic batcher merges concurrent requests into one jagged batch of the
+    package (up to its max_batch_size users); two requests of one user never share a package call
+    and run in the order they reach the model. A refused request gets a Triton error with its
+    one-line message (HTTP 400, gRPC INVALID_ARGUMENT; a capacity refusal 503, UNAVAILABLE).
+    Ready (/v2/health/ready) once the package is loaded and warmed up. SIGTERM or SIGINT: new
+    requests are refused, those in flight are answered, then it exits 0.
     """
     from kvexport.serving.triton import serve as run_server
 

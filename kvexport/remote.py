@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from kvexport.errors import UserError
 
@@ -90,3 +90,18 @@ def url_with_password(url: str, password: str) -> str:
         raise UserError("the remote URL holds a password already: give it there or in a password file, not both")
     host = rest[len(user) + 1:] if "@" in authority else rest
     return f"{scheme}://{user}:{quote(password, safe='')}@{host}"
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """(`url` without its password, the password decoded) — url_with_password's inverse; (url, None)
+    when it holds none."""
+    scheme, sep, rest = url.partition("://")
+    authority = rest.split("/", 1)[0]
+    if not sep or "@" not in authority:
+        return url, None
+    user = authority.rsplit("@", 1)[0]
+    if ":" not in user:
+        return url, None
+    name, password = user.split(":", 1)
+    host = rest[len(user) + 1:]
+    return f"{scheme}://{name + '@' if name else ''}{host}", unquote(password)

@@ -1,4 +1,4 @@
-"""`kvexport serve`: the package behind a real Triton Inference Server (PyTriton), on 127.0.0.1.
+"""`kvexport serve`: the artifact's model repository under a real tritonserver (the serve extra's), on 127.0.0.1.
 
 Every output is compared with the trace's recorded expectations or with the eager model's full
 recompute (the build's checkpoint), never with the server's or the package's own output.
@@ -187,6 +187,14 @@ class Served:
             self.process.wait()
             raise AssertionError(f"kvexport serve did not stop within {STOP_TIMEOUT_S} s\n{self.output()}") from None
 
+    def stub(self) -> int:
+        """The pid of the model's Python-backend stub (the server has one model instance)."""
+        stubs = [int(pid) for pid in self.session_processes()
+                 if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name
+                 == "triton_python_backend_stub"]
+        assert len(stubs) == 1, f"stubs {stubs}"
+        return stubs[0]
+
     def session_processes(self) -> list[str]:
         """Processes still running in the server's session (it is the session leader); a zombie
         has ended and only waits for its parent to collect it."""
@@ -325,7 +333,7 @@ def test_scorer_splits_a_batch_the_cache_cannot_hold(tiny_artifact, tiny_config,
 def test_warm_up_never_reaches_the_shared_remote_tier(tiny_artifact, tiny_config, redis_server, redis):
     """The server warms its package up with synthetic users 0..3 before it attaches the remote tier:
     with after_batch writes they would otherwise overwrite those users' shared entries."""
-    from kvexport.serving.triton import load_warm
+    from kvexport.serving.warmup import load_warm
 
     redis.command("FLUSHDB")
     package = load_warm(tiny_artifact, remote=redis_server.url, remote_write="after_batch")
@@ -404,32 +412,19 @@ def test_serve_without_the_extra_is_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        "error: kvexport serve needs the serve extra (pytriton is not importable): pip install 'kvexport[serve]'"]
-
-
-@needs_pytriton
-def test_another_pytriton_version_is_one_line(tmp_path):
-    code = ("import importlib.metadata\n"
-            "importlib.metadata.version = lambda name: '0.8.1'\n"
-            "from kvexport.cli import main\n"
-            f"main(['serve', {str(tmp_path)!r}], prog_name='kvexport')")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
-        "error: kvexport serve is written against nvidia-pytriton 0.7.0, found 0.8.1: "
-        "pip install 'nvidia-pytriton==0.7.0'"]
+        "error: kvexport serve needs the serve extra (nvidia-pytriton's tritonserver is not installed): "
+        "pip install 'kvexport[serve]'"]
 
 
 @needs_pytriton
 def test_libpython_is_this_interpreters():
     import sysconfig
 
-    from kvexport.serving._pytriton import libpython
+    from kvexport.serving.tritonserver import libpython
 
-    path = libpython()
     if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        assert path is None
-        return
+        pytest.skip("this Python has no shared libpython")
+    path = libpython()
     assert path.name == sysconfig.get_config_var("INSTSONAME")
     mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/" in line}
     assert str(path.resolve()) in {str(Path(p).resolve()) for p in mapped}
@@ -444,30 +439,30 @@ def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypat
     import logging
 
     from kvexport.errors import UserError
-    from kvexport.serving import _pytriton, triton
+    from kvexport.serving import triton, tritonserver
 
-    own_prepare = _pytriton.KvTriton._prepare_triton_inference_server
+    own_prepare = tritonserver.prepare
 
-    def without_stub(self):  # PyTriton's copy of tritonserver, less the Python backend's stub
-        path = own_prepare(self)
-        (path / "backends" / "python" / "triton_python_backend_stub").unlink()
-        return path
+    def without_stub(workdir):  # the serve extra's tritonserver, less the Python backend's stub
+        command, env = own_prepare(workdir)
+        (workdir / "backends" / "python" / "triton_python_backend_stub").unlink()
+        return command, env
 
-    monkeypatch.setattr(_pytriton.KvTriton, "_prepare_triton_inference_server", without_stub)
+    monkeypatch.setattr(tritonserver, "prepare", without_stub)
     ports = free_ports()
     server = triton.Server(tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc,
                            metrics_port=ports.metrics)
     started = time.monotonic()
     with caplog.at_level(logging.DEBUG, logger="kvexport"), pytest.raises(UserError) as failed:
         server.start()
-    assert time.monotonic() - started < 60  # not PyTriton's 120 s wait
+    assert time.monotonic() - started < 60
     assert str(failed.value).startswith("Triton did not start serving hstu-tiny: "
                                         "failed to load 'hstu-tiny' version 1: Not found: triton_python_backend_stub")
     assert "\n" not in str(failed.value)
-    workspaces = re.findall(r"PyTriton workspace (\S+)", caplog.text)
+    workspaces = re.findall(r"workspace (\S+)", caplog.text)
     assert len(workspaces) == 1
     assert not Path(workspaces[0]).exists()
-    assert ports_free(ports) and server.package.closed
+    assert ports_free(ports)
 
 
 @needs_pytriton
@@ -497,6 +492,74 @@ def test_trace_through_the_server_matches_its_expected_outputs(server, tiny_arti
     finally:
         client.close()
     assert any(s.get("expect_error") for s in steps)  # the capacity step went through the server too
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_client_cannot_unload_the_model_or_read_the_servers_statistics(server):
+    """Triton's model repository and statistics endpoints need the start's access token."""
+    unload = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/repository/models/hstu-tiny/unload",
+                                    data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(unload, timeout=10)
+    assert refused.value.code == 403
+    assert http_get(server.ports.http, "/v2/models/hstu-tiny/stats")[0] == 403
+    assert http_get(server.ports.http, "/v2/health/ready")[0] == 200
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_artifact, tmp_path, eager):
+    """--remote with a password in the URL: the tier is attached (a scored user reaches it, with the
+    password), and neither the model's config nor the workspace's repository holds the password."""
+    from tests.redis_server import RedisServer, Resp, need_redis
+
+    need_redis()
+    password = "serve:pw@odd/%chars"
+    (tmp_path / "redis").mkdir()
+    redis_server = RedisServer(tmp_path / "redis", extra=("--requirepass", password)).start()
+    served = None
+    try:
+        from urllib.parse import quote
+
+        url = f"redis://:{quote(password, safe='')}@127.0.0.1:{redis_server.port}/0"
+        served = Served(tiny_artifact, free_ports(), tmp_path, "--remote", url, "--remote-write", "after_batch",
+                        verbose=True)
+        served.wait_ready()
+        user = random_user(tiny_config_model(tiny_artifact), torch.Generator().manual_seed(4), 777, 6, 3)
+        client = Client("http", served.ports, "hstu-tiny")
+        try:
+            np.testing.assert_allclose(client.infer(user_arrays(user)), eager([user])[0], rtol=0, atol=ATOL)
+        finally:
+            client.close()
+        status, config = http_get(served.ports.http, "/v2/models/hstu-tiny/config")
+        assert status == 200 and f"127.0.0.1:{redis_server.port}" in config
+        assert password not in config and quote(password, safe="") not in config
+        workspace = Path(re.search(r"workspace (\S+)", served.stderr.read_text()).group(1))
+        pbtxt = (workspace / "repository" / "hstu-tiny" / "config.pbtxt").read_text()
+        assert password not in pbtxt and quote(password, safe="") not in pbtxt
+        assert password not in served.stderr.read_text()
+        redis = Resp(redis_server.port)
+        try:
+            redis.command("AUTH", password)
+            deadline = time.monotonic() + 10
+            while redis.command("DBSIZE") == 0 and time.monotonic() < deadline:  # the writes are asynchronous
+                time.sleep(0.05)
+            assert redis.command("DBSIZE") == 1  # user 777, not the warm-up's users
+        finally:
+            redis.close()
+        assert served.terminate() == 0, served.output()
+        assert not workspace.exists()
+    finally:
+        if served is not None and served.process.poll() is None:
+            served.terminate()
+        redis_server.stop()
+
+
+def tiny_config_model(artifact: Path):
+    from kvexport.artifact import open_artifact
+
+    return open_artifact(artifact).config.model
 
 
 @needs_pytriton
@@ -714,23 +777,14 @@ def test_hostile_requests_are_refused_while_a_valid_stream_stays_correct(server,
     assert http_get(server.ports.http, "/v2/health/ready")[0] == 200
 
 
-def _triton_metrics_port(served: Served) -> int:
-    """The private metrics port of the server's tritonserver (from its command line)."""
-    for pid in served.session_processes():
-        with contextlib.suppress(OSError):
-            argv = [os.fsdecode(a) for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-            if Path(argv[0]).name == "tritonserver":
-                return int(argv[argv.index("--metrics-port") + 1])
-    raise AssertionError("no tritonserver in the server's session")
-
-
 @needs_pytriton
 @pytest.mark.slow
 def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact, tiny_config, eager, tmp_path):
     """SIGTERM while Triton holds accepted requests: every one is answered, then exit 0.
 
-    Deterministic: the kvexport process is stopped (SIGSTOP) while the requests are sent, so none can
-    be answered; SIGTERM is sent once Triton reports them pending, then the process continues."""
+    Deterministic: the model's Python-backend stub is stopped (SIGSTOP) while the requests are sent,
+    so none can be answered; SIGTERM is sent once Triton reports them pending, and the stub continues
+    once the drain has begun (Triton no longer ready)."""
     m = tiny_config.model
     generator = torch.Generator().manual_seed(9)
     requests = [random_user(m, generator, 9000 + i % 6, m.max_history_length - i, 4) for i in range(24)]
@@ -743,12 +797,12 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
         client = None
         try:
             served.wait_ready()
-            workspace = Path(re.search(r"PyTriton workspace (\S+)", served.stderr.read_text()).group(1))
+            workspace = Path(re.search(r"workspace (\S+)", served.stderr.read_text()).group(1))
             assert workspace.is_dir()
-            triton_metrics = _triton_metrics_port(served)
             answers: queue.Queue = queue.Queue()
             client = Client("grpc", ports, "hstu-tiny")
-            os.kill(served.process.pid, signal.SIGSTOP)
+            stub = served.stub()
+            os.kill(stub, signal.SIGSTOP)
             try:
                 for k, request in enumerate(requests):
                     client.client.async_infer("hstu-tiny", client.inputs(user_arrays(request)),
@@ -758,14 +812,17 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
                 queued = len(requests) - tiny_config.serving.max_batch_size  # all but the batch handed over
                 pending = 0.0
                 while pending < queued and time.monotonic() < deadline:
-                    pending = metric(http_get(triton_metrics, "/metrics")[1], "nv_inference_pending_request_count",
+                    pending = metric(http_get(ports.metrics, "/metrics")[1], "nv_inference_pending_request_count",
                                      model="hstu-tiny", version="1")
                     time.sleep(0.05)
                 assert pending >= queued, f"Triton holds {pending} requests, not {queued}"
                 assert answers.empty()
                 served.process.send_signal(signal.SIGTERM)
+                while http_get(ports.http, "/v2/health/ready")[0] == 200 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert answers.empty()
             finally:
-                os.kill(served.process.pid, signal.SIGCONT)
+                os.kill(stub, signal.SIGCONT)
             code = served.terminate()
             assert code == 0, served.output()
             assert served.stdout.read_text().splitlines()[-1] == "stopped"
@@ -777,15 +834,14 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
             if client is not None:
                 client.close()
             if served.process.poll() is None:
-                os.kill(served.process.pid, signal.SIGCONT)
                 served.terminate()
         deadline = time.monotonic() + 30
         while served.session_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert served.session_processes() == [], "processes of the server are still running"
         assert ports_free(ports), "a port is still bound"
-        assert not workspace.exists(), f"PyTriton's workspace {workspace} was left behind"
-        regions = [name for name in os.listdir("/dev/shm") if name.startswith(f"pytrtion{served.process.pid}-")]
+        assert not workspace.exists(), f"the workspace {workspace} was left behind"
+        regions = [name for name in os.listdir("/dev/shm") if name.startswith(f"kvexport{served.process.pid}-")]
         assert regions == [], "the Python backend's shared memory was left behind"
 
 

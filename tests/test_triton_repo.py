@@ -58,7 +58,22 @@ def test_without_batching_the_model_takes_one_user_per_execution(tiny_artifact, 
     assert config.parameters["python_path"].string_value == str(tmp_path)
 
 
-@pytest.mark.parametrize("case", ["not_empty", "bad_name", "missing_python_path"])
+def test_the_remote_tier_goes_into_the_models_parameters_its_password_only_as_a_file(tiny_artifact, tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    secret = tmp_path / "secret"
+    write_repo(tiny_artifact, tmp_path / "repo", "--remote", "redis://cache.internal:6379/1", "--remote-write",
+               "after_batch", "--remote-password-file", str(secret))
+    text = (tmp_path / "repo" / "hstu-tiny" / "config.pbtxt").read_text()
+    parameters = text_format.Parse(text, model_config_pb2.ModelConfig()).parameters
+    assert {key: value.string_value for key, value in parameters.items()} == {
+        "remote": "redis://cache.internal:6379/1", "remote_write": "after_batch",
+        "remote_password_file": str(secret.resolve())}
+
+
+@pytest.mark.parametrize("case", ["not_empty", "bad_name", "missing_python_path", "password_in_url",
+                                  "password_file_alone"])
 def test_a_repository_that_cannot_be_written_is_refused_in_one_line(tiny_artifact, tmp_path, case):
     repo = tmp_path / "repo"
     extra, message = {
@@ -66,6 +81,11 @@ def test_a_repository_that_cannot_be_written_is_refused_in_one_line(tiny_artifac
         "bad_name": (["--name", "a/b"], "--name 'a/b': a Triton model name of letters, digits, '-', '_' or '.'"),
         "missing_python_path": (["--python-path", str(tmp_path / "nowhere")],
                                 f"--python-path {tmp_path / 'nowhere'}: no such directory"),
+        "password_in_url": (["--remote", "redis://:secret@cache:6379"],
+                            "--remote: the URL holds a password, which Triton would serve to any client with the "
+                            "model's config; give it with --remote-password-file"),
+        "password_file_alone": (["--remote-password-file", str(tmp_path / "secret")],
+                                "--remote-password-file needs --remote URL"),
     }[case]
     if case == "not_empty":
         repo.mkdir()

@@ -1,10 +1,14 @@
-"""`kvexport serve OUT`: a built package behind a Triton Inference Server, one user per request.
+"""Serving a built package through a Triton Inference Server, one user per request.
 
-    signature   what a request and its response hold (also printed by `kvexport inspect`)
-    batcher     merges concurrent requests of distinct users into one jagged batch of the package
-    metrics     kvexport's counters (cache, batches) in Prometheus text, served with Triton's own
-    triton      the server: PyTriton's tritonserver, the bound model, readiness, drain on SIGTERM
+    signature       what a request and its response hold (also printed by `kvexport inspect`)
+    repository      `kvexport triton-repo`: a standard Triton model repository for an artifact
+    triton_model    the repository's model.py (Python backend): load, warm up, score, metrics
+    batcher         merges concurrent requests of distinct users into one jagged batch of the package
+    warmup          the package loaded for serving: warmed up, then the remote tier attached
+    metrics         kvexport's counters (cache, batches), published on Triton's metrics port
+    tritonserver    the serve extra's tritonserver binary, laid out to run a repository
+    triton          `kvexport serve`: that repository under that tritonserver, drained on SIGTERM
 
-Only `triton` needs the `serve` extra (nvidia-pytriton); importing this package imports neither
-torch nor pytriton.
+Running a server needs the `serve` extra (its tritonserver); importing this package imports
+neither torch nor it.
 """

@@ -1,7 +1,5 @@
-"""kvexport's metrics beside Triton's: one Prometheus endpoint serves both.
-
-Triton's own metrics server listens on a private port of 127.0.0.1; the metrics port of
-`kvexport serve` answers `GET /metrics` with Triton's text followed by kvexport's:
+"""kvexport's metrics, published by the Triton model through the Python backend's custom metrics
+API, so that Triton's own metrics port serves them beside its own:
 
     kvexport_cache_<counter>_total{model="NAME"}   the cache runtime's counters (lookups, hit_tokens, ...)
     kvexport_cache_<level>{model="NAME"}           its occupancy (device_pages_used, device_users, ...)
@@ -13,19 +11,10 @@ Triton's own metrics server listens on a private port of 127.0.0.1; the metrics 
 from __future__ import annotations
 
 import dataclasses
-import http.server
-import logging
-import threading
-import urllib.error
-import urllib.request
-from typing import Callable
-
-log = logging.getLogger(__name__)
 
 # Cache stats that are levels rather than counts (kvexport::runtime_stats names: device_pages_used,
 # device_users, host_pages_used, host_users, ...); every other stat is a count since the runtime began.
 LEVEL_SUFFIXES = ("_used", "_users", "_max", "_connected")
-TRITON_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,59 +51,3 @@ def samples(model: str, cache: dict[str, int], batches) -> list[Sample]:
                (*label, ("result", "refused")), batches.requests_refused),
     ]
     return out
-
-
-def render(model: str, cache: dict[str, int], batches) -> str:
-    """kvexport's metrics in the Prometheus text format (cache: Package.stats(); batches: BatchCounters)."""
-    lines: list[str] = []
-    described: set[str] = set()
-    for sample in samples(model, cache, batches):
-        if sample.name not in described:
-            described.add(sample.name)
-            lines += [f"# HELP {sample.name} {sample.help}", f"# TYPE {sample.name} {sample.kind}"]
-        labels = ",".join(f'{key}="{value}"' for key, value in sample.labels)
-        lines.append(f"{sample.name}{{{labels}}} {sample.value}")
-    return "\n".join(lines) + "\n"
-
-
-class MetricsServer:
-    """Serves GET /metrics on (address, port): Triton's metrics (from triton_url) then kvexport's."""
-
-    def __init__(self, address: str, port: int, triton_url: str, kvexport_metrics: Callable[[], str]):
-        triton_metrics = f"{triton_url}/metrics"
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 — http.server's name
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                try:
-                    with urllib.request.urlopen(triton_metrics, timeout=TRITON_TIMEOUT_S) as response:
-                        triton = response.read().decode()
-                except (OSError, urllib.error.URLError) as exc:
-                    log.debug("Triton's metrics are unavailable: %s", exc)
-                    triton = ""
-                if triton and not triton.endswith("\n"):
-                    triton += "\n"
-                body = (triton + kvexport_metrics()).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args) -> None:  # noqa: A002 — http.server's signature
-                log.debug("metrics: " + format, *args)
-
-        self._server = http.server.ThreadingHTTPServer((address, port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kvexport-metrics", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join()
-        self._server.server_close()

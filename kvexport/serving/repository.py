@@ -3,9 +3,18 @@
     REPO/<name>/config.pbtxt        Python backend; the per-user signature with Triton's batch
                                     dimension; a dynamic batcher with ragged inputs (users with
                                     histories of different lengths merge); instances on the
-                                    package's device
+                                    package's device; the model's parameters (below)
     REPO/<name>/1/model.py          kvexport/serving/triton_model.py
-    REPO/<name>/1/artifact/         the artifact, copied (checked against its manifest first)
+    REPO/<name>/1/artifact/         the artifact, copied (checked against its manifest first), unless
+                                    the `artifact` parameter names it where it is
+
+The model's parameters (Triton's `parameters`, strings; triton_model.py reads them):
+    artifact                the artifact's path, when it is not copied beside model.py
+    python_path             site directories for the Python backend's interpreter (os.pathsep)
+    remote, remote_write    the shared remote KV tier's URL (never with a password: Triton serves the
+                            model config to any client) and its write policy
+    remote_password_file    the file that holds the tier's password (a mounted secret), read when
+                            the model loads
 
 `tritonserver --model-repository REPO` serves it wherever torch and kvexport are importable by the
 Python backend's interpreter (docs/hosting.md). Written into a staging directory renamed into
@@ -14,6 +23,7 @@ place: a failure leaves no partial repository.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -21,17 +31,43 @@ from pathlib import Path
 from typing import Sequence
 
 from kvexport.artifact import open_artifact
-from kvexport.trace.verify import check_integrity
 from kvexport.errors import UserError
+from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
 from kvexport.serving.signature import CANDIDATE_IDS, CONTEXT_IDS, INPUT_NAMES, ITEM_IDS, LOGITS, USER_ID
+from kvexport.trace.verify import check_integrity
 
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
 # The inputs whose length differs between users: Triton concatenates them when it batches.
 RAGGED = (ITEM_IDS, "action_ids", CANDIDATE_IDS)
 
 
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """The shared remote KV tier a repository's model attaches after its warm-up."""
+
+    url: str
+    write: str = DEFAULT_WRITE_POLICY
+    password_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        check_write_policy(self.write, "--remote-write")
+        if split_password(self.url)[1] is not None:
+            raise UserError("--remote: the URL holds a password, which Triton would serve to any client with the "
+                            "model's config; give it with --remote-password-file")
+
+    def parameters(self) -> dict[str, str]:
+        out = {"remote": self.url, "remote_write": self.write}
+        if self.password_file is not None:
+            out["remote_password_file"] = str(Path(self.password_file).resolve())
+        return out
+
+
+def _quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def model_config(name: str, max_batch_size: int, num_contextual_features: int, num_tasks: int, device: str,
-                 instances: int, python_path: Sequence[str] = (), batching: bool = True) -> str:
+                 instances: int, parameters: dict[str, str] | None = None, batching: bool = True) -> str:
     """config.pbtxt of the repository's model (Triton's text protobuf); without batching, one user
     per model execution (max_batch_size 1, no dynamic batcher)."""
     dims = {USER_ID: "[ 1 ]", CONTEXT_IDS: f"[ {num_contextual_features} ]"}
@@ -48,15 +84,16 @@ def model_config(name: str, max_batch_size: int, num_contextual_features: int, n
         *(["dynamic_batching { }"] if batching else []),
         f"instance_group [ {{ kind: {kind} count: {instances} }} ]",
     ]
-    if python_path:
-        value = os.pathsep.join(str(p) for p in python_path)
-        lines.append(f'parameters: {{ key: "python_path" value: {{ string_value: "{value}" }} }}')
+    lines += [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
+              for key, value in (parameters or {}).items()]
     return "\n".join(lines) + "\n"
 
 
 def write_repository(out: Path, repo: Path, name: str | None = None, instances: int = 1,
-                     python_path: Sequence[str] = (), batching: bool = True) -> Path:
-    """Writes the repository for the artifact OUT; returns the model's directory."""
+                     python_path: Sequence[str] = (), batching: bool = True, remote: Remote | None = None,
+                     copy_artifact: bool = True) -> Path:
+    """Writes the repository for the artifact OUT; returns the model's directory. copy_artifact=False
+    names OUT (resolved) in the `artifact` parameter instead of copying it."""
     artifact = open_artifact(out)
     check_integrity(artifact)
     config = artifact.config
@@ -70,6 +107,11 @@ def write_repository(out: Path, repo: Path, name: str | None = None, instances: 
     for directory in python_path:
         if not Path(directory).is_dir():
             raise UserError(f"--python-path {directory}: no such directory")
+    parameters = {} if copy_artifact else {"artifact": str(Path(artifact.root).resolve())}
+    if python_path:
+        parameters["python_path"] = os.pathsep.join(str(p) for p in python_path)
+    if remote is not None:
+        parameters.update(remote.parameters())
     repo.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{repo.name}.", dir=repo.parent))
     try:
@@ -78,9 +120,10 @@ def write_repository(out: Path, repo: Path, name: str | None = None, instances: 
         device = artifact.manifest.get("device", config.serving.device)
         (model / "config.pbtxt").write_text(model_config(
             name, config.serving.max_batch_size, config.model.num_contextual_features, config.model.num_tasks,
-            device, instances, python_path, batching))
+            device, instances, parameters, batching))
         shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
-        shutil.copytree(artifact.root, model / "1" / "artifact")
+        if copy_artifact:
+            shutil.copytree(artifact.root, model / "1" / "artifact")
         if repo.exists():
             repo.rmdir()
         staging.rename(repo)

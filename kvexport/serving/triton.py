@@ -1,80 +1,77 @@
-"""`kvexport serve OUT`: the package behind a Triton Inference Server started through NVIDIA's PyTriton.
+"""`kvexport serve OUT`: the artifact's Triton model repository under the serve extra's tritonserver.
 
-Start: the package is loaded (every file checked against the manifest) and warmed up (a batch of
-synthetic users, scored cold and again from the cache; the cache is emptied afterwards), kvexport's
-metrics port is bound, and only then is tritonserver started, with the model in its model store:
-it loads the model before it listens, so /v2/health/ready never answers true before the package
-can score.
+Start: the ports are checked, then a private workspace gets a model repository
+(kvexport.serving.repository) whose model names the artifact where it is, this Python's
+site-packages and the remote tier (a password given in the URL goes to a file in the workspace,
+never into the model's config, which Triton serves to any client). tritonserver starts on it with
+the model loaded explicitly at startup, before it listens: the model's `initialize` loads the
+package (every file checked), warms it up, then attaches the remote tier
+(kvexport.serving.triton_model), so /v2/health/ready never answers true before the package can
+score.
 
-The model (named after the artifact) declares the package's max_batch_size and Triton's dynamic
-batcher with ragged inputs: one request is one user (kvexport.serving.signature); Triton merges the
-requests waiting for the model into one jagged batch whenever its one instance is free (no queue
-delay: under load, requests wait while the previous batch is scored, and the next batch takes them
-all). The instance's Python-backend stub hands each batch to this process (PyTriton's inference
-callable), where kvexport.serving.batcher scores it in arrival order, distinct users per package
-call. One instance, so batches never overlap and a user's requests run in the order they arrived.
-Each request is answered with its logits or its own one-line error (a Triton error response,
-HTTP 400 / gRPC INVALID_ARGUMENT), while the others of its batch are served.
+The model has one instance, so batches never overlap and a user's requests run in the order they
+arrived; Triton's dynamic batcher with ragged inputs merges waiting users into one jagged batch.
+kvexport's counters are published on Triton's own metrics port. Triton's endpoints that change or
+reveal the server (model repository, statistics, trace, logging, shared memory) answer only requests
+that carry the access token generated at each start; the server uses them itself.
 
 Stop (Server.stop, on SIGTERM or SIGINT in the CLI): the model is unloaded through Triton's
 repository API, so Triton refuses new requests and answers those it has accepted; then tritonserver
-is stopped, PyTriton removes its workspace, whatever tritonserver left running is ended, the
-metrics server stops and the package is closed.
+is stopped, whatever it left running from the workspace (Python-backend stubs ignore SIGTERM) is
+ended, their shared memory and the workspace are removed. tritonserver runs in its own process
+group: a Ctrl-C in the terminal reaches kvexport, which drains, not the server.
 
-What PyTriton's public API cannot do (libpython preload, per-request errors, ragged inputs, noticing
-a tritonserver that exits while starting) is done in kvexport.serving._pytriton, the one module
-that touches PyTriton's private parts.
+No PyTriton Python API: the serve extra is used for the tritonserver binary and its Python backend
+(kvexport.serving.tritonserver).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import torch
-
-from kvexport.errors import RequestFailed, UserError
-from kvexport.io import first_line
-from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy
-from kvexport.serving.batcher import BatchScorer
-from kvexport.serving.metrics import MetricsServer, render
-from kvexport.serving.signature import ACTION_IDS, CANDIDATE_IDS, CONTEXT_IDS, ITEM_IDS, LOGITS, USER_ID
-
-try:
-    import tritonclient.http as triton_http
-    from pytriton.client.auth import create_auth_headers
-    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-    from pytriton.triton import TritonConfig, TritonLifecyclePolicy
-
-    from kvexport.serving._pytriton import KvTriton, TritonExited, refusal
-except ImportError as missing:  # the serve extra is not installed
-    _package = (missing.name or "pytriton").split(".")[0]
-    raise UserError(f"kvexport serve needs the serve extra ({_package} is not importable): "
-                    "pip install 'kvexport[serve]'") from None
+from kvexport.errors import UserError
+from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
 
 log = logging.getLogger(__name__)
+server_log = logging.getLogger("kvexport.serving.tritonserver")
 
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002  # Triton's own defaults
+STARTUP_TIMEOUT_S = 600  # tritonserver loading the model: the package checked, loaded and warmed up
+STARTUP_POLL_S = 0.05
 # The longest a stop waits for the model's unload: the requests in flight, then the stub's shutdown.
 DRAIN_TIMEOUT_S = 30
+UNLOAD_POLL_S = 0.02
 # After the drain nothing is in flight; tritonserver then waits this long for clients' open
-# connections (it would wait its whole exit timeout for idle keep-alive connections).
-TRITON_EXIT_TIMEOUT_S = 5
-MONITOR_S = 1.0  # how often serve() checks that tritonserver is still running
+# connections before it exits.
+TRITON_EXIT_TIMEOUT_S = 1
+TRITON_EXIT_WAIT_S = 15  # then it is killed
+# How often tritonserver samples its CPU (and GPU) metrics; its sampling thread sleeps up to 1 s at
+# its default, and tritonserver's exit waits for that sleep (0.8 s of every stop, strace).
+METRICS_INTERVAL_MS = 200
+MONITOR_S = 0.5  # how often serve() checks that tritonserver is still running
 LEFTOVER_END_TIMEOUT_S = 5  # the longest a stop waits for the processes it killed to end
-UNLOAD_POLL_S = 0.05
-WARMUP_EVENTS = 8
-RAGGED_INPUTS = (ITEM_IDS, ACTION_IDS, CANDIDATE_IDS)
+SERVER_LOG_TAIL = 200  # tritonserver lines kept to say why a start failed
+# Triton's endpoints that change or reveal the server (loading and unloading models, statistics,
+# tracing, logging, shared memory) answer only requests carrying this header with the start's token.
+RESTRICTED_APIS = "model-repository,statistics,trace,logging,shared-memory"
+ACCESS_HEADER = "kvexport-access-token"
 _LOG_PREFIX = re.compile(r'[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 
 
@@ -83,7 +80,7 @@ def failure_reason(lines: list[str]) -> str:
     its fatal error, without Triton's log prefix; "" when there is none (its other error lines, such
     as "CudaDriverHelper has not been initialized." on a host without a GPU, are no reason)."""
     failed = [line for line in lines if line.startswith("E") and "failed to load '" in line]
-    fatal = [line for line in lines if line.startswith("error:")]
+    fatal = [line for line in lines if line.startswith("error:") or ": unrecognized option " in line]
     for line in reversed(failed or fatal):
         match = _LOG_PREFIX.match(line)
         return match.group(1) if match else line
@@ -135,55 +132,8 @@ def _check_port_free(address: str, port: int, option: str) -> None:
             raise UserError(f"cannot listen on {address}:{port} ({option}): {exc.strerror or exc}") from None
 
 
-def _free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def warm_up(package) -> None:
-    """Scores a batch of synthetic users twice (cold, then grown from the cache), then empties the
-    cache runtime and zeroes its counters: the first real request finds the code warm and the cache
-    empty. A package whose device tier cannot hold that batch is warmed with one user."""
-    from kvexport.model.batch import UserRequest, random_user
-    from kvexport.ops import wrappers as kv
-
-    m = package.config.model
-    generator = torch.Generator().manual_seed(0)
-    events = min(WARMUP_EVENTS, m.max_history_length // 2)
-    candidates = min(WARMUP_EVENTS, m.max_num_candidates)
-    users = [random_user(m, generator, user_id, events, candidates) for user_id in range(package.max_batch_size)]
-    grown = [UserRequest(u.user_id, u.item_ids.repeat(2), u.action_ids.repeat(2), u.context_ids, u.candidate_ids)
-             for u in users]
-    try:
-        package.score_users(users)
-        package.score_users(grown)
-    except RequestFailed as refused:
-        log.debug("warm-up batch refused (%s); warming up with one user", refused)
-        package.score_users(users[:1])
-        package.score_users(grown[:1])
-    kv.reset_runtime(package.runtime_name)
-
-
-def load_warm(out: Path, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY):
-    """kvexport.load(out), warmed up (warm_up), then the remote tier attached: the warm-up's
-    synthetic users (ids 0 and up) must neither overwrite real users' shared entries nor read them."""
-    import kvexport
-
-    check_write_policy(remote_write)  # before minutes of loading
-    package = kvexport.load(out)
-    try:
-        warm_up(package)
-        if remote is not None:
-            package.attach_remote(remote, remote_write)
-    except BaseException:
-        package.close()
-        raise
-    return package
-
-
 class Server:
-    """One package behind Triton: start() returns once it serves; stop() drains and cleans up.
+    """One artifact behind tritonserver: start() returns once it serves; stop() drains and cleans up.
 
     batching=False hands the package one request per call (Triton's max_batch_size 1), to measure
     what batching brings. remote, remote_write: a shared remote KV tier, as kvexport.load takes them.
@@ -199,150 +149,172 @@ class Server:
         self.address = address
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.batching = batching
-        self.remote, self.remote_write = remote, remote_write
-        self.package = None
-        self._scorer: BatchScorer | None = None
-        self._metrics: MetricsServer | None = None
-        self._triton: KvTriton | None = None
+        self.remote, self.remote_write = remote, check_write_policy(remote_write, "--remote-write")
+        self.model_name = ""
+        self.max_batch_size = 0
+        self._device = "cpu"
+        self.workspace: Path | None = None
+        self._shm_prefix = f"kvexport{os.getpid()}-{id(self):x}-"
+        self._access_token = secrets.token_urlsafe(24)
+        self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=SERVER_LOG_TAIL)
         self._serving = False
         self._stopping = threading.Lock()
 
-    @property
-    def model_name(self) -> str:
-        return self.package.name
-
-    @property
-    def max_batch_size(self) -> int:
-        """Users per batch: the package's max_batch_size, 1 without batching."""
-        return self.package.max_batch_size if self.batching else 1
+    # -- start -----------------------------------------------------------------------------------
 
     def start(self) -> "Server":
-        for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port)):
+        from kvexport.serving import tritonserver
+
+        tritonserver.distribution()  # the serve extra, before anything else
+        for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
+                             ("--metrics-port", self.metrics_port)):
             _check_port_free(self.address, port, option)
         try:
-            self.package = load_warm(self.out, self.remote, self.remote_write)
-            self._scorer = BatchScorer(self.package, self.max_batch_size)
-            triton_metrics_port = _free_local_port()
-            try:
-                self._metrics = MetricsServer(self.address, self.metrics_port,
-                                              f"http://127.0.0.1:{triton_metrics_port}", self.kvexport_metrics)
-            except OSError as exc:
-                raise UserError(f"cannot listen on {self.address}:{self.metrics_port} (--metrics-port): "
-                                f"{exc.strerror or exc}") from None
-            self._metrics.start()
-            self._start_triton(triton_metrics_port)
+            self.workspace = Path(tempfile.mkdtemp(prefix="kvexport-serve-"))
+            log.debug("workspace %s", self.workspace)
+            model = self._write_repository()
+            command, env = tritonserver.prepare(self.workspace)
+            self._launch(command, env, model)
+            self._wait_until_ready()
         except BaseException:
             self.stop()
             raise
+        self._tail.clear()  # from now on: what tritonserver says while serving
+        self._serving = True
         return self
 
-    def _start_triton(self, triton_metrics_port: int) -> None:
-        config = TritonConfig(
-            http_address=self.address, http_port=self.http_port, grpc_address=self.address, grpc_port=self.grpc_port,
-            allow_metrics=True, metrics_address="127.0.0.1", metrics_port=triton_metrics_port,
-            allow_gpu_metrics=self.package.device.type == "cuda", exit_timeout_secs=TRITON_EXIT_TIMEOUT_S,
-            strict_readiness=True, log_verbose=0)
-        m = self.package.config.model
-        try:
-            # The model goes into the model store before tritonserver starts, which loads it before it
-            # listens: /v2/health/ready never answers true without the model (PyTriton's default
-            # loads it through the running server, which is ready, with no model, in between).
-            self._triton = KvTriton(config=config, failure_reason=failure_reason,
-                                    triton_lifecycle_policy=TritonLifecyclePolicy(
-                                        launch_triton_on_startup=True, local_model_store=True))
-            log.debug("PyTriton workspace %s", self._triton.workspace)
-            self._triton.bind(
-                model_name=self.model_name,
-                infer_func=self._infer,
-                inputs=[Tensor(name=USER_ID, dtype=np.int64, shape=(1,)),
-                        Tensor(name=ITEM_IDS, dtype=np.int64, shape=(-1,)),
-                        Tensor(name=ACTION_IDS, dtype=np.int64, shape=(-1,)),
-                        Tensor(name=CONTEXT_IDS, dtype=np.int64, shape=(m.num_contextual_features,)),
-                        Tensor(name=CANDIDATE_IDS, dtype=np.int64, shape=(-1,))],
-                outputs=[Tensor(name=LOGITS, dtype=np.float32, shape=(-1, m.num_tasks))],
-                config=ModelConfig(batching=True, max_batch_size=self.max_batch_size,
-                                   batcher=DynamicBatcher(max_queue_delay_microseconds=0)),
-                strict=False,  # a refusal is a response PyTriton's model config does not declare
-            )
-            self._triton.adapt_model(self.model_name, RAGGED_INPUTS)
-            self._triton.run()
-        except TritonExited as exited:
-            raise UserError(f"Triton did not start serving {self.model_name}: {str(exited)[:500]}") from None
-        except Exception as exc:  # noqa: BLE001 — PyTriton and tritonclient raise many kinds: "did not start"
-            reason = (failure_reason(self._triton.server_log_tail()) if self._triton else "") or first_line(exc)
-            raise UserError(f"Triton did not start serving {self.model_name}: {reason[:500]}") from exc
-        self._triton.forget_server_log()
-        self._serving = True
+    def _write_repository(self) -> Path:
+        """The workspace's repository: the artifact where it is, this Python, the remote tier."""
+        import site
 
-    def _infer(self, requests) -> list[dict[str, np.ndarray]]:
-        """PyTriton's inference callable: one Triton batch, each request one user, oldest first."""
-        return [refusal(first_line(result)) if isinstance(result, RequestFailed)
-                else {LOGITS: np.ascontiguousarray(result.cpu().numpy()[None], dtype=np.float32)}
-                for result in self._scorer.score([request.data for request in requests])]
+        from kvexport.artifact import open_artifact
+        from kvexport.serving.repository import Remote, write_repository
 
-    def kvexport_metrics(self) -> str:
-        """kvexport's Prometheus metrics: the cache runtime's counters and the scorer's."""
-        try:
-            cache = self.package.stats()
-        except UserError:  # closed while stopping
-            cache = {}
-        return render(self.model_name, cache, self._scorer.counters())
+        remote = None
+        if self.remote is not None:
+            url, password = split_password(self.remote)
+            password_file = None
+            if password is not None:
+                password_file = self.workspace / "remote-password"
+                fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as file:
+                    file.write(password)
+            remote = Remote(url, self.remote_write, password_file)
+        model = write_repository(self.out, self.workspace / "repository", batching=self.batching, remote=remote,
+                                 python_path=site.getsitepackages(), copy_artifact=False)
+        artifact = open_artifact(self.out)
+        self.model_name = model.name
+        self.max_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
+        self._device = artifact.manifest.get("device", artifact.config.serving.device)
+        return model
+
+    def _launch(self, command: list[str], env: dict[str, str], model: Path) -> None:
+        arguments = [
+            "--model-repository", str(model.parent), "--model-control-mode", "explicit", "--load-model", model.name,
+            "--strict-readiness", "true", "--exit-timeout-secs", str(TRITON_EXIT_TIMEOUT_S),
+            "--http-address", self.address, "--http-port", str(self.http_port),
+            "--grpc-address", self.address, "--grpc-port", str(self.grpc_port),
+            "--allow-metrics", "true", "--metrics-address", self.address, "--metrics-port", str(self.metrics_port),
+            "--allow-gpu-metrics", "true" if self._device == "cuda" else "false",
+            "--metrics-interval-ms", str(METRICS_INTERVAL_MS),
+            "--http-restricted-api", f"{RESTRICTED_APIS}:{ACCESS_HEADER}={self._access_token}",
+            "--grpc-restricted-protocol", f"{RESTRICTED_APIS}:{ACCESS_HEADER}={self._access_token}",
+            "--backend-config", f"python,shm-region-prefix-name={self._shm_prefix}", "--log-verbose", "0"]
+        self._process = subprocess.Popen([*command, *arguments], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
+        self._reader = threading.Thread(target=self._read_output, name="tritonserver-output", daemon=True)
+        self._reader.start()
+
+    def _read_output(self) -> None:
+        for raw in self._process.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self._tail.append(line)
+            server_log.debug("%s", line)
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        url = f"http://{self._local_host()}:{self.http_port}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                self._reader.join(timeout=5)  # the rest of its output
+                reason = failure_reason(list(self._tail)) or f"tritonserver exited {self._process.returncode}"
+                raise UserError(f"Triton did not start serving {self.model_name}: {reason[:500]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url, timeout=1) as ready:
+                    if ready.status == 200:
+                        return
+            time.sleep(STARTUP_POLL_S)
+        raise UserError(f"Triton did not start serving {self.model_name} within {STARTUP_TIMEOUT_S} s")
+
+    def _local_host(self) -> str:
+        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.address, self.address)
+        return f"[{local}]" if ":" in local else local
+
+    # -- while serving ---------------------------------------------------------------------------
 
     def alive(self) -> bool:
-        """False once tritonserver or the model's inference handler has exited."""
-        return self._triton is not None and self._triton.is_alive()
+        """False once tritonserver has exited."""
+        return self._process is not None and self._process.poll() is None
 
     def server_log_tail(self) -> list[str]:
-        return self._triton.server_log_tail() if self._triton else []
+        return list(self._tail)
+
+    # -- stop ------------------------------------------------------------------------------------
+
+    def _repository_call(self, path: str, timeout: float) -> bytes:
+        request = urllib.request.Request(f"http://{self._local_host()}:{self.http_port}/v2/repository{path}",
+                                         data=b"{}", method="POST", headers={"Content-Type": "application/json",
+                                                                             ACCESS_HEADER: self._access_token})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read()
 
     def _drain(self) -> None:
         """Unloads the model through Triton's repository API and waits until it is unloaded: from
         then on Triton refuses new requests for it (and /v2/health/ready is false) while the requests
         it has accepted are answered. (Stopping tritonserver alone keeps taking requests until
         its exit timeout while any are in flight, then drops them.)"""
-        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.address, self.address)
-        host = f"[{local}]" if ":" in local else local
-        headers = create_auth_headers(self._triton.get_access_token(), "http")
-        client = triton_http.InferenceServerClient(f"{host}:{self.http_port}", network_timeout=DRAIN_TIMEOUT_S)
-        try:
-            client.unload_model(self.model_name, headers=headers)
-            deadline = time.monotonic() + DRAIN_TIMEOUT_S
-            while time.monotonic() < deadline:
-                states = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=headers)}
-                if states.get(self.model_name) != "UNLOADING":
-                    return
-                time.sleep(UNLOAD_POLL_S)
-            log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, DRAIN_TIMEOUT_S)
-        finally:
-            client.close()
+        self._repository_call(f"/models/{self.model_name}/unload", DRAIN_TIMEOUT_S)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            index = json.loads(self._repository_call("/index", DRAIN_TIMEOUT_S))
+            if {m["name"]: m.get("state") for m in index}.get(self.model_name) != "UNLOADING":
+                return
+            time.sleep(UNLOAD_POLL_S)
+        log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, DRAIN_TIMEOUT_S)
 
     def _stop_triton(self) -> None:
-        """Stops tritonserver (PyTriton: SIGINT, then SIGKILL after 30 s), removes PyTriton's workspace,
-        then ends whatever it left running."""
-        triton, self._triton = self._triton, None
-        workspace, shm_prefix = triton.workspace, triton.shm_prefix
-        triton.stop()
-        end_leftovers(workspace, shm_prefix)
-        shutil.rmtree(workspace, ignore_errors=True)  # PyTriton keeps it when tritonserver never started
+        process, self._process = self._process, None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not exit within %d s; killing it",
+                            TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S)
+                process.kill()
+                process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        process.stdout.close()
 
     def stop(self) -> None:
         """Drains and stops: requests in flight are answered, then everything started is released
-        (tritonserver and its stub, PyTriton's workspace, the ports, the package). Idempotent."""
+        (tritonserver and its stub, the workspace, the ports). Idempotent."""
         with self._stopping:
             if self._serving and self.alive():
                 try:
                     self._drain()
-                except Exception as exc:  # noqa: BLE001 — stopping goes on: tritonserver waits for what is in flight
-                    log.warning("could not unload %s before stopping tritonserver: %s", self.model_name,
-                                first_line(exc))
+                except (OSError, ValueError) as exc:  # stopping goes on: tritonserver waits for what is in flight
+                    log.warning("could not unload %s before stopping tritonserver: %s", self.model_name, exc)
             self._serving = False
-            if self._triton is not None:
+            if self._process is not None:
                 self._stop_triton()
-            if self._metrics is not None:
-                self._metrics.close()
-                self._metrics = None
-            if self.package is not None:
-                self.package.close()
+            if self.workspace is not None:
+                end_leftovers(self.workspace, self._shm_prefix)
+                shutil.rmtree(self.workspace, ignore_errors=True)
+                self.workspace = None
 
     def __enter__(self) -> "Server":
         return self.start()

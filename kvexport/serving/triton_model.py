@@ -2,14 +2,17 @@
 REPO/<name>/1/model.py. It runs inside Triton's Python-backend stub, not in kvexport's process.
 
 initialize loads the artifact (its files checked against its manifest first) that the repository
-holds beside this file, or the one its config's `artifact` parameter names; a `python_path`
-parameter adds site directories (a virtual environment's) to the stub's interpreter first. execute
-scores each Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and
-answers every request alone: its logits, or its own error — a refused request its one-line
-message with INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an
-unexpected failure INTERNAL, logged once with its traceback. After each batch, kvexport's counters
-(the cache's, the batches', the requests') are published through the Python backend's custom
-metrics API, on Triton's own metrics port (kvexport.serving.metrics names them).
+holds beside this file, or the one its config's `artifact` parameter names, on the instance's GPU
+for a CUDA package, and warms it up before Triton reports the model ready
+(kvexport.serving.warmup); then it attaches the remote tier the `remote`, `remote_write` and
+`remote_password_file` parameters name. A `python_path` parameter adds site directories (a
+virtual environment's) to the stub's interpreter first. execute scores each Triton batch as calls
+of distinct users in arrival order (kvexport.serving.batcher) and answers every request alone: its
+logits, or its own error — a refused request its one-line message with INVALID_ARG (HTTP 400), a
+capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure INTERNAL, logged once
+with its traceback. After each batch, kvexport's counters (the cache's, the batches', the
+requests') are published through the Python backend's custom metrics API, on Triton's own metrics
+port (kvexport.serving.metrics names them).
 """
 
 import json
@@ -31,11 +34,12 @@ class TritonPythonModel:
             site.addsitedir(directory)  # its .pth files too (an editable install's)
         import torch
 
-        import kvexport
         from kvexport.errors import RequestFailed
+        from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
         from kvexport.serving.batcher import BatchScorer
         from kvexport.serving.metrics import samples
         from kvexport.serving.signature import INPUT_NAMES, LOGITS
+        from kvexport.serving.warmup import load_warm
 
         # Imported once here (the backend's interpreter finds them only after python_path), used per batch.
         self.torch, self.request_failed, self.metric_samples = torch, RequestFailed, samples
@@ -43,7 +47,11 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.input_names, self.output_name = INPUT_NAMES, LOGITS
         artifact = parameters.get("artifact") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifact")
-        self.package = kvexport.load(artifact)
+        remote = parameters.get("remote") or None
+        if remote and parameters.get("remote_password_file"):
+            remote = url_with_password(remote, read_password_file(parameters["remote_password_file"]))
+        device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else None
+        self.package = load_warm(artifact, remote, parameters.get("remote_write") or DEFAULT_WRITE_POLICY, device)
         self.scorer = BatchScorer(self.package)
         self.metric_families, self.published = {}, {}
         self._publish_metrics()
@@ -102,4 +110,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(self.output_name, logits)])
 
     def finalize(self):
+        # The metric objects go now, while the stub runs: freed at its exit, after its shared memory,
+        # they crash it (SIGSEGV in MetricFamily's destructor, seen with gdb).
+        self.published.clear()
+        self.metric_families.clear()
         self.package.close()

@@ -26,10 +26,13 @@ from pathlib import Path
 from kvexport.errors import UserError
 
 
-def _distribution() -> Path:
+def distribution() -> Path:
+    """The installed tritonserver distribution (nvidia-pytriton's package data; its Python API is not
+    used); UserError when the serve extra is not installed."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("tritonserver needs the serve extra: pip install -e '.[serve]'")
+        raise UserError("kvexport serve needs the serve extra (nvidia-pytriton's tritonserver is not installed): "
+                        "pip install 'kvexport[serve]'")
     return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
@@ -43,7 +46,7 @@ def libpython() -> Path:
 
 def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
     """(command prefix, environment) of tritonserver with its backends laid out under workdir."""
-    dist = _distribution()
+    dist = distribution()
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
