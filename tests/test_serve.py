@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -146,6 +147,33 @@ def metric(text: str, name: str, **labels: str) -> float:
         if match and all(part in match.group(1).split(",") for part in wanted.split(",") if part):
             return float(match.group(2))
     raise AssertionError(f"no sample {name}{{{wanted}}} in the scrape")
+
+
+def scrape_when(port: int, ready: Callable[[str], bool], timeout_s: float = 10.0) -> str:
+    """The metrics port's scrape once ready(scrape) holds: the model publishes its counters from a
+    thread, a moment after each batch (failing when they do not arrive within timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = http_get(port, "/metrics")[1]
+        if ready(text) or time.monotonic() > deadline:
+            assert ready(text), f"the metrics did not arrive within {timeout_s} s"
+            return text
+        time.sleep(0.05)
+
+
+def settled_scrape(port: int, timeout_s: float = 10.0) -> str:
+    """A scrape once kvexport's counters have stopped moving (earlier batches all published)."""
+    def counters(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("kvexport_")]
+
+    deadline = time.monotonic() + timeout_s
+    previous = http_get(port, "/metrics")[1]
+    while True:
+        time.sleep(0.2)
+        text = http_get(port, "/metrics")[1]
+        if counters(text) == counters(previous) or time.monotonic() > deadline:
+            return text
+        previous = text
 
 
 class Served:
@@ -657,27 +685,27 @@ def run_clients(ports: Ports, plans: list[list[UserRequest]]) -> list[np.ndarray
 def test_concurrent_clients_with_returning_users_are_batched_and_correct(server, tiny_config, eager):
     plans = _returning_users_plan(tiny_config, clients=16, per_client=50, users=24, seed=5)
     expected = eager([r for plan in plans for r in plan])
-    before = http_get(server.ports.metrics, "/metrics")[1]
+    before = settled_scrape(server.ports.metrics)
     got = run_clients(server.ports, plans)
     assert len(got) == len(expected) == 800
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, expected))
     assert worst <= ATOL
 
-    after = http_get(server.ports.metrics, "/metrics")[1]
-
-    def delta(name: str, **labels: str) -> float:
+    def delta(name: str, after: str, **labels: str) -> float:
         return metric(after, name, model="hstu-tiny", **labels) - metric(before, name, model="hstu-tiny", **labels)
 
-    assert delta("kvexport_requests_total", result="ok") == 800
-    assert delta("kvexport_batch_users_total") == 800
-    mean_batch = delta("kvexport_batch_users_total") / delta("kvexport_batches_total")
+    after = scrape_when(server.ports.metrics, lambda text: delta("kvexport_requests_total", text, result="ok") >= 800)
+
+    assert delta("kvexport_requests_total", after, result="ok") == 800
+    assert delta("kvexport_batch_users_total", after) == 800
+    mean_batch = delta("kvexport_batch_users_total", after) / delta("kvexport_batches_total", after)
     assert mean_batch > 1, f"no batching: mean batch size {mean_batch}"
     # Triton's statistics: its model executions (batches) took more than one request each.
     executions = (metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1")
                   - metric(before, "nv_inference_exec_count", model="hstu-tiny", version="1"))
     assert 800 / executions > 1, f"Triton's mean batch size {800 / executions}"
-    assert delta("kvexport_cache_hit_tokens_total") > 0  # returning users came from the cache
-    assert delta("kvexport_cache_prefix_truncations_total") > 0  # rewritten histories were recomputed
+    assert delta("kvexport_cache_hit_tokens_total", after) > 0  # returning users came from the cache
+    assert delta("kvexport_cache_prefix_truncations_total", after) > 0  # rewritten histories were recomputed
     # Triton's own metrics are in the same scrape.
     assert metric(after, "nv_inference_request_success", model="hstu-tiny", version="1") >= 800
 

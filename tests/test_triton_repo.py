@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from kvexport.cli import main
-from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, http_get, metric, needs_pytriton,
-                              run_clients, split_batch, user_arrays)
+from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, metric, needs_pytriton, run_clients,
+                              scrape_when, settled_scrape, split_batch, user_arrays)
 from tests.test_serve import eager  # noqa: F401  (a fixture)
 
 START_TIMEOUT_S = 90
@@ -239,10 +239,13 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
             client.infer(bad)
     finally:
         client.close()
-    with urllib.request.urlopen(f"http://127.0.0.1:{served_repo.metrics}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("kvexport_")}
+    def values(text: str) -> dict[str, float]:
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("kvexport_")}
+
+    text = scrape_when(served_repo.metrics, lambda text: values(text).get(
+        'kvexport_requests_total{model="hstu-tiny",result="refused"}', 0) >= 1)
+    values = values(text)
     assert values['kvexport_requests_total{model="hstu-tiny",result="refused"}'] >= 1
     assert values['kvexport_requests_total{model="hstu-tiny",result="ok"}'] >= 1
     assert values['kvexport_cache_hit_tokens_total{model="hstu-tiny"}'] > 0
@@ -257,11 +260,13 @@ def test_concurrent_clients_with_returning_users_match_the_eager_recompute(serve
     recompute; Triton merged requests into batches and returning users came from the cache."""
     plans = _returning_users_plan(tiny_config, clients=16, per_client=15, users=24, seed=7)
     expected = eager([r for plan in plans for r in plan])
-    before = http_get(served_repo.metrics, "/metrics")[1]
+    before = settled_scrape(served_repo.metrics)
     got = run_clients(served_repo, plans)
     assert len(got) == len(expected) == 240
     assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
-    after = http_get(served_repo.metrics, "/metrics")[1]
+    after = scrape_when(served_repo.metrics, lambda text: (
+        metric(text, "kvexport_requests_total", model="hstu-tiny", result="ok")
+        - metric(before, "kvexport_requests_total", model="hstu-tiny", result="ok")) >= 240)
     executions = (metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1")
                   - metric(before, "nv_inference_exec_count", model="hstu-tiny", version="1"))
     assert 240 / executions > 1, f"Triton's mean batch size {240 / executions}"
