@@ -7,7 +7,8 @@ triton-repo`'s repository (the artifact copied into it); in both the model runs 
 Python-backend stub. Four servers of one artifact run at once (ports on 127.0.0.1); for
 each concurrency they are driven one after the other for the same time by the same workload: each
 client thread sends one request at a time over gRPC, users returning with growing histories. The
-mean batch size is read from each server's kvexport metrics. In-process: one thread scores the same
+mean batch size is read from each server's kvexport metrics, and the model's busy share of the time
+from Triton's (compute time: what batching can save is at most that share). In-process: one thread scores the same
 workload with Package.score_users, one request per call; a route's server overhead per request is
 its p50 at one client minus that. Last, each server is stopped (SIGTERM) right after its last
 answer: the time until its process has exited is its stop time.
@@ -43,6 +44,7 @@ from kvexport.model.batch import random_user
 
 START_TIMEOUT_S = 120
 CONCURRENCY = (1, 4, 16)
+TRITON_COUNTERS = ("nv_inference_compute_infer_duration_us", "nv_inference_exec_count", "nv_inference_request_success")
 
 
 def free_port() -> int:
@@ -165,7 +167,9 @@ def in_process(artifact: Path, config, seconds: float) -> dict:
 def drive(served: Served, model: str, config, clients: int, seconds: float) -> dict:
     """`clients` threads, each one request at a time, for `seconds`; throughput and latencies."""
     latencies: list[list[float]] = [[] for _ in range(clients)]
+    time.sleep(0.2)  # the model publishes its counters a moment after each batch
     batches, users = served.metric("kvexport_batches_total"), served.metric("kvexport_batch_users_total")
+    triton = {name: served.metric(name) for name in TRITON_COUNTERS}
     server_cpu, client_cpu = served.cpu_seconds(), time.process_time()
     start = time.monotonic()
     stop = start + seconds
@@ -190,11 +194,17 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     elapsed = time.monotonic() - start
     server_cpu, client_cpu = served.cpu_seconds() - server_cpu, time.process_time() - client_cpu
     flat = np.array([value for values in latencies for value in values]) * 1e3
+    time.sleep(0.2)
+    triton = {name: served.metric(name) - before for name, before in triton.items()}
+    # Triton adds a batch's compute time once per request of the batch: once per execution is the busy time.
+    busy_us = triton["nv_inference_compute_infer_duration_us"] * triton["nv_inference_exec_count"] / max(
+        triton["nv_inference_request_success"], 1)
     batches = served.metric("kvexport_batches_total") - batches
     users = served.metric("kvexport_batch_users_total") - users
     return {"clients": clients, "requests": int(flat.size), "seconds": round(elapsed, 2),
             "throughput_rps": round(flat.size / elapsed, 1), "p50_ms": round(float(np.percentile(flat, 50)), 2),
             "p99_ms": round(float(np.percentile(flat, 99)), 2), "mean_batch": round(users / max(batches, 1), 2),
+            "model_busy": round(busy_us / (elapsed * 1e6), 2),
             "server_cpu_ms_per_request": round(1e3 * server_cpu / flat.size, 2),
             "client_cpu_ms_per_request": round(1e3 * client_cpu / flat.size, 2)}
 
@@ -250,6 +260,7 @@ def main() -> None:
                     results["modes"][mode].append(row)
                     print(f"{mode:>26}, {clients:>2} clients: {row['throughput_rps']:7.1f} req/s, "
                           f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
+                          f"model busy {row['model_busy']:.0%}, "
                           f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
                           f"client {row['client_cpu_ms_per_request']} ms", flush=True)
             results["stop_s"] = {mode: round(served.stop(), 2) for mode, served in servers.items()}

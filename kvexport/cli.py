@@ -258,6 +258,15 @@ def _remote_url(remote: str | None, password_file: Path | None) -> str | None:
     return url_with_password(remote, read_password_file(password_file))
 
 
+def threads_option(func):
+    """--threads N: each Triton model instance's intra-op CPU threads."""
+    from kvexport.serving.repository import DEFAULT_THREADS
+
+    return click.option("--threads", type=click.IntRange(min=1), default=DEFAULT_THREADS, show_default=True,
+                        help="Intra-op CPU threads of each model instance (torch.set_num_threads); keep "
+                             "instances x threads within the cores the server may use.")(func)
+
+
 config_argument = click.argument("config", type=click.Path(path_type=Path))
 artifact_argument = click.argument("out", type=ArtifactDirectory())
 json_option = click.option("--json", "json_path", type=WritablePath(), help="Also write the report as JSON.")
@@ -406,10 +415,11 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
               help="Add this Python's site-packages to --python-path (serving from this virtual environment).")
 @click.option("--batching/--no-batching", default=True, show_default=True,
               help="Triton's dynamic batcher merges concurrent users (off: one user per model execution).")
+@threads_option
 @remote_options
 @_handle_errors
 def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_path: tuple[Path, ...],
-                this_python: bool, batching: bool, remote: str | None, remote_write: str,
+                this_python: bool, batching: bool, threads: int, remote: str | None, remote_write: str,
                 remote_password_file: Path | None) -> None:
     """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
 
@@ -426,7 +436,7 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_
         raise UserError("--remote-password-file needs --remote URL")
     paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
-    model = write_repository(out, repo, name, instances, paths, batching, tier)
+    model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads)
     click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
 
 
@@ -594,11 +604,12 @@ def _format_serving_signature(serving: dict) -> str:
 @click.option("--batching/--no-batching", default=True, show_default=True,
               help="Merge concurrent users into one package call (--no-batching: one request per call, "
                    "to measure what batching brings).")
+@threads_option
 @remote_options
 @_handle_errors
 @_aoti_errors_filtered
 def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, batching: bool,
-          remote: str | None, remote_write: str, remote_password_file: Path | None) -> None:
+          threads: int, remote: str | None, remote_write: str, remote_password_file: Path | None) -> None:
     """Serve OUT through a Triton Inference Server (needs the serve extra: pip install 'kvexport[serve]').
 
     \b
@@ -624,7 +635,7 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
                    f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}")
 
     run_server(out, ready, address=address, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-               batching=batching, remote=remote, remote_write=remote_write)
+               batching=batching, threads=threads, remote=remote, remote_write=remote_write)
     click.echo("stopped")
 
 

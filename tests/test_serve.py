@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -588,6 +589,32 @@ def tiny_config_model(artifact: Path):
     from kvexport.artifact import open_artifact
 
     return open_artifact(artifact).config.model
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_tampered_artifact_is_refused_in_one_line_and_nothing_is_left(tiny_artifact, tmp_path):
+    """The model's load checks every file: a changed trace file ends the command, exit 2, one line."""
+    import shutil
+
+    artifact = tmp_path / "tampered"
+    shutil.copytree(tiny_artifact, artifact)
+    step = artifact / "trace" / "step_0001.pt"
+    data = bytearray(step.read_bytes())
+    data[100] ^= 1
+    step.write_bytes(bytes(data))
+    ports = free_ports()
+    before = set(Path(tempfile.gettempdir()).glob("kvexport-serve-*"))
+    result = subprocess.run([sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
+                             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+                             "--metrics-port", str(ports.metrics)], capture_output=True, text=True,
+                            timeout=START_TIMEOUT_S)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: Triton did not start serving hstu-tiny: failed to load 'hstu-tiny' version 1: Internal: "
+        "VerificationError: trace/step_0001.pt does not match its sha256 in the manifest (modified or corrupted)"]
+    assert set(Path(tempfile.gettempdir()).glob("kvexport-serve-*")) == before
+    assert ports_free(ports)
 
 
 @needs_pytriton

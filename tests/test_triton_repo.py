@@ -58,18 +58,18 @@ def test_without_batching_the_model_takes_one_user_per_execution(tiny_artifact, 
     assert config.parameters["python_path"].string_value == str(tmp_path)
 
 
-def test_the_remote_tier_goes_into_the_models_parameters_its_password_only_as_a_file(tiny_artifact, tmp_path):
+def test_the_remote_tier_and_threads_go_into_the_models_parameters_a_password_only_as_a_file(tiny_artifact, tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
     secret = tmp_path / "secret"
     write_repo(tiny_artifact, tmp_path / "repo", "--remote", "redis://cache.internal:6379/1", "--remote-write",
-               "after_batch", "--remote-password-file", str(secret))
+               "after_batch", "--remote-password-file", str(secret), "--threads", "3")
     text = (tmp_path / "repo" / "hstu-tiny" / "config.pbtxt").read_text()
     parameters = text_format.Parse(text, model_config_pb2.ModelConfig()).parameters
     assert {key: value.string_value for key, value in parameters.items()} == {
         "remote": "redis://cache.internal:6379/1", "remote_write": "after_batch",
-        "remote_password_file": str(secret.resolve())}
+        "remote_password_file": str(secret.resolve()), "threads": "3"}
 
 
 @pytest.mark.parametrize("case", ["not_empty", "bad_name", "missing_python_path", "password_in_url",

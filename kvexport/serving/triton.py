@@ -58,9 +58,9 @@ STARTUP_POLL_S = 0.05
 # The longest a stop waits for the model's unload: the requests in flight, then the stub's shutdown.
 DRAIN_TIMEOUT_S = 30
 UNLOAD_POLL_S = 0.02
-# After the drain nothing is in flight; tritonserver then waits this long for clients' open
-# connections before it exits.
-TRITON_EXIT_TIMEOUT_S = 1
+# After the drain nothing is in flight; tritonserver would still wait this long for clients' idle
+# keep-alive connections before it exits (at 1 s: a whole second of every stop).
+TRITON_EXIT_TIMEOUT_S = 0
 TRITON_EXIT_WAIT_S = 15  # then it is killed
 # How often tritonserver samples its CPU (and GPU) metrics; its sampling thread sleeps up to 1 s at
 # its default, and tritonserver's exit waits for that sleep (0.8 s of every stop, strace).
@@ -77,13 +77,15 @@ _LOG_PREFIX = re.compile(r'[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 
 def failure_reason(lines: list[str]) -> str:
     """The line of tritonserver's output that says why it failed: a model that failed to load, else
-    its fatal error, without Triton's log prefix; "" when there is none (its other error lines, such
+    its fatal error, without Triton's log prefix or the traceback the Python backend appends; "" when
+    there is none (its other error lines, such
     as "CudaDriverHelper has not been initialized." on a host without a GPU, are no reason)."""
     failed = [line for line in lines if line.startswith("E") and "failed to load '" in line]
     fatal = [line for line in lines if line.startswith("error:") or ": unrecognized option " in line]
     for line in reversed(failed or fatal):
         match = _LOG_PREFIX.match(line)
-        return match.group(1) if match else line
+        # The Python backend appends the model's traceback, its newlines escaped: the reason is before it.
+        return (match.group(1) if match else line).split("\\n", 1)[0]
     return ""
 
 
@@ -136,19 +138,20 @@ class Server:
     """One artifact behind tritonserver: start() returns once it serves; stop() drains and cleans up.
 
     batching=False hands the package one request per call (Triton's max_batch_size 1), to measure
-    what batching brings. remote, remote_write: a shared remote KV tier, as kvexport.load takes them.
+    what batching brings. threads: the model instance's intra-op CPU threads. remote, remote_write: a shared remote KV tier, as kvexport.load takes them.
     """
 
     def __init__(self, out: Path, *, address: str = "0.0.0.0", http_port: int = DEFAULT_HTTP_PORT,
                  grpc_port: int = DEFAULT_GRPC_PORT, metrics_port: int = DEFAULT_METRICS_PORT,
-                 batching: bool = True, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY):
+                 batching: bool = True, threads: int = 1, remote: str | None = None,
+                 remote_write: str = DEFAULT_WRITE_POLICY):
         ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
         if len(set(ports.values())) != len(ports):
             raise UserError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
         self.out = Path(out)
         self.address = address
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
-        self.batching = batching
+        self.batching, self.threads = batching, threads
         self.remote, self.remote_write = remote, check_write_policy(remote_write, "--remote-write")
         self.model_name = ""
         self.max_batch_size = 0
@@ -203,7 +206,7 @@ class Server:
                     file.write(password)
             remote = Remote(url, self.remote_write, password_file)
         model = write_repository(self.out, self.workspace / "repository", batching=self.batching, remote=remote,
-                                 python_path=site.getsitepackages(), copy_artifact=False)
+                                 python_path=site.getsitepackages(), copy_artifact=False, threads=self.threads)
         artifact = open_artifact(self.out)
         self.model_name = model.name
         self.max_batch_size = artifact.config.serving.max_batch_size if self.batching else 1

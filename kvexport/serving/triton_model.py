@@ -3,10 +3,10 @@ REPO/<name>/1/model.py. It runs inside Triton's Python-backend stub, not in kvex
 
 initialize loads the artifact (its files checked against its manifest first) that the repository
 holds beside this file, or the one its config's `artifact` parameter names, on the instance's GPU
-for a CUDA package, and warms it up before Triton reports the model ready
-(kvexport.serving.warmup); then it attaches the remote tier the `remote`, `remote_write` and
-`remote_password_file` parameters name. A `python_path` parameter adds site directories (a
-virtual environment's) to the stub's interpreter first. execute scores each Triton batch as calls
+for a CUDA package, with the `threads` parameter's intra-op CPU threads (default 1), and warms it
+up before Triton reports the model ready (kvexport.serving.warmup); then it attaches the remote
+tier the `remote`, `remote_write` and `remote_password_file` parameters name. A `python_path`
+parameter adds site directories (a virtual environment's) to the stub's interpreter first. execute scores each Triton batch as calls
 of distinct users in arrival order (kvexport.serving.batcher) and answers every request alone: its
 logits, or its own error — a refused request its one-line message with INVALID_ARG (HTTP 400), a
 capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure INTERNAL, logged once
@@ -55,6 +55,7 @@ class TritonPythonModel:
         remote = parameters.get("remote") or None
         if remote and parameters.get("remote_password_file"):
             remote = url_with_password(remote, read_password_file(parameters["remote_password_file"]))
+        torch.set_num_threads(int(parameters.get("threads") or 1))
         device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else None
         self.package = load_warm(artifact, remote, parameters.get("remote_write") or DEFAULT_WRITE_POLICY, device)
         self.scorer = BatchScorer(self.package)
@@ -126,6 +127,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.finalizing.set()
+        self.scored.set()  # wakes the publisher, which then ends
         self.publisher.join()
         # The metric objects go now, while the stub runs: freed at its exit, after its shared memory,
         # they crash it (SIGSEGV in MetricFamily's destructor, seen with gdb).
