@@ -16,19 +16,17 @@ ALPHA, INV_S = 0.5, 1.0 / 64
 
 
 def reference_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate):
-    """Gathers each row's keys position by position and applies SiLU attention."""
+    """Gathers each row's keys by position (page, slot) and applies SiLU attention."""
     page_size = cache.shape[2]
     out = torch.zeros_like(q)
     for r in range(q.shape[0]):
-        positions = range(int(row_keys[r]))
-        keys = [cache[page_table[row_user[r], j // page_size], 0, j % page_size] for j in positions]
-        values = [cache[page_table[row_user[r], j // page_size], 1, j % page_size] for j in positions]
+        positions = torch.arange(int(row_keys[r]))
+        pages, slots = page_table[row_user[r], positions // page_size], positions % page_size
+        keys, values = cache[pages, 0, slots], cache[pages, 1, slots]  # [n, H, dh]
         if row_candidate[r]:
-            keys.append(k[r])
-            values.append(v[r])
-        if not keys:
+            keys, values = torch.cat([keys, k[r][None]]), torch.cat([values, v[r][None]])
+        if keys.shape[0] == 0:
             continue
-        keys, values = torch.stack(keys), torch.stack(values)  # [n, H, dh]
         weights = nn.functional.silu(ALPHA * torch.einsum("hd,nhd->nh", q[r], keys)) * INV_S
         out[r] = torch.einsum("nh,nhd->hd", weights, values)
     return out
@@ -53,14 +51,16 @@ def test_paged_attention_kernel_head_sizes(head_dim):
     torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_kernel_many_rows_per_user():
-    """More rows of one user than a tile holds, with causal and candidate rows mixed."""
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 24])
+def test_paged_attention_kernel_many_rows_per_user(head_dim):
+    """More rows of one user than a tile holds, with causal and candidate rows mixed, reading more
+    keys than a block holds (256 at head size 32), counts of every remainder."""
     g = torch.Generator().manual_seed(6)
-    page_size, heads, head_dim, num_rows = 16, 2, 32, 150
-    cache = torch.randn(20, 2, page_size, heads, head_dim, generator=g)
-    page_table = torch.randperm(20, generator=g)[:13].view(1, 13)
+    page_size, heads, num_rows, pages = 16, 2, 150, 40
+    cache = torch.randn(48, 2, page_size, heads, head_dim, generator=g)
+    page_table = torch.randperm(48, generator=g)[:pages].view(1, pages)
     row_user = torch.zeros(num_rows, dtype=torch.int64)
-    row_keys = torch.randint(0, 13 * page_size + 1, (num_rows,), generator=g)
+    row_keys = torch.randint(0, pages * page_size + 1, (num_rows,), generator=g)
     row_candidate = torch.rand(num_rows, generator=g) < 0.4
     q, k, v = (torch.randn(num_rows, heads, head_dim, generator=g) for _ in range(3))
     inputs = (q, k, v, cache, page_table, row_user, row_keys, row_candidate)

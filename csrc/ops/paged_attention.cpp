@@ -61,12 +61,65 @@ constexpr int64_t kBlockFloats = 8192;  // 32 KiB of keys and 32 KiB of values p
 // One block for one tile, float only (the part worth compiling per ISA). keys_t[d * stride + j] and
 // values[j * head_dim + d] hold keys 0..count-1 of the block; row t reads the first limits[t] of
 // them (causal rows stop early). acc[t * head_dim + d] += sum_j SiLU(alpha q_t . k_j) * inv * v_j[d].
-// kHeadDim > 0 fixes the head size at compile time (unrolled inner loops); 0 = any size.
+// scores holds kTileRows rows of stride floats.
+//
+// kHeadDim >= 64 fixes the head size at compile time (blocks of a whole number of kKeyChunk keys):
+// the dot products then run in register tiles of kRowGroup rows by kKeyChunk keys over the whole
+// head dimension, one load of a key column feeding kRowGroup multiply-adds, and each row's weighted
+// sum of values runs in registers over all of its keys: 1.25x (64) and 1.41x (128) faster than the
+// row-at-a-time loop below on this CPU, single thread; at 32 it was 0.9x, so 32 and any other size
+// (0) take that loop: one row at a time, the scores summed in memory.
+constexpr int64_t kRowGroup = 4;
+constexpr int64_t kKeyChunk = 16;
+
+template <int64_t kHeadDim>
+inline __attribute__((always_inline)) void dot_tile(const float* q, int64_t rows, const float* keys_t,
+                                                    int64_t stride, int64_t keys, float* scores) {
+  for (int64_t t0 = 0; t0 < rows; t0 += kRowGroup) {
+    const int64_t group = std::min(kRowGroup, rows - t0);
+    for (int64_t j0 = 0; j0 < keys; j0 += kKeyChunk) {
+      float acc[kRowGroup][kKeyChunk] = {};
+      for (int64_t d = 0; d < kHeadDim; ++d) {
+        const float* column = keys_t + d * stride + j0;
+        for (int64_t r = 0; r < kRowGroup; ++r) {  // rows past `group` read q's scratch, never stored
+          const float qd = q[(t0 + r) * kHeadDim + d];
+#pragma omp simd
+          for (int64_t j = 0; j < kKeyChunk; ++j) acc[r][j] += qd * column[j];
+        }
+      }
+      for (int64_t r = 0; r < group; ++r) std::copy(acc[r], acc[r] + kKeyChunk, scores + (t0 + r) * stride + j0);
+    }
+  }
+}
+
 template <int64_t kHeadDim>
 inline __attribute__((always_inline)) void attend_block_impl(const float* q, float* acc, const int64_t* limits,
                                                              int64_t rows, const float* keys_t, int64_t stride,
                                                              const float* values, int64_t runtime_head_dim,
                                                              float alpha, float inv_scaling_seqlen, float* scores) {
+  if constexpr (kHeadDim >= 64) {
+    const int64_t most = *std::max_element(limits, limits + rows);
+    if (most <= 0) return;
+    // Whole chunks: keys past `count` are stale scratch, finite, and read by no row.
+    dot_tile<kHeadDim>(q, rows, keys_t, stride, (most + kKeyChunk - 1) / kKeyChunk * kKeyChunk, scores);
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t count = limits[t];
+      if (count <= 0) continue;
+      float* weights = scores + t * stride;
+      silu_weights(weights, count, alpha, inv_scaling_seqlen);
+      float sum[kHeadDim];
+      float* acc_row = acc + t * kHeadDim;
+      std::copy(acc_row, acc_row + kHeadDim, sum);
+      for (int64_t j = 0; j < count; ++j) {
+        const float w = weights[j];
+        const float* value = values + j * kHeadDim;
+#pragma omp simd
+        for (int64_t d = 0; d < kHeadDim; ++d) sum[d] += w * value[d];
+      }
+      std::copy(sum, sum + kHeadDim, acc_row);
+    }
+    return;
+  }
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t count = limits[t];
@@ -173,7 +226,7 @@ Scratch& scratch(int64_t block_keys, int64_t head_dim) {
   };
   fit(s.keys_t, block_keys * head_dim);
   fit(s.values, block_keys * head_dim);
-  fit(s.scores, block_keys);
+  fit(s.scores, kTileRows * block_keys);
   fit(s.q, kTileRows * head_dim);
   fit(s.acc, kTileRows * head_dim);
   fit(s.limits, kTileRows);
