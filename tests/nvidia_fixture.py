@@ -13,6 +13,8 @@ reversed), and the state dicts hold meta-device placeholders for them, as torchr
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from pathlib import Path
 
 import torch
@@ -25,6 +27,19 @@ CONTEXT_TABLES = {"user_active_degree": 3, "register_days_range": 2}
 ITEM_KEYS = [3, 10, 42, 57, 99, 1000, 123456789012]
 USER_KEYS = [5, 6, 700]
 COLLECTION = "model._embedding_collection._model_parallel_embedding_collection"
+
+
+class Precision(enum.Enum):
+    BF16 = "bf16"
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """A type of the trainer's own in its optimizer state, as Megatron's optimizer keeps its config
+    there: the importer reads the model state and must not need (or run) it."""
+
+    lr: float = 1e-3
+    precision: Precision = Precision.BF16
 FLAT = "_embedding_collection._data_parallel_embedding_collection.embeddings.{}_weights"
 
 
@@ -94,7 +109,8 @@ def write_checkpoint(save_dir: Path, world: int, state: dict[str, torch.Tensor],
             model_state[f"_embedding_collection._model_parallel_embedding_collection.embeddings.{name}.weight"] = (
                 torch.empty(len(table["keys"]), HIDDEN, device="meta"))
     for rank in range(world):
-        torch.save({"model_state_dict": model_state, "optimizer_state_dict": {"step": torch.tensor(550)}},
+        torch.save({"model_state_dict": model_state,
+                    "optimizer_state_dict": {"step": torch.tensor(550), "config": OptimizerConfig()}},
                    root / "torch_module" / f"model.{rank}.pth")
     dumps = root / "dynamicemb_module" / COLLECTION
     dumps.mkdir(parents=True)

@@ -1,6 +1,7 @@
 """Reading trainers' checkpoint files safely (kvexport.importers): torch.distributed ShardedTensors
 through inert stand-ins under torch's restricted unpickler, every rank's shards joined into one
-tensor, and anything else a pickle may ask for refused by name."""
+tensor, types a trainer keeps beside the model state as inert stand-ins, and anything else
+refused by name."""
 
 from __future__ import annotations
 
@@ -77,6 +78,71 @@ def test_a_file_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
     with pytest.raises(UserError, match=r"^checkpoint .*evil.pth is refused: it holds more than tensors, containers "
                                         r"and sharded tensors \(it asks for posix.mkdir\)$"):
         load_trainer_file(tmp_path / "evil.pth", "checkpoint")
+    assert not (tmp_path / "ran").exists()
+
+
+class _OptimizerConfig:
+    """A trainer's own type in its optimizer state (as Megatron's optimizer saves its config):
+    unpickling it the ordinary way would import this module and call its hook."""
+
+    def __init__(self, path: str):
+        self.path, self.lr, self.betas = path, 1e-3, (0.9, 0.999)
+
+    def __setstate__(self, state):
+        os.mkdir(state["path"])  # what unpickling it the ordinary way would do
+
+
+def _touch(path: str) -> None:
+    Path(path).touch()
+
+
+class _Touches:
+    """Unpickled the ordinary way, calls a function of the trainer's own module (one torch does not
+    block by module, as it blocks os): _touch(path)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (_touch, (self.path,))
+
+
+def _trainer_file(tmp_path: Path, model_state: dict) -> Path:
+    hooks = [_OptimizerConfig(str(tmp_path / "config_ran")), _Touches(str(tmp_path / "reduce_ran"))]
+    torch.save({"model_state_dict": model_state,
+                "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(2)}}, "config": hooks[0],
+                                         "param_groups": [{"lr": 1e-3, "hook": hooks[1]}]}},
+               tmp_path / "model.0.pth")
+    return tmp_path / "model.0.pth"
+
+
+def test_types_the_reader_does_not_know_are_inert_outside_the_part_it_reads(tmp_path):
+    path = _trainer_file(tmp_path, {"w": torch.arange(3.0)})
+    saved = load_trainer_file(path, "checkpoint", part="model_state_dict")
+    torch.testing.assert_close(saved["model_state_dict"]["w"], torch.arange(3.0), rtol=0, atol=0)
+    assert not (tmp_path / "config_ran").exists() and not (tmp_path / "reduce_ran").exists()
+    with pytest.raises(UserError, match=r"it asks for (tests\.)?test_importers\._OptimizerConfig\)$"):
+        load_trainer_file(path, "checkpoint")  # the whole file read: refused, as before
+    assert not (tmp_path / "config_ran").exists()
+
+
+def test_an_unknown_type_in_the_part_that_is_read_is_refused_by_key(tmp_path):
+    path = _trainer_file(tmp_path, {"w": torch.ones(1), "extra": {"hook": _Touches(str(tmp_path / "ran"))}})
+    with pytest.raises(UserError, match=r"^checkpoint .*model.0.pth is refused: model_state_dict.extra.hook holds a "
+                                        r"(tests\.)?test_importers\._touch, not a tensor, container or sharded tensor$"):
+        load_trainer_file(path, "checkpoint", part="model_state_dict")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "reduce_ran").exists()
+
+
+def test_a_module_torch_blocks_is_refused_wherever_it_is(tmp_path):
+    """os, sys, subprocess...: torch's restricted unpickler refuses them outright, even as stand-ins."""
+    runs = _Runs()
+    runs.path = str(tmp_path / "ran")
+    torch.save({"model_state_dict": {"w": torch.ones(1)}, "optimizer_state_dict": {"hook": runs}},
+               tmp_path / "model.0.pth")
+    with pytest.raises(UserError, match=r"is refused: it holds more than tensors, containers and sharded tensors "
+                                        r"\(it asks for posix.mkdir\)$"):
+        load_trainer_file(tmp_path / "model.0.pth", "checkpoint", part="model_state_dict")
     assert not (tmp_path / "ran").exists()
 
 

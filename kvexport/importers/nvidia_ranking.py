@@ -115,7 +115,7 @@ def read_model_state(directory: Path) -> dict[str, Any]:
     paths = _rank_files(directory)
     states = []
     for path in paths:
-        saved = load_trainer_file(path, "trainer checkpoint")
+        saved = load_trainer_file(path, "trainer checkpoint", part="model_state_dict")
         if not isinstance(saved, dict) or not isinstance(saved.get("model_state_dict"), dict):
             _refuse(f"{path}: not a recsys-examples checkpoint (no model_state_dict)")
         states.append(saved["model_state_dict"])

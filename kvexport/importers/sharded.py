@@ -58,6 +58,40 @@ class _Record:
         return state[name]
 
 
+class _Unknown(_Record):
+    """Stand-in for a type or function this reader does not know (an optimizer's config class, an
+    enum): keeps what the pickle gives it and does nothing. Tolerated only outside the part of the
+    file that is read (load_trainer_file's `part`)."""
+
+    qualified_name = ""
+
+
+def _unknown_stand_ins(path: Path) -> list[tuple[type, str]]:
+    """An inert _Unknown subclass for every name the file's pickle refers to that neither torch's
+    restricted unpickler nor STAND_INS knows (read from the pickle's opcodes, without loading it)."""
+    with torch.serialization.safe_globals(STAND_INS):
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    return [(type(name.rsplit(".", 1)[-1], (_Unknown,), {"__module__": __name__, "qualified_name": name}), name)
+            for name in names]
+
+
+def _first_unknown(value: Any, where: str) -> tuple[str, str] | None:
+    """(where, qualified name) of the first _Unknown in a loaded value, or None."""
+    if isinstance(value, _Unknown):
+        return where, value.qualified_name
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _first_unknown(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
 class _ProcessGroupState(tuple):
     """Stand-in for ShardedTensor.ProcessGroupState (a named tuple of ranks and world sizes)."""
 
@@ -121,14 +155,19 @@ def _convert(value: Any) -> Any:
     return value
 
 
-def load_trainer_file(path: Path, what: str) -> Any:
+def load_trainer_file(path: Path, what: str, part: str | None = None) -> Any:
     """torch.load(weights_only=True) of a trainer's file, sharded tensors as ShardedValue.
 
-    UserError naming the file when it is missing, unreadable, or needs anything beyond tensors,
-    plain containers and the sharded-tensor types above (the restricted unpickler's refusal).
+    part: the one entry of the file's top-level dict that is read (a model's state dict). Whatever
+    else the file holds (an optimizer's state with types of its trainer) may refer to any type or
+    function: each becomes an inert stand-in, nothing of the file's choosing runs, and the entry
+    must not hold one. Without `part` the whole file must be tensors, containers and sharded
+    tensors. UserError naming the file when it is missing, unreadable, or holds more than that
+    where it is read (naming the key and what it asks for).
     """
     try:
-        with torch.serialization.safe_globals(STAND_INS):
+        unknown = _unknown_stand_ins(path) if part is not None else []
+        with torch.serialization.safe_globals([*STAND_INS, *unknown]):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{what} {path} does not exist") from None
@@ -138,6 +177,11 @@ def load_trainer_file(path: Path, what: str) -> Any:
                         f"{f' (it asks for {asked.group(1)})' if asked else ''}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise UserError(f"{what} {path} is unreadable: {first_line(exc)}") from None
+    if part is not None and isinstance(data, dict) and part in data:
+        found = _first_unknown(data[part], part)
+        if found:
+            raise UserError(f"{what} {path} is refused: {found[0]} holds a {found[1]}, not a tensor, container or "
+                            "sharded tensor")
     return _convert(data)
 
 
