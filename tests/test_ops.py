@@ -51,8 +51,9 @@ def test_paged_attention_kernel_head_sizes(head_dim):
     torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])  # one thread: the call runs alone, in 64-row tiles; two: 16-row tiles
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 24])
-def test_paged_attention_kernel_many_rows_per_user(head_dim):
+def test_paged_attention_kernel_many_rows_per_user(head_dim, threads):
     """More rows of one user than a tile holds, with causal and candidate rows mixed, reading more
     keys than a block holds (256 at head size 32), counts of every remainder."""
     g = torch.Generator().manual_seed(6)
@@ -64,8 +65,13 @@ def test_paged_attention_kernel_many_rows_per_user(head_dim):
     row_candidate = torch.rand(num_rows, generator=g) < 0.4
     q, k, v = (torch.randn(num_rows, heads, head_dim, generator=g) for _ in range(3))
     inputs = (q, k, v, cache, page_table, row_user, row_keys, row_candidate)
-    torch.testing.assert_close(kv.hstu_paged_attention(*inputs, ALPHA, INV_S), reference_paged_attention(*inputs),
-                               rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kv.hstu_paged_attention(*inputs, ALPHA, INV_S)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_kernel_rejects_pages_outside_the_cache():
