@@ -128,8 +128,9 @@ def test_types_the_reader_does_not_know_are_inert_outside_the_part_it_reads(tmp_
 
 def test_an_unknown_type_in_the_part_that_is_read_is_refused_by_key(tmp_path):
     path = _trainer_file(tmp_path, {"w": torch.ones(1), "extra": {"hook": _Touches(str(tmp_path / "ran"))}})
-    with pytest.raises(UserError, match=r"^checkpoint .*model.0.pth is refused: model_state_dict.extra.hook holds a "
-                                        r"(tests\.)?test_importers\._touch, not a tensor, container or sharded tensor$"):
+    with pytest.raises(UserError, match=r"^checkpoint .*model.0.pth is refused: model_state_dict.extra.hook holds "
+                                        r"a (tests\.)?test_importers\._touch, not a tensor, container or sharded "
+                                        r"tensor$"):
         load_trainer_file(path, "checkpoint", part="model_state_dict")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "reduce_ran").exists()
 

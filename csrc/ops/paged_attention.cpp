@@ -257,10 +257,11 @@ constexpr int64_t kInlineWork = 1 << 16;
 bool runs_alone(int64_t work) { return kernel_threads() <= 1 || work < kInlineWork || at::in_parallel_region(); }
 
 // Runs body(i) for i in [0, total) on the calling thread plus up to kernel_threads() - 1 OpenMP
-// threads (on the calling thread alone where runs_alone(work)). Items are claimed one by one from a shared counter rather than split in fixed halves,
-// so a thread that the OS does not schedule (a busy host) delays the call by at most the item it
-// holds, not by its whole share, and causal users' unequal tiles balance. Items are claimed from
-// the end, where a user's costliest tiles are, so the last ones claimed are the cheap ones.
+// threads (on the calling thread alone where runs_alone(work)). Items are claimed one by one from
+// a shared counter rather than split in fixed halves, so a thread that the OS does not schedule (a
+// busy host) delays the call by at most the item it holds, not by its whole share, and causal
+// users' unequal tiles balance. Items are claimed from the end, where a user's costliest tiles
+// are, so the last ones claimed are the cheap ones.
 template <typename F>
 void for_each_item(int64_t total, int64_t work, const F& body) {
   const int64_t threads = std::min<int64_t>(kernel_threads(), total);

@@ -138,7 +138,8 @@ class Server:
     """One artifact behind tritonserver: start() returns once it serves; stop() drains and cleans up.
 
     batching=False hands the package one request per call (Triton's max_batch_size 1), to measure
-    what batching brings. threads: the model instance's intra-op CPU threads. remote, remote_write: a shared remote KV tier, as kvexport.load takes them.
+    what batching brings. threads: the model instance's intra-op CPU threads. remote, remote_write:
+    a shared remote KV tier, as kvexport.load takes them.
     """
 
     def __init__(self, out: Path, *, address: str = "0.0.0.0", http_port: int = DEFAULT_HTTP_PORT,

@@ -3,16 +3,16 @@ REPO/<name>/1/model.py. It runs inside Triton's Python-backend stub, not in kvex
 
 initialize loads the artifact (its files checked against its manifest first) that the repository
 holds beside this file, or the one its config's `artifact` parameter names, on the instance's GPU
-for a CUDA package, with the `threads` parameter's intra-op CPU threads (default 1), and warms it
-up before Triton reports the model ready (kvexport.serving.warmup); then it attaches the remote
-tier the `remote`, `remote_write` and `remote_password_file` parameters name. A `python_path`
-parameter adds site directories (a virtual environment's) to the stub's interpreter first. execute scores each Triton batch as calls
-of distinct users in arrival order (kvexport.serving.batcher) and answers every request alone: its
-logits, or its own error — a refused request its one-line message with INVALID_ARG (HTTP 400), a
-capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure INTERNAL, logged once
-with its traceback. A moment after each batch (at most every 50 ms), a thread publishes kvexport's
-counters (the cache's, the batches', the requests') through the Python backend's custom metrics
-API, on Triton's own metrics port (kvexport.serving.metrics names them).
+for a CUDA package, with the `threads` parameter's intra-op CPU threads (default 1), and warms it up
+before Triton reports the model ready (kvexport.serving.warmup); then it attaches the remote tier
+the `remote`, `remote_write` and `remote_password_file` parameters name. A `python_path` parameter
+adds site directories (a virtual environment's) to the stub's interpreter first. execute scores each
+Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and answers
+every request alone: its logits, or its own error — a refused request its one-line message with
+INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure
+INTERNAL, logged once with its traceback. A moment after each batch (at most every 50 ms), a thread
+publishes kvexport's counters (the cache's, the batches', the requests') through the Python
+backend's custom metrics API, on Triton's own metrics port (kvexport.serving.metrics names them).
 """
 
 import json
