@@ -51,15 +51,17 @@ def test_paged_attention_kernel_head_sizes(head_dim):
     torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("threads", [1, 2])  # one thread: the call runs alone, in 64-row tiles; two: 16-row tiles
+# One thread: the call runs alone, in 64-row tiles. Two threads and more than 2^18 (row, key, head)
+# triples (the kernel's inline limit): OpenMP threads share 16-row tiles.
+@pytest.mark.parametrize(("threads", "num_rows", "pages"), [(1, 150, 40), (2, 400, 64)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 24])
-def test_paged_attention_kernel_many_rows_per_user(head_dim, threads):
+def test_paged_attention_kernel_many_rows_per_user(head_dim, threads, num_rows, pages):
     """More rows of one user than a tile holds, with causal and candidate rows mixed, reading more
     keys than a block holds (256 at head size 32), counts of every remainder."""
     g = torch.Generator().manual_seed(6)
-    page_size, heads, num_rows, pages = 16, 2, 150, 40
-    cache = torch.randn(48, 2, page_size, heads, head_dim, generator=g)
-    page_table = torch.randperm(48, generator=g)[:pages].view(1, pages)
+    page_size, heads = 16, 2
+    cache = torch.randn(pages + 8, 2, page_size, heads, head_dim, generator=g)
+    page_table = torch.randperm(pages + 8, generator=g)[:pages].view(1, pages)
     row_user = torch.zeros(num_rows, dtype=torch.int64)
     row_keys = torch.randint(0, pages * page_size + 1, (num_rows,), generator=g)
     row_candidate = torch.rand(num_rows, generator=g) < 0.4

@@ -250,8 +250,11 @@ constexpr int64_t kSerialRows = 1024;
 int kernel_threads() { return request_threads > 0 ? request_threads : at::get_num_threads(); }
 
 // Below this many (row, key, head) triples a call runs on the calling thread: waking helpers
-// costs more than it saves, and on a busy host each parallel region can cost a time slice.
-constexpr int64_t kInlineWork = 1 << 16;
+// costs more than it saves, and on a busy host each parallel region can cost a time slice. At
+// 2^16, hstu-bench's cached request at L = 256 (99k triples a layer) went parallel: 1.0 ms idle,
+// 8-16 ms with two busy processes on the 2 CPUs; at 2^18 it runs alone: 1.1 ms idle and 1.1 ms
+// busy. (2^20 also took L = 1024 alone: +0.7 ms idle, no gain busy.)
+constexpr int64_t kInlineWork = 1 << 18;
 
 // Whether a call of `work` (row, key, head) triples runs on the calling thread alone.
 bool runs_alone(int64_t work) { return kernel_threads() <= 1 || work < kInlineWork || at::in_parallel_region(); }
