@@ -538,7 +538,8 @@ def test_a_client_cannot_unload_the_model_or_read_the_servers_statistics(server)
 
 @needs_pytriton
 @pytest.mark.slow
-def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_artifact, tmp_path, eager):
+def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_artifact, tiny_config, tmp_path,
+                                                                            eager):
     """--remote with a password in the URL: the tier is attached (a scored user reaches it, with the
     password), and neither the model's config nor the workspace's repository holds the password."""
     from tests.redis_server import RedisServer, Resp, need_redis
@@ -555,7 +556,7 @@ def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_
         served = Served(tiny_artifact, free_ports(), tmp_path, "--remote", url, "--remote-write", "after_batch",
                         verbose=True)
         served.wait_ready()
-        user = random_user(tiny_config_model(tiny_artifact), torch.Generator().manual_seed(4), 777, 6, 3)
+        user = random_user(tiny_config.model, torch.Generator().manual_seed(4), 777, 6, 3)
         client = Client("http", served.ports, "hstu-tiny")
         try:
             np.testing.assert_allclose(client.infer(user_arrays(user)), eager([user])[0], rtol=0, atol=ATOL)
@@ -583,12 +584,6 @@ def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_
         if served is not None and served.process.poll() is None:
             served.terminate()
         redis_server.stop()
-
-
-def tiny_config_model(artifact: Path):
-    from kvexport.artifact import open_artifact
-
-    return open_artifact(artifact).config.model
 
 
 @needs_pytriton

@@ -260,15 +260,15 @@ constexpr int64_t kInlineWork = 1 << 18;
 bool runs_alone(int64_t work) { return kernel_threads() <= 1 || work < kInlineWork || at::in_parallel_region(); }
 
 // Runs body(i) for i in [0, total) on the calling thread plus up to kernel_threads() - 1 OpenMP
-// threads (on the calling thread alone where runs_alone(work)). Items are claimed one by one from
+// threads (on the calling thread alone when `alone`, runs_alone's answer for the call). Items are claimed one by one from
 // a shared counter rather than split in fixed halves, so a thread that the OS does not schedule (a
 // busy host) delays the call by at most the item it holds, not by its whole share, and causal
 // users' unequal tiles balance. Items are claimed from the end, where a user's costliest tiles
 // are, so the last ones claimed are the cheap ones.
 template <typename F>
-void for_each_item(int64_t total, int64_t work, const F& body) {
+void for_each_item(int64_t total, bool alone, const F& body) {
   const int64_t threads = std::min<int64_t>(kernel_threads(), total);
-  if (threads <= 1 || runs_alone(work)) {
+  if (threads <= 1 || alone) {
     for (int64_t i = total - 1; i >= 0; --i) body(i);
     return;
   }
@@ -302,11 +302,11 @@ class Attention {
         cache_(cache.data_ptr<scalar_t>()), pages_(page_table.data_ptr<int64_t>()),
         users_(row_user.data_ptr<int64_t>()), keys_(row_keys.data_ptr<int64_t>()),
         candidate_(row_candidate.data_ptr<bool>()), out_(out.data_ptr<scalar_t>()),
-        attend_block_(attend_block_for(head_dim_)), work_(total_work(q.size(0))),
-        tiles_(user_tiles(users_, q.size(0), runs_alone(work_) ? kAloneTileRows : kTileRows)) {}
+        attend_block_(attend_block_for(head_dim_)), alone_(runs_alone(total_work(q.size(0)))),
+        tiles_(user_tiles(users_, q.size(0), alone_ ? kAloneTileRows : kTileRows)) {}
 
   void run() const {
-    for_each_item(static_cast<int64_t>(tiles_.size()) * num_heads_, work_, [&](int64_t pair) { attend(pair); });
+    for_each_item(static_cast<int64_t>(tiles_.size()) * num_heads_, alone_, [&](int64_t pair) { attend(pair); });
   }
 
  private:
@@ -375,7 +375,7 @@ class Attention {
   const bool* candidate_;
   scalar_t* out_;
   const AttendBlock attend_block_;
-  const int64_t work_;
+  const bool alone_;  // the call runs on the calling thread (runs_alone), in kAloneTileRows tiles
   const std::vector<Tile> tiles_;
 };
 

@@ -31,14 +31,12 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from kvexport.artifact import open_artifact
+from kvexport.artifact import Artifact, open_artifact
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
-from kvexport.serving.signature import CANDIDATE_IDS, CONTEXT_IDS, INPUT_NAMES, ITEM_IDS, LOGITS, USER_ID
+from kvexport.serving.signature import serving_signature
 
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
-# The inputs whose length differs between users: Triton concatenates them when it batches.
-RAGGED = (ITEM_IDS, "action_ids", CANDIDATE_IDS)
 # One intra-op thread per instance: a server's concurrency comes from batching and instances, and
 # torch's default (one thread per core) only spins. hstu-tiny in one process, 2 cores: 1.11 ms of CPU
 # per user at batch 1 with 2 threads, 0.58 ms with 1, for the same 0.56 ms of wall time.
@@ -70,21 +68,29 @@ def _quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _tensor_config(spec: dict, is_input: bool) -> str:
+    """One tensor of the serving signature (kvexport.serving.signature) as Triton declares it: the
+    batch dimension (the signature's leading 1) left out, a per-user length ("h", "T") as -1. An
+    input with such a length is ragged: Triton concatenates it when it batches users."""
+    dims = [-1 if isinstance(d, str) else d for d in spec["shape"][1:]]
+    ragged = is_input and -1 in dims
+    return (f'  {{ name: "{spec["name"]}" data_type: TYPE_{spec["datatype"]} dims: [ {", ".join(map(str, dims))} ]'
+            f'{" allow_ragged_batch: true" if ragged else ""} }}')
+
+
 def model_config(name: str, max_batch_size: int, num_contextual_features: int, num_tasks: int, device: str,
                  instances: int, parameters: dict[str, str] | None = None, batching: bool = True) -> str:
     """config.pbtxt of the repository's model (Triton's text protobuf); without batching, one user
     per model execution (max_batch_size 1, no dynamic batcher)."""
-    dims = {USER_ID: "[ 1 ]", CONTEXT_IDS: f"[ {num_contextual_features} ]"}
-    inputs = ",\n".join(
-        f'  {{ name: "{n}" data_type: TYPE_INT64 dims: {dims.get(n, "[ -1 ]")}'
-        f'{" allow_ragged_batch: true" if n in RAGGED else ""} }}' for n in INPUT_NAMES)
+    signature = serving_signature(name, num_contextual_features, num_tasks)
+    inputs = ",\n".join(_tensor_config(spec, True) for spec in signature["inputs"])
     kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
     lines = [
         f'name: "{name}"',
         'backend: "python"',
         f"max_batch_size: {max_batch_size if batching else 1}",
         f"input [\n{inputs}\n]",
-        f'output [\n  {{ name: "{LOGITS}" data_type: TYPE_FP32 dims: [ -1, {num_tasks} ] }}\n]',
+        f"output [\n{_tensor_config(signature['output'], False)}\n]",
         *(["dynamic_batching { }"] if batching else []),
         f"instance_group [ {{ kind: {kind} count: {instances} }} ]",
     ]
@@ -93,14 +99,14 @@ def model_config(name: str, max_batch_size: int, num_contextual_features: int, n
     return "\n".join(lines) + "\n"
 
 
-def write_repository(out: Path, repo: Path, name: str | None = None, instances: int = 1,
+def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, instances: int = 1,
                      python_path: Sequence[str] = (), batching: bool = True, remote: Remote | None = None,
                      copy_artifact: bool = True, threads: int = DEFAULT_THREADS) -> Path:
-    """Writes the repository for the artifact OUT; returns the model's directory. copy_artifact=False
-    names OUT (resolved) in the `artifact` parameter instead of copying it, and leaves the check of
-    its files to the model's load (which checks them anyway). threads: each instance's intra-op CPU
-    threads."""
-    artifact = open_artifact(out)
+    """Writes the repository for the artifact OUT (a path or an opened Artifact); returns the
+    model's directory. copy_artifact=False names OUT (resolved) in the `artifact` parameter instead
+    of copying it, and leaves the check of its files to the model's load (which checks them
+    anyway). threads: each instance's intra-op CPU threads."""
+    artifact = out if isinstance(out, Artifact) else open_artifact(out)
     if copy_artifact:
         from kvexport.trace.verify import check_integrity  # imports torch: not when the CLI starts
 

@@ -206,9 +206,9 @@ class Server:
                 with os.fdopen(fd, "w") as file:
                     file.write(password)
             remote = Remote(url, self.remote_write, password_file)
-        model = write_repository(self.out, self.workspace / "repository", batching=self.batching, remote=remote,
-                                 python_path=site.getsitepackages(), copy_artifact=False, threads=self.threads)
         artifact = open_artifact(self.out)
+        model = write_repository(artifact, self.workspace / "repository", batching=self.batching, remote=remote,
+                                 python_path=site.getsitepackages(), copy_artifact=False, threads=self.threads)
         self.model_name = model.name
         self.max_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
         self._device = artifact.manifest.get("device", artifact.config.serving.device)
