@@ -25,17 +25,21 @@ if TYPE_CHECKING:
 
 
 def load(out: "str | Path | Artifact", device: "torch.device | str | None" = None, *,
-         check_files: bool = True, remote: "str | None" = None, remote_write: str = "on_evict") -> "Package":
+         check_files: bool = True, remote: "str | None" = None, remote_write: str = "on_evict",
+         step_program: bool = True, cuda_graphs: bool = True) -> "Package":
     """Loads a built artifact directory (`kvexport build -o OUT`) and returns its `Package`.
 
     device: None runs it on the device it was built for; any other device raises UserError.
     check_files: check every file's sha256 and the manifest against the package first (as
     `kvexport verify`). remote: a shared remote KV tier, "redis://[[user]:password@]host[:port][/db]";
-    remote_write: "on_evict" or "after_batch". See kvexport.package_api.load.
+    remote_write: "on_evict" or "after_batch". step_program: score through the artifact's step.pt2
+    when it has one (CUDA packages), cuda_graphs: replay it as CUDA graphs. See
+    kvexport.package_api.load.
     """
     from kvexport.package_api import load as _load
 
-    return _load(out, device, check_files=check_files, remote=remote, remote_write=remote_write)
+    return _load(out, device, check_files=check_files, remote=remote, remote_write=remote_write,
+                 step_program=step_program, cuda_graphs=cuda_graphs)
 
 
 def __getattr__(name: str):

@@ -1,6 +1,7 @@
 """The artifact directory written by `kvexport build`, and its manifest.
 
     OUT/model.pt2        AOTInductor package (metadata inside)
+    OUT/step.pt2         the request's device part alone, for CUDA graphs (CUDA packages; optional)
     OUT/lib/             the op library the package calls
     OUT/trace/           recorded requests + expected outputs, step_NNNN.pt (+ step_NNNN.reference.pt)
     OUT/manifest.json    config, signature, dims, tolerances, versions, timings, sha256 of every file
@@ -34,6 +35,7 @@ MANIFEST = CONTRACT["manifest"]
 PACKAGE = CONTRACT["package"]
 FORMAT_VERSION = CONTRACT["format_version"]
 TRACE_DIR = "trace"
+STEP_PACKAGE = "step.pt2"
 LIB_DIR = "lib"
 
 
@@ -68,6 +70,11 @@ class Artifact:
     @property
     def package(self) -> Path:
         return self.root / PACKAGE
+
+    @property
+    def step_package(self) -> Path | None:
+        """The step program (docs/design.md 3.9), when the artifact has one."""
+        return self.root / STEP_PACKAGE if "step_program" in self.manifest else None
 
     @property
     def trace_steps(self) -> list[dict[str, Any]]:

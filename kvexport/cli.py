@@ -472,12 +472,16 @@ def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> 
 @click.option("--device", type=click.Choice(["cpu", "cuda"]),
               help="Device the package runs on (default: the config's serving.device).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--step-program/--no-step-program", default=None,
+              help="Also compile step.pt2, the request's device part that kvexport's hosts replay as CUDA "
+                   "graphs (default: for CUDA packages only).")
 @_handle_errors
-def build(config: Path, out: Path, checkpoint: Path | None, device: str | None, force: bool) -> None:
+def build(config: Path, out: Path, checkpoint: Path | None, device: str | None, force: bool,
+          step_program: bool | None) -> None:
     """Export CONFIG's KV-cached model to OUT/ (model.pt2, lib/, trace/, manifest.json)."""
     from kvexport.export.build import build_artifact
 
-    build_artifact(config, out, checkpoint=checkpoint, device=device, force=force)
+    build_artifact(config, out, checkpoint=checkpoint, device=device, force=force, step_program=step_program)
 
 
 @main.command()
@@ -649,16 +653,20 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
 @atol_option
 @rtol_option
 @remote_options
+@click.option("--route", type=click.Choice(["model", "step", "graphs"]), default="model", show_default=True,
+              help="model: model.pt2 runs each whole request (as plain hosts do); step: the harness plans each "
+                   "request and runs step.pt2; graphs: step.pt2 replayed as CUDA graphs (GPU artifacts).")
 @_handle_errors
 def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: float | None,
-           rtol: float | None, remote: str | None, remote_write: str, remote_password_file: Path | None) -> None:
+           rtol: float | None, remote: str | None, remote_write: str, remote_password_file: Path | None,
+           route: str) -> None:
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
     from kvexport.replay import run_replay
 
     if remote_password_file is not None:
         _remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
     sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
-                        remote_password_file=remote_password_file))
+                        remote_password_file=remote_password_file, route=route))
 
 
 @main.command()

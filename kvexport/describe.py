@@ -54,6 +54,7 @@ def describe(target: Path) -> dict:
             "versions": manifest["versions"],
             "tolerance": manifest["tolerance"],
             "trace_steps": len(manifest["trace"]["steps"]),
+            "step_program": manifest.get("step_program"),
             "timings_seconds": manifest.get("timings_seconds", {}),
             "artifact_bytes": sum((target / rel).stat().st_size for rel in manifest["files"]
                                   if (target / rel).is_file()) + (target / MANIFEST).stat().st_size,

@@ -32,6 +32,7 @@ from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
 from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy, redact_url
+from kvexport.step_runner import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class Package:
     """
 
     def __init__(self, artifact: Artifact, device: torch.device | str | None = None, *,
-                 check_files: bool = False, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY):
+                 check_files: bool = False, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
+                 step_program: bool = True, cuda_graphs: bool = True):
         self.artifact = artifact
         self._device = _resolve_device(artifact, device)
         check_write_policy(remote_write)
@@ -108,6 +110,15 @@ class Package:
             check_manifest_against_package(artifact, metadata)
         # The runtime config travels inside the package, as every host reads it.
         kv.create_runtime(artifact.runtime_name, metadata["kvexport.runtime_config"], self._device)
+        self._step = None
+        if step_program and artifact.step_package is not None:
+            try:
+                self._step = StepRunner(artifact.step_package, self._device, cuda_graphs=cuda_graphs)
+            except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
+                raise UserError(f"cannot load {artifact.step_package}: {first_line(exc)}") from exc
+            if self._step.runtime_name != artifact.runtime_name:
+                raise UserError(f"{artifact.step_package} is not this artifact's step program (its runtime is "
+                                f"{self._step.runtime_name}, the package's {artifact.runtime_name})")
         self._remote = _attach_remote(artifact.runtime_name, remote, remote_write) if remote is not None else None
         self._state = threading.Condition()
         self._in_flight = 0
@@ -154,6 +165,11 @@ class Package:
     def path(self) -> Path:
         """The artifact directory."""
         return self.artifact.root
+
+    @property
+    def cuda_graphs(self) -> int:
+        """CUDA graphs of the step program captured and kept (0 without a step program or a GPU)."""
+        return self._step.num_graphs if self._step is not None else 0
 
     @property
     def closed(self) -> bool:
@@ -248,7 +264,7 @@ class Package:
             log.warning("remote tier %s: writes still queued after %d ms were dropped", self._remote,
                         FLUSH_TIMEOUT_MS)
         kv.drop_runtime(self.runtime_name)
-        self._compiled = None
+        self._compiled = self._step = None
 
     def __enter__(self) -> "Package":
         return self
@@ -270,8 +286,10 @@ class Package:
 
     def _run(self, batch: Batch) -> torch.Tensor:
         try:
+            if self._step is not None:
+                return self._step.run(batch)
             return self._compiled(*batch.tensors())
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # ValueError: the step path's host ops refused it
             # Why comes from the runtime, never from the exception's text (it differs between torch versions).
             code, message = kv.last_error(self.runtime_name)
             if code == "ok":
@@ -332,7 +350,8 @@ class _InFlight:
 
 
 def load(out: str | Path | Artifact, device: torch.device | str | None = None, *,
-         check_files: bool = True, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY) -> Package:
+         check_files: bool = True, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
+         step_program: bool = True, cuda_graphs: bool = True) -> Package:
     """Loads a built artifact directory (`kvexport build -o OUT`) into this process.
 
     device: None runs the package on the device it was built for (the manifest's, e.g. "cuda");
@@ -352,7 +371,13 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
     (`Package.remote` is None). Read budget and entry expiry are the config's
     kv_cache.remote_read_budget_us and remote_ttl_s.
 
+    step_program: score through the artifact's step.pt2 when it has one (CUDA packages by default;
+    docs/design.md 3.9): the host plans each request and runs the device part on its own, on a GPU
+    as a CUDA graph captured per bucket of sizes when cuda_graphs (at most
+    kvexport.step_runner.MAX_GRAPHS kept). False: model.pt2 runs the whole request, as plain hosts do.
+
     Loading empties the cache runtime of any other copy of the same package in this process.
     """
     artifact = out if isinstance(out, Artifact) else open_artifact(out)
-    return Package(artifact, device, check_files=check_files, remote=remote, remote_write=remote_write)
+    return Package(artifact, device, check_files=check_files, remote=remote, remote_write=remote_write,
+                   step_program=step_program, cuda_graphs=cuda_graphs)

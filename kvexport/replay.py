@@ -43,10 +43,11 @@ def library_flags(required: list[str]) -> list[str]:
 
 def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
                    atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
-                   remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None) -> list[str]:
+                   remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None,
+                   route: str = "model") -> list[str]:
     artifact = open_artifact(out)
     command = [str(harness()), "--artifact", str(artifact.root), *library_flags(artifact.required_libraries),
-               "--repeat", str(repeat), "--threads", str(threads)]
+               "--repeat", str(repeat), "--threads", str(threads), "--route", route]
     if json_path is not None:
         command += ["--json", str(json_path)]
     if atol is not None:
@@ -62,14 +63,17 @@ def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, th
 
 def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
                atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
-               remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None) -> int:
+               remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None,
+               route: str = "model") -> int:
     """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable).
 
     remote, remote_write: the harness shares user caches through that remote tier (--remote URL);
-    remote_password_file: a file holding its password, which the harness reads itself.
+    remote_password_file: a file holding its password, which the harness reads itself. route:
+    "model" (model.pt2, as plain hosts run it), "step" (step.pt2 after planning on the host) or
+    "graphs" (step.pt2 as CUDA graphs; docs/design.md 3.9).
     """
     if repeat < 1 or threads < 1:
         raise UserError("--repeat and --threads must be >= 1")
     command = replay_command(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
-                             remote_password_file=remote_password_file)
+                             remote_password_file=remote_password_file, route=route)
     return subprocess.run(command).returncode

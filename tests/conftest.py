@@ -70,6 +70,15 @@ def tiny_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
     return build_artifact(TINY, out, checkpoint=tiny_checkpoint)
 
 
+@pytest.fixture(scope="session")
+def step_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The tiny package with its step program (step.pt2), built for the CPU."""
+    from kvexport.export.build import build_artifact
+
+    out = tmp_path_factory.mktemp("step") / "hstu-tiny"
+    return build_artifact(TINY, out, checkpoint=tiny_checkpoint, step_program=True)
+
+
 @pytest.fixture
 def artifact_copy(tiny_artifact, tmp_path) -> Path:
     """A private copy of the shared artifact, for tests that damage it."""

@@ -44,7 +44,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def _fake_write_artifact(config, staging, checkpoint, device):
+def _fake_write_artifact(config, staging, checkpoint, device, step_program):
     (staging / "manifest.json").write_text("{}")
 
 
@@ -113,8 +113,8 @@ def test_stale_staging_is_removed_and_live_staging_kept(tmp_path, monkeypatch):
 def test_output_that_appears_during_the_build_is_not_replaced(tmp_path, monkeypatch):
     out = tmp_path / "out"
 
-    def someone_else_creates_out(config, staging, checkpoint, device):
-        _fake_write_artifact(config, staging, checkpoint, device)
+    def someone_else_creates_out(config, staging, checkpoint, device, step_program):
+        _fake_write_artifact(config, staging, checkpoint, device, step_program)
         out.mkdir()  # an empty directory: the one thing a plain rename would silently replace
 
     monkeypatch.setattr(build, "_write_artifact", someone_else_creates_out)

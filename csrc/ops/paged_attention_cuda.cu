@@ -59,6 +59,7 @@ struct Params {
   int64_t rows, max_pages;
   int heads, head_dim, page_size;
   int chunks, chunk_keys;  // chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys); the last one all the rest
+  int64_t split_tiles;     // host only: the tiles that hold rows, for sizing the split over keys
   float alpha, inv_scaling;
 };
 
@@ -549,7 +550,7 @@ void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor&
   // Split the keys so that (tiles x heads x chunks) blocks fill one wave of resident blocks
   // (a partial second wave would cost a whole block's time), with chunks of at least
   // kMinChunkKeys keys. Enough tiles alone (large batches) need no split and no workspace.
-  const int64_t work = num_tiles * p.heads;
+  const int64_t work = p.split_tiles * p.heads;
   int64_t chunks = std::clamp<int64_t>(slots / work, 1, std::max<int64_t>(1, max_keys / kMinChunkKeys));
   const int64_t per_chunk = (std::max<int64_t>(max_keys, 1) + chunks - 1) / chunks;
   const int64_t chunk_keys = (per_chunk + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
@@ -625,7 +626,8 @@ at::Tensor dense_rows(const at::Tensor& t) {
 at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                 const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& row_keys,
                                 const at::Tensor& row_candidate, const at::Tensor& row_order, const at::Tensor& tiles,
-                                int64_t max_keys, int64_t max_tile_rows, double alpha, double inv_scaling_seqlen) {
+                                int64_t max_keys, int64_t max_tile_rows, int64_t split_tiles, double alpha,
+                                double inv_scaling_seqlen) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.sizes() == k_in.sizes() && q_in.sizes() == v_in.sizes(), "paged_attention: q ",
               q_in.sizes(), ", k ", k_in.sizes(), ", v ", v_in.sizes(), " must be equal [N, H, dh]");
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(3) == q_in.size(1) &&
@@ -697,6 +699,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   p.alpha = float(alpha);
   p.inv_scaling = float(inv_scaling_seqlen);
   const int64_t num_tiles = tiles.size(0);
+  p.split_tiles = split_tiles > 0 ? std::min(split_tiles, num_tiles) : num_tiles;
 
   // The tensor-core kernel reads q/k/v in pairs (4-byte aligned rows) and the cache in 16-byte pieces.
   const bool pairs_aligned = aligned(p.q, 4) && aligned(p.k, 4) && aligned(p.v, 4) && p.q_stride % 2 == 0 &&
@@ -765,7 +768,7 @@ at::Tensor hstu_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, c
                               row_keys.to(at::kLong).contiguous(), row_candidate.to(at::kBool).contiguous(),
                               uploaded.narrow(0, 0, num_rows), uploaded.narrow(0, num_rows, uploaded.size(0) - num_rows)
                                                                    .view({-1, 3}),
-                              max_keys, max_tile_rows, alpha, inv_scaling_seqlen);
+                              max_keys, max_tile_rows, /*split_tiles=*/0, alpha, inv_scaling_seqlen);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <chrono>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -43,6 +44,20 @@ void release_batch(const std::string& runtime) {
   }
 }
 
+// An op of a request whose earlier op failed. torch 2.11's CUDA AOTInductor packages do not check a
+// custom op's error code (their CPU packages and torch 2.13's do): the package goes on, and the
+// next ops get the failed op's outputs as undefined tensors. Such an op fails too, but leaves the
+// first failure's code and message in last_error, where hosts read why the request failed.
+struct AfterFailure : std::runtime_error {
+  AfterFailure() : std::runtime_error("an earlier op of this request failed (kvexport::last_error says why)") {}
+};
+
+void require_defined(std::initializer_list<const at::Tensor*> inputs) {
+  for (const auto* t : inputs) {
+    if (!t->defined()) throw AfterFailure();
+  }
+}
+
 // Every op of a request runs through here: a failure is recorded for kvexport::last_error
 // (hosts read why a request failed there, never from exception text), the request's batch is
 // released, and the error surfaces as one catchable exception (ValueError for the request's own
@@ -51,6 +66,9 @@ template <typename F>
 auto request_op(const std::string& runtime, F&& f) {
   try {
     return f();
+  } catch (const AfterFailure& e) {
+    release_batch(runtime);
+    TORCH_CHECK(false, e.what());
   } catch (const RequestError& e) {
     runtime::record_last_error(runtime, e.code(), e.what());
     release_batch(runtime);
@@ -88,42 +106,97 @@ RequestTensors check_request_op(const std::string& name, const std::string& limi
   });
 }
 
+// A 1-D int64 host tensor's values, read in place (the request's token ids are its largest tensor);
+// `keep` holds the contiguous tensor they belong to.
+c10::ArrayRef<int64_t> values_in_place(const char* what, const at::Tensor& host, at::Tensor& keep) {
+  check_kind(what, host, 1);
+  keep = host.contiguous();
+  return {keep.const_data_ptr<int64_t>(), static_cast<size_t>(keep.numel())};
+}
+
 at::Tensor begin_batch(const std::string& name, const std::string& config, const at::Tensor& user_ids,
                        const at::Tensor& token_ids, const at::Tensor& token_lengths,
                        const at::Tensor& num_candidates, const at::Tensor& placement) {
   return request_op(name, [&] {
+    require_defined({&user_ids, &token_ids, &token_lengths, &num_candidates});
     auto rt = runtime::get_or_create_runtime(name, config, placement.device());
     check_kind("user_ids", user_ids, 1);
-    check_kind("token_ids", token_ids, 1);
     check_kind("token_lengths", token_lengths, 1);
     check_kind("num_candidates", num_candidates, 1);
-    const auto tokens = token_ids.contiguous();  // read in place: the request's largest tensor
-    auto planned = rt->begin_batch(values_of(user_ids.contiguous()),
-                                   {tokens.const_data_ptr<int64_t>(), static_cast<size_t>(tokens.numel())},
+    at::Tensor tokens;
+    auto planned = rt->begin_batch(values_of(user_ids.contiguous()), values_in_place("token_ids", token_ids, tokens),
                                    values_of(token_lengths.contiguous()), values_of(num_candidates.contiguous()));
     if (rt->device().is_cpu()) begin_request_threads(planned.num_rows);
     return planned.new_tokens;
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> begin_step(const std::string& name, const std::string& config,
+                                              const at::Tensor& user_ids, const at::Tensor& token_ids,
+                                              const at::Tensor& token_lengths, const at::Tensor& num_candidates,
+                                              const at::Tensor& candidate_ids, const at::Tensor& placement,
+                                              int64_t max_prefix_length) {
+  return request_op(name, [&] {
+    auto rt = runtime::get_or_create_runtime(name, config, placement.device());
+    check_kind("user_ids", user_ids, 1);
+    check_kind("token_lengths", token_lengths, 1);
+    check_kind("num_candidates", num_candidates, 1);
+    at::Tensor tokens, candidates;
+    auto step = rt->begin_step(values_of(user_ids.contiguous()), values_in_place("token_ids", token_ids, tokens),
+                               values_of(token_lengths.contiguous()), values_of(num_candidates.contiguous()),
+                               values_in_place("candidate_ids", candidate_ids, candidates), max_prefix_length);
+    if (rt->device().is_cpu()) begin_request_threads(step.layout.rows());
+    return std::make_tuple(step.staged, at::tensor(step.layout.to_vector(), at::kLong));
+  });
+}
+
 std::vector<at::Tensor> upload_op(const std::string& name, at::TensorList host, const at::Tensor& placement) {
-  return request_op(name, [&] { return upload(host, placement.device()); });
+  return request_op(name, [&] {
+    for (const auto& t : host) require_defined({&t});
+    return upload(host, placement.device());
+  });
 }
 
 at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, double alpha, double inv_scaling_seqlen) {
   return request_op(name, [&] {
+    require_defined({&q, &k, &v});
     return runtime::find_runtime(name)->with_layer(
         layer, k, v, [&](const runtime::BatchPlan& plan, const at::Tensor& layer_cache) {
 #ifdef KVEXPORT_WITH_CUDA
           if (q.is_cuda()) {
             return paged_attention_cuda(q, k, v, layer_cache, plan.page_table, plan.row_keys, plan.row_candidate,
-                                        plan.row_order, plan.tiles, plan.max_row_keys, plan.max_tile_rows, alpha,
-                                        inv_scaling_seqlen);
+                                        plan.row_order, plan.tiles, plan.max_row_keys, plan.max_tile_rows,
+                                        /*split_tiles=*/0, alpha, inv_scaling_seqlen);
           }
 #endif
           return paged_attention_cpu(q, k, v, layer_cache, plan.page_table, plan.row_user, plan.row_keys,
                                      plan.row_candidate, alpha, inv_scaling_seqlen);
+        });
+  });
+}
+
+at::Tensor paged_attention_step(const std::string& name, int64_t layer, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v, const at::Tensor& page_table, const at::Tensor& row_user,
+                                const at::Tensor& row_keys, const at::Tensor& row_candidate,
+                                const at::Tensor& write_slots, const at::Tensor& value_slots,
+                                const at::Tensor& row_order, const at::Tensor& tiles, int64_t max_keys, double alpha,
+                                double inv_scaling_seqlen) {
+  return request_op(name, [&] {
+    return runtime::find_runtime(name)->with_step_layer(
+        layer, k, v, write_slots, value_slots, [&](const at::Tensor& layer_cache) {
+          const auto candidate = row_candidate.ne(0);
+#ifdef KVEXPORT_WITH_CUDA
+          if (q.is_cuda()) {
+            // The bucket's tiles run past the batch's; a user of up to kAttentionTileRows rows (the
+            // common case) is one tile, so the split over keys is sized for one tile per user slot.
+            return paged_attention_cuda(q, k, v, layer_cache, page_table, row_keys, candidate, row_order, tiles,
+                                        max_keys, runtime::kAttentionTileRows, page_table.size(0), alpha,
+                                        inv_scaling_seqlen);
+          }
+#endif
+          return paged_attention_cpu(q, k, v, layer_cache, page_table, row_user, row_keys, candidate, alpha,
+                                     inv_scaling_seqlen);
         });
   });
 }
@@ -133,6 +206,7 @@ at::Tensor paged_attention(const std::string& name, int64_t layer, const at::Ten
 // moved an end_batch ordered only by its ORDERED effect before begin_batch.)
 void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Tensor& after) {
   request_op(name, [&] {
+    require_defined({&user_ids, &after});
     check_kind("user_ids", user_ids, 1);
     runtime::find_runtime(name)->end_batch(values_of(user_ids.contiguous()));
     end_request_threads();
@@ -249,6 +323,17 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "
         "float inv_scaling_seqlen) -> Tensor");
   m.def("end_batch(str runtime, Tensor user_ids, Tensor after) -> ()");
+  // A step program's request (docs/design.md 3.9): the host calls check_request, then begin_step,
+  // which plans like begin_batch and returns, on the host, the step program's inputs and plan in
+  // one buffer (padded to buckets) and its layout [candidate rows, prefix rows, users,
+  // pages per user, tiles, real candidates]; the step program runs paged_attention_step per layer
+  // with that plan as tensors (fixed addresses, so a CUDA graph can replay it); end_batch commits.
+  m.def("begin_step(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
+        "Tensor num_candidates, Tensor candidate_ids, Tensor placement, int max_prefix_length) -> "
+        "(Tensor, Tensor)");
+  m.def("paged_attention_step(str runtime, int layer, Tensor q, Tensor k, Tensor v, Tensor page_table, "
+        "Tensor row_user, Tensor row_keys, Tensor row_candidate, Tensor write_slots, Tensor value_slots, "
+        "Tensor row_order, Tensor tiles, int max_keys, float alpha, float inv_scaling_seqlen) -> Tensor");
   // Management (eager only, never in an exported graph).
   m.def("create_runtime(str runtime, str config, Device device) -> ()");
   m.def("abort_batch(str runtime) -> ()");
@@ -281,6 +366,8 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
   m.impl("begin_batch", &begin_batch);
   m.impl("paged_attention", &paged_attention);
   m.impl("end_batch", &end_batch);
+  m.impl("begin_step", &begin_step);
+  m.impl("paged_attention_step", &paged_attention_step);
   m.impl("hstu_paged_attention", &paged_attention_cpu);
 }
 
@@ -296,6 +383,8 @@ TORCH_LIBRARY_IMPL(kvexport, CUDA, m) {
   m.impl("begin_batch", &begin_batch);
   m.impl("paged_attention", &paged_attention);
   m.impl("end_batch", &end_batch);
+  m.impl("begin_step", &begin_step);
+  m.impl("paged_attention_step", &paged_attention_step);
 }
 #endif
 

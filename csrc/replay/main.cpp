@@ -2,8 +2,12 @@
 // Python, and compares every step with the eager model's cached and full-recompute outputs.
 //
 //   kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE]
-//                   [--repeat N] [--threads N] [--hostile FILE]
+//                   [--repeat N] [--threads N] [--hostile FILE] [--route model|step|graphs]
 //                   [--remote URL [--remote-write POLICY] [--remote-password-file FILE]]
+//
+// --route: model (default) runs model.pt2, which plans and runs each whole request, as plain hosts
+// do; step plans each request on the host and runs the artifact's step.pt2 (docs/design.md 3.9);
+// graphs does too, on a GPU as one CUDA graph per bucket.
 //
 // --hostile FILE: a torch.save'd list of requests (dicts of tensors) the package must refuse;
 // each thread sends all of them before every trace step, and each must fail with the runtime's
@@ -41,9 +45,11 @@
 
 #include "replay/artifact.h"
 #include "replay/isa.h"
+#include "replay/ops.h"
 #include "replay/requests.h"
 #include "replay/shared_objects.h"
 #include "replay/stderr_filter.h"
+#include "replay/step_scorer.h"
 
 namespace kvexport::replay {
 namespace {
@@ -59,6 +65,7 @@ struct Options {
   std::optional<std::string> remote;
   std::optional<fs::path> remote_password_file;
   std::string remote_write = "on_evict";
+  std::string route = "model";
 };
 
 // How long the harness waits at the end for the remote tier's queued writes (kvexport.remote.FLUSH_TIMEOUT_MS).
@@ -66,7 +73,7 @@ constexpr int64_t kRemoteFlushTimeoutMs = 5000;
 
 const char* kUsage =
     "usage: kvexport_replay --artifact OUT [--library PATH]... [--atol X] [--rtol X] [--json FILE] "
-    "[--repeat N] [--threads N] [--hostile FILE] "
+    "[--repeat N] [--threads N] [--hostile FILE] [--route model|step|graphs] "
     "[--remote URL [--remote-write POLICY] [--remote-password-file FILE]]";
 
 Options parse_options(int argc, char** argv) {
@@ -103,11 +110,15 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--remote") o.remote = value(i);
     else if (flag == "--remote-write") o.remote_write = value(i);
     else if (flag == "--remote-password-file") o.remote_password_file = fs::path(value(i));
+    else if (flag == "--route") o.route = value(i);
     else if (flag == "--help" || flag == "-h") throw ReplayError(kPass, kUsage);
     else throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
   }
   if (o.artifact.empty()) throw ReplayError(kUnusable, std::string("--artifact is required\n") + kUsage);
   if (o.remote_password_file && !o.remote) throw ReplayError(kUnusable, "--remote-password-file needs --remote URL");
+  if (o.route != "model" && o.route != "step" && o.route != "graphs") {
+    throw ReplayError(kUnusable, "--route must be model, step or graphs, got " + o.route);
+  }
   return o;
 }
 
@@ -131,16 +142,6 @@ void load_libraries(const Manifest& manifest, const Options& options) {
   }
 }
 
-// An op the loaded library lacks means a library of another kvexport version: one line, exit 2.
-std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> args) {
-  const auto op = c10::Dispatcher::singleton().findSchema({name, ""});
-  if (!op) {
-    throw ReplayError(kUnusable, std::string("the op library is of another kvexport version (it lacks ") + name +
-                                     "): rebuild the artifact with this kvexport");
-  }
-  op->callBoxed(&args);
-  return args;
-}
 
 // Counter names come from the op library, which owns them.
 std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
@@ -336,10 +337,10 @@ std::vector<LoadedStep> load_trace(const Manifest& manifest, const std::vector<s
 
 // A request recorded as failing passes when the package refuses it with the expected error code
 // (read from the runtime: the exception's text differs between torch versions).
-bool expect_failure(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
-                    const std::vector<at::Tensor>& inputs, const std::string& expected_code) {
+bool expect_failure(Scorer& scorer, const std::string& runtime, const std::vector<at::Tensor>& inputs,
+                    const std::string& expected_code) {
   try {
-    loader.run(inputs);
+    scorer.score(inputs);
   } catch (const std::exception&) {
     return last_error(runtime).first == expected_code;
   }
@@ -347,10 +348,9 @@ bool expect_failure(torch::inductor::AOTIModelPackageLoader& loader, const std::
 }
 
 // A trace request the package must serve; a refusal is reported with the runtime's reason.
-at::Tensor run_step(torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime, size_t index,
-                    const LoadedStep& step) {
+at::Tensor run_step(Scorer& scorer, const std::string& runtime, size_t index, const LoadedStep& step) {
   try {
-    return loader.run(step.inputs).at(0);
+    return scorer.score(step.inputs);
   } catch (const std::exception&) {
     const auto [code, message] = last_error(runtime);
     throw ReplayError(kMismatch, "step " + std::to_string(index) + " was refused (" + code + "): " + message);
@@ -371,7 +371,7 @@ std::vector<std::vector<at::Tensor>> load_hostile(const fs::path& path, const st
 }
 
 struct Replay {
-  torch::inductor::AOTIModelPackageLoader& loader;
+  Scorer& scorer;
   std::string runtime;
   std::vector<LoadedStep> steps;
   std::vector<std::vector<at::Tensor>> hostile;
@@ -382,14 +382,14 @@ struct Replay {
 int send_hostile(const Replay& replay) {
   int accepted = 0;
   for (const auto& inputs : replay.hostile) {
-    accepted += !expect_failure(replay.loader, replay.runtime, inputs, "invalid_request");
+    accepted += !expect_failure(replay.scorer, replay.runtime, inputs, "invalid_request");
   }
   return accepted;
 }
 
 // Replays the trace `repeat` times from an empty cache; every pass is compared.
 void replay_pass(const Replay& replay, std::vector<StepResult>& results, bool count_cache) {
-  auto& loader = replay.loader;
+  auto& scorer = replay.scorer;
   const auto& runtime = replay.runtime;
   const auto& steps = replay.steps;
   const double atol = replay.atol, rtol = replay.rtol;
@@ -404,14 +404,14 @@ void replay_pass(const Replay& replay, std::vector<StepResult>& results, bool co
     double ms = 0;
     Comparison vs_cached, vs_full, vs_reference;
     if (steps[i].expect_error.empty()) {
-      const auto output = run_step(loader, runtime, i, steps[i]);
+      const auto output = run_step(scorer, runtime, i, steps[i]);
       if (output.is_cuda()) torch::cuda::synchronize(output.get_device());  // as Python times it
       ms = elapsed_ms();
       vs_cached = compare(output, steps[i].expected_cached, atol, rtol);
       vs_full = compare(output, steps[i].expected_full, atol, rtol);
       vs_reference = compare(output, steps[i].expected_reference, atol, rtol);
     } else {
-      vs_cached.passed = expect_failure(loader, runtime, steps[i].inputs, steps[i].expect_error);
+      vs_cached.passed = expect_failure(scorer, runtime, steps[i].inputs, steps[i].expect_error);
       ms = elapsed_ms();
       vs_full = vs_cached;
     }
@@ -500,6 +500,33 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Mani
     }
     throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
   }
+}
+
+// The route's scorer: model.pt2 through `loader`, or the artifact's step.pt2 (loaded here).
+std::unique_ptr<Scorer> make_scorer(const Manifest& manifest, const std::string& route,
+                                    torch::inductor::AOTIModelPackageLoader& loader, const std::string& runtime,
+                                    const c10::Device& device) {
+  if (route == "model") return std::make_unique<ModelScorer>(loader);
+  if (!manifest.json.contains("step_program")) {
+    throw ReplayError(kUnusable, "--route " + route + " needs an artifact with a step program (step.pt2): build it " +
+                                     "with --step-program");
+  }
+  const auto package = manifest.root / "step.pt2";  // listed in the manifest, so its sha256 was checked
+  check_shared_objects(package);
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> step;
+  try {
+    step = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package.string(), "model",
+                                                                     /*run_single_threaded=*/true, 1);
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    throw ReplayError(kUnusable, "cannot load step.pt2: " + what.substr(0, what.find('\n')));
+  }
+  auto scorer = std::make_unique<StepScorer>(std::move(step), device, route == "graphs");
+  if (scorer->runtime() != runtime) {
+    throw ReplayError(kUnusable, "step.pt2 is not this artifact's step program (its runtime is " + scorer->runtime() +
+                                     ", model.pt2's " + runtime + ")");
+  }
+  return scorer;
 }
 
 // Every thread replays the whole trace through the shared loader and runtime. Cache states
@@ -599,7 +626,8 @@ int run(const Options& options) {
                       : *options.remote,
                   options.remote_write);
   }
-  Replay replay{*loader, runtime, load_trace(manifest, signature), {}, atol, rtol};
+  const auto scorer = make_scorer(manifest, options.route, *loader, runtime, device);
+  Replay replay{*scorer, runtime, load_trace(manifest, signature), {}, atol, rtol};
   if (options.hostile) replay.hostile = load_hostile(*options.hostile, signature);
 
   std::vector<StepResult> results(replay.steps.size());

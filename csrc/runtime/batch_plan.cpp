@@ -35,58 +35,163 @@ int64_t widest_tile(const std::vector<int64_t>& tiles) {
   return widest;
 }
 
+namespace {
+
+// A batch's new rows in the runtime's order ([candidates of all users][uncached prefix tokens of
+// all users], users in batch order), as host vectors.
+struct PlanRows {
+  int64_t max_pages = 1;
+  std::vector<int64_t> page_table;  // [B, max_pages]
+  std::vector<int64_t> row_user, row_keys, row_candidate, write_slots;
+  std::vector<int64_t> new_index, new_position;  // of each new prefix row, in the request's tokens
+};
+
+PlanRows collect_rows(const BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
+                      const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                      int64_t page_size, int64_t max_pages) {
+  const auto num_users = static_cast<int64_t>(plan.user_ids.size());
+  PlanRows r;
+  r.max_pages = max_pages;
+  for (auto length : token_lengths) r.max_pages = std::max(r.max_pages, (length + page_size - 1) / page_size);
+  r.page_table.assign(num_users * r.max_pages, 0);
+  for (int64_t b = 0; b < num_users; ++b) {
+    const auto& pages = *user_pages[b];
+    std::copy(pages.begin(), pages.end(), r.page_table.begin() + b * r.max_pages);
+    for (int64_t t = 0; t < num_candidates[b]; ++t) {
+      r.row_user.push_back(b);
+      r.row_keys.push_back(token_lengths[b]);
+      r.row_candidate.push_back(1);
+    }
+  }
+  for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
+    const auto& pages = *user_pages[b];
+    for (int64_t p = plan.cached_lengths[b]; p < token_lengths[b]; ++p) {
+      r.row_user.push_back(b);
+      r.row_keys.push_back(p + 1);
+      r.row_candidate.push_back(0);
+      r.write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
+      r.new_index.push_back(first_token + p);
+      r.new_position.push_back(p);
+    }
+  }
+  return r;
+}
+
+void count_rows(BatchPlan& plan, const PlanRows& r) {
+  plan.num_new_prefix_rows = static_cast<int64_t>(r.write_slots.size());
+  plan.num_candidate_rows = static_cast<int64_t>(r.row_user.size()) - plan.num_new_prefix_rows;
+  plan.max_row_keys = r.row_keys.empty() ? 0 : *std::max_element(r.row_keys.begin(), r.row_keys.end());
+}
+
+// Appends `values`, then `fill` up to `size` values.
+int64_t* put(int64_t* cursor, const int64_t* values, size_t count, int64_t size, int64_t fill) {
+  cursor = std::copy(values, values + count, cursor);
+  return std::fill_n(cursor, size - static_cast<int64_t>(count), fill);
+}
+
+}  // namespace
+
+int64_t bucket_size(int64_t size, int64_t floor) {
+  if (size <= floor) return floor;
+  int64_t octave = floor;
+  while (octave * 2 < size) octave *= 2;
+  const int64_t step = std::max<int64_t>(1, octave / 4);
+  return (size + step - 1) / step * step;
+}
+
+StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
+                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                         c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids,
+                         int64_t page_size, int64_t max_pages_per_user, int64_t trash_slot,
+                         at::Device device) {
+  const auto r = collect_rows(plan, user_pages, token_lengths, num_candidates, page_size, max_pages_per_user);
+  count_rows(plan, r);
+  const auto num_users = static_cast<int64_t>(plan.user_ids.size());
+  StepLayout layout;
+  layout.real_candidates = plan.num_candidate_rows;
+  layout.candidate_rows = bucket_size(plan.num_candidate_rows, kMinStepRows);
+  layout.prefix_rows = bucket_size(plan.num_new_prefix_rows, kMinStepRows);
+  layout.users = bucket_size(num_users, 1);
+  layout.pages_per_user = r.max_pages;
+  // Rows of the candidates' and the prefix part, in the runtime's order, then padding rows (after
+  // the real candidates and after the real prefix rows).
+  std::vector<int64_t> row_index;  // padded row -> real row, or -1
+  row_index.reserve(layout.rows());
+  for (int64_t i = 0; i < layout.candidate_rows; ++i) row_index.push_back(i < plan.num_candidate_rows ? i : -1);
+  for (int64_t i = 0; i < layout.prefix_rows; ++i) {
+    row_index.push_back(i < plan.num_new_prefix_rows ? plan.num_candidate_rows + i : -1);
+  }
+  std::vector<int64_t> row_user(layout.rows(), 0), row_keys(layout.rows(), 0), row_candidate(layout.rows(), 0);
+  std::vector<int64_t> tiled_user;  // real rows only: padding rows belong to no tile
+  std::vector<int64_t> tiled_row;
+  for (int64_t i = 0; i < layout.rows(); ++i) {
+    const int64_t real = row_index[i];
+    if (real < 0) continue;
+    row_user[i] = r.row_user[real];
+    row_keys[i] = r.row_keys[real];
+    row_candidate[i] = r.row_candidate[real];
+    tiled_user.push_back(row_user[i]);
+    tiled_row.push_back(i);
+  }
+  auto [order, tiles] = user_tiles(tiled_user, kAttentionTileRows);
+  std::vector<int64_t> row_order;
+  row_order.reserve(layout.rows());
+  for (auto k : order) row_order.push_back(tiled_row[k]);
+  // Every batch of the bucket fits: a tile ends at a user's last row or after kAttentionTileRows.
+  layout.tiles = (layout.rows() + kAttentionTileRows - 1) / kAttentionTileRows + layout.users;
+
+  std::vector<int64_t> candidate_positions;
+  for (int64_t b = 0; b < num_users; ++b) candidate_positions.insert(candidate_positions.end(), num_candidates[b], token_lengths[b]);
+  std::vector<int64_t> new_ids;
+  for (auto index : r.new_index) new_ids.push_back(token_ids[index]);
+  std::vector<int64_t> value_slots(r.write_slots);
+  for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
+
+  StepPlan step{staging_buffer(layout.numel(), device), layout};
+  int64_t* cursor = step.staged.data_ptr<int64_t>();
+  const auto Tp = layout.candidate_rows, Np = layout.prefix_rows, R = layout.rows();
+  cursor = put(cursor, candidate_ids.data(), candidate_ids.size(), Tp, 0);
+  cursor = put(cursor, candidate_positions.data(), candidate_positions.size(), Tp, 0);
+  cursor = put(cursor, new_ids.data(), new_ids.size(), Np, 0);
+  cursor = put(cursor, r.new_position.data(), r.new_position.size(), Np, 0);
+  cursor = put(cursor, r.page_table.data(), r.page_table.size(), layout.users * layout.pages_per_user, 0);
+  cursor = put(cursor, row_user.data(), row_user.size(), R, 0);
+  cursor = put(cursor, row_keys.data(), row_keys.size(), R, 0);
+  cursor = put(cursor, row_candidate.data(), row_candidate.size(), R, 0);
+  cursor = put(cursor, r.write_slots.data(), r.write_slots.size(), Np, trash_slot);
+  cursor = put(cursor, value_slots.data(), value_slots.size(), Np, trash_slot + page_size);
+  for (int64_t i = 0; i < R; ++i) {  // the real rows by tile, then the padding rows
+    if (row_index[i] < 0) row_order.push_back(i);
+  }
+  cursor = put(cursor, row_order.data(), row_order.size(), R, 0);
+  put(cursor, tiles.data(), tiles.size(), 3 * layout.tiles, 0);
+  return step;
+}
+
 at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
                         int64_t page_size, at::Device device) {
   const auto num_users = static_cast<int64_t>(plan.user_ids.size());
-  int64_t max_pages = 1;
-  for (auto length : token_lengths) max_pages = std::max(max_pages, (length + page_size - 1) / page_size);
-  std::vector<int64_t> page_table(num_users * max_pages, 0);
-  std::vector<int64_t> row_user, row_keys, write_slots;
-  std::vector<uint8_t> row_candidate;
-  for (int64_t b = 0; b < num_users; ++b) {
-    const auto& pages = *user_pages[b];
-    std::copy(pages.begin(), pages.end(), page_table.begin() + b * max_pages);
-    for (int64_t t = 0; t < num_candidates[b]; ++t) {
-      row_user.push_back(b);
-      row_keys.push_back(token_lengths[b]);
-      row_candidate.push_back(1);
-    }
-  }
-  plan.num_candidate_rows = static_cast<int64_t>(row_user.size());
-  int64_t num_new = 0;
-  for (int64_t b = 0; b < num_users; ++b) num_new += token_lengths[b] - plan.cached_lengths[b];
+  const auto r = collect_rows(plan, user_pages, token_lengths, num_candidates, page_size, 1);
+  count_rows(plan, r);
+  const auto num_new = plan.num_new_prefix_rows;
   // On the host, where the model selects the new tokens: their index, then their positions.
   auto new_tokens = at::empty({2, num_new}, at::kLong);
-  int64_t* new_index = new_tokens.data_ptr<int64_t>();
-  int64_t* new_position = new_index + num_new;
-  for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
-    const auto& pages = *user_pages[b];
-    for (int64_t p = plan.cached_lengths[b]; p < token_lengths[b]; ++p) {
-      row_user.push_back(b);
-      row_keys.push_back(p + 1);
-      row_candidate.push_back(0);
-      write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
-      *new_index++ = first_token + p;
-      *new_position++ = p;
-    }
-  }
-  plan.num_new_prefix_rows = static_cast<int64_t>(write_slots.size());
-  plan.max_row_keys = row_keys.empty() ? 0 : *std::max_element(row_keys.begin(), row_keys.end());
-  const auto [row_order, tiles] = user_tiles(row_user, kAttentionTileRows);
+  std::copy(r.new_index.begin(), r.new_index.end(), new_tokens.data_ptr<int64_t>());
+  std::copy(r.new_position.begin(), r.new_position.end(), new_tokens.data_ptr<int64_t>() + num_new);
+  const auto [row_order, tiles] = user_tiles(r.row_user, kAttentionTileRows);
   plan.max_tile_rows = widest_tile(tiles);
   // One host-to-device copy per request, from a staging buffer: every per-request device tensor is
   // a view of one buffer.
-  std::vector<int64_t> value_slots(write_slots);
+  std::vector<int64_t> value_slots(r.write_slots);
   for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
   const std::vector<const std::vector<int64_t>*> parts = {
-      &page_table, &row_user, &row_keys, &write_slots, &value_slots, &row_order, &tiles};
-  int64_t total = static_cast<int64_t>(row_candidate.size());
+      &r.page_table, &r.row_user, &r.row_keys, &r.write_slots, &value_slots, &row_order, &tiles, &r.row_candidate};
+  int64_t total = 0;
   for (const auto* part : parts) total += static_cast<int64_t>(part->size());
   auto host = staging_buffer(total, device);
   int64_t* cursor = host.data_ptr<int64_t>();
   for (const auto* part : parts) cursor = std::copy(part->begin(), part->end(), cursor);
-  std::copy(row_candidate.begin(), row_candidate.end(), cursor);
   const auto uploaded = host.to(device, /*non_blocking=*/true);
   int64_t offset = 0;
   const auto next = [&](size_t count) {
@@ -94,14 +199,14 @@ at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vect
     offset += static_cast<int64_t>(count);
     return view;
   };
-  plan.page_table = next(page_table.size()).view({num_users, max_pages});
-  plan.row_user = next(row_user.size());
-  plan.row_keys = next(row_keys.size());
-  plan.write_slots = next(write_slots.size());
+  plan.page_table = next(r.page_table.size()).view({num_users, r.max_pages});
+  plan.row_user = next(r.row_user.size());
+  plan.row_keys = next(r.row_keys.size());
+  plan.write_slots = next(r.write_slots.size());
   plan.value_slots = next(value_slots.size());
   plan.row_order = next(row_order.size());
   plan.tiles = next(tiles.size()).view({-1, 3});
-  plan.row_candidate = next(row_candidate.size()).ne(0);
+  plan.row_candidate = next(r.row_candidate.size()).ne(0);
   return new_tokens;
 }
 

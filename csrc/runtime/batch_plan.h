@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 #include <utility>
@@ -51,6 +52,62 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vect
 
 // The most rows of any tile of user_tiles' flat triples (0 without tiles).
 int64_t widest_tile(const std::vector<int64_t>& tiles);
+
+// A step program's plan (docs/design.md 3.9): the rows of build_plan_tensors padded to a bucket,
+// so that one captured CUDA graph serves every batch of that bucket. Sizes of its parts, in the
+// order they lie in StepPlan::staged.
+struct StepLayout {
+  int64_t candidate_rows = 0;  // Tp: candidate rows, the batch's real ones first
+  int64_t prefix_rows = 0;     // Np: new prefix rows, the batch's real ones first
+  int64_t users = 0;           // Bp: rows of the page table
+  int64_t pages_per_user = 0;  // its columns
+  int64_t tiles = 0;           // TT: attention tiles, the real ones first, then empty ones
+  // (enough for any batch of the bucket)
+  int64_t real_candidates = 0; // T: the leading candidate rows that are the batch's
+  int64_t rows() const { return candidate_rows + prefix_rows; }
+  // int64 values of StepPlan::staged: candidate ids and positions [Tp] each, new token ids and
+  // positions [Np] each, page_table [Bp, pages_per_user], row_user, row_keys, row_candidate [R]
+  // each, write_slots, value_slots [Np] each, row_order [R], tiles [TT, 3].
+  std::vector<int64_t> sizes() const {
+    const int64_t t = candidate_rows, n = prefix_rows, r = rows();
+    return {t, t, n, n, users * pages_per_user, r, r, r, n, n, r, 3 * tiles};
+  }
+  int64_t numel() const {
+    int64_t total = 0;
+    for (auto size : sizes()) total += size;
+    return total;
+  }
+  // As begin_step returns it, and back.
+  std::vector<int64_t> to_vector() const {
+    return {candidate_rows, prefix_rows, users, pages_per_user, tiles, real_candidates};
+  }
+  static StepLayout from_vector(const std::vector<int64_t>& v) {
+    return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5)};
+  }
+};
+
+// The fewest candidate rows and prefix rows of a step program's bucket (neither is ever 0 or 1).
+constexpr int64_t kMinStepRows = 16;
+
+// The bucket a size is padded to: at least `floor`, then 2^k and the three quarter steps between
+// 2^k and 2^(k+1) (so at most a quarter of the rows are padding).
+int64_t bucket_size(int64_t size, int64_t floor);
+
+struct StepPlan {
+  at::Tensor staged;  // [layout.numel()] int64 on the host (pinned for a GPU runtime)
+  StepLayout layout;
+};
+
+// The step program's inputs and plan for the batch begin_batch planned (plan's user_ids and
+// cached_lengths; user_pages as in build_plan_tensors), padded to buckets (bucket_size: at least
+// 16 rows of each kind, the page table max_pages_per_user wide). Padding rows read no keys, belong to no tile and write their k/v to `trash_slot` (a
+// slot of a page no user owns). candidate_ids [T] are the batch's candidates; token_ids its
+// prefix tokens. Sets plan's row counts (real rows).
+StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
+                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                         c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids,
+                         int64_t page_size, int64_t max_pages_per_user, int64_t trash_slot,
+                         at::Device device);
 
 // Fills plan's tensors from its user_ids and cached_lengths; user_pages[b] are user b's pages,
 // enough for token_lengths[b] tokens. The tensors land on `device` in one copy. Returns, on the

@@ -41,7 +41,8 @@ int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t
 KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
     : name_(std::move(name)), config_(std::move(config)), pages_(config_.device_pages) {
   const auto& c = config_;
-  cache_ = at::zeros({c.num_layers, c.device_pages, 2, c.page_size, c.num_heads, c.head_dim},
+  // One page more than the pool hands out: step programs' padding rows write there.
+  cache_ = at::zeros({c.num_layers, c.device_pages + 1, 2, c.page_size, c.num_heads, c.head_dim},
                      at::TensorOptions().dtype(c.scalar_type()).device(device));
   tiers_.append(std::make_unique<HostTier>(c.host_pages, device.is_cuda()));
   if (cache_.is_cuda()) {
@@ -114,11 +115,42 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<
 }
 
 PlannedBatch KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
-                                        const std::vector<int64_t>& token_lengths,
-                                        const std::vector<int64_t>& num_candidates) {
+                                    const std::vector<int64_t>& token_lengths,
+                                    const std::vector<int64_t>& num_candidates) {
   check_batch(user_ids, token_ids, token_lengths, num_candidates);  // reads the config only
   auto remote = read_remote(user_ids);
   std::unique_lock<std::mutex> lock(mutex_);
+  const auto user_pages = plan_batch(lock, user_ids, token_ids, token_lengths, remote);
+  auto new_tokens = build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size,
+                                       cache_.device());
+  // By value, under the lock: once it is released, a stalled batch's plan may be replaced.
+  return {std::move(new_tokens), plan_.num_candidate_rows + plan_.num_new_prefix_rows};
+}
+
+StepPlan KVRuntime::begin_step(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
+                               const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                               c10::ArrayRef<int64_t> candidate_ids, int64_t max_prefix_length) {
+  check_batch(user_ids, token_ids, token_lengths, num_candidates);
+  int64_t total_candidates = 0;
+  for (auto count : num_candidates) total_candidates += count;
+  if (total_candidates != static_cast<int64_t>(candidate_ids.size())) {
+    throw invalid_request("begin_step: num_candidates sum to " + std::to_string(total_candidates) + " but there are " +
+                          std::to_string(candidate_ids.size()) + " candidates");
+  }
+  auto remote = read_remote(user_ids);
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto user_pages = plan_batch(lock, user_ids, token_ids, token_lengths, remote);
+  // The page after the pool's last one belongs to no user: padding rows write there.
+  const int64_t trash_slot = config_.device_pages * 2 * config_.page_size;
+  return build_step_plan(plan_, user_pages, token_lengths, num_candidates, token_ids, candidate_ids,
+                         config_.page_size, config_.pages_for(max_prefix_length), trash_slot, cache_.device());
+}
+
+std::vector<const std::vector<int64_t>*> KVRuntime::plan_batch(std::unique_lock<std::mutex>& lock,
+                                                               const std::vector<int64_t>& user_ids,
+                                                               c10::ArrayRef<int64_t> token_ids,
+                                                               const std::vector<int64_t>& token_lengths,
+                                                               std::vector<std::optional<OffloadedUser>>& remote) {
   acquire_batch(lock);
   if (owner_) {
     // A batch of this thread that never ended is abandoned; its state is consistent (only the
@@ -167,12 +199,9 @@ PlannedBatch KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::A
   }
   std::vector<const std::vector<int64_t>*> user_pages;
   for (auto user : user_ids) user_pages.push_back(&users_.find(user)->pages);
-  auto new_tokens = build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size,
-                                       cache_.device());
   owner_ = std::this_thread::get_id();
   last_progress_ = std::chrono::steady_clock::now();
-  // By value, under the lock: once it is released, a stalled batch's plan may be replaced.
-  return {std::move(new_tokens), plan_.num_candidate_rows + plan_.num_new_prefix_rows};
+  return user_pages;
 }
 
 std::vector<std::optional<OffloadedUser>> KVRuntime::read_remote(const std::vector<int64_t>& user_ids) {
@@ -340,6 +369,25 @@ void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Ten
   const auto new_v = v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
   slots.index_copy_(0, plan.write_slots, new_k);
   slots.index_copy_(0, plan.value_slots, new_v);
+}
+
+void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
+                              const at::Tensor& value_slots) {
+  if (layer < 0 || layer >= config_.num_layers) {
+    throw RequestError(ErrorCode::kInternal, "layer " + std::to_string(layer) + " outside 0.." +
+                                                 std::to_string(config_.num_layers - 1));
+  }
+  const int64_t prefix_rows = write_slots.size(0);
+  if (k.dim() != 3 || v.dim() != 3 || k.size(0) != v.size(0) || k.size(0) < prefix_rows ||
+      value_slots.size(0) != prefix_rows) {
+    throw RequestError(ErrorCode::kInternal, "expected k and v of the same rows, at least the " +
+                                                 std::to_string(prefix_rows) + " prefix rows; got k " +
+                                                 std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
+  }
+  auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
+  const int64_t first = k.size(0) - prefix_rows;  // rows are [candidates][prefix]
+  slots.index_copy_(0, write_slots, k.narrow(0, first, prefix_rows).to(cache_.dtype()));
+  slots.index_copy_(0, value_slots, v.narrow(0, first, prefix_rows).to(cache_.dtype()));
 }
 
 void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {

@@ -49,6 +49,24 @@ class KVRuntime {
   PlannedBatch begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                                const std::vector<int64_t>& token_lengths,
                                const std::vector<int64_t>& num_candidates);
+  // begin_batch for a step program (docs/design.md 3.9): the same planning, and the step's inputs
+  // and plan on the host in one buffer, padded to buckets (build_step_plan).
+  // candidate_ids [T] are the batch's candidates; max_prefix_length sizes the padded page table.
+  StepPlan begin_step(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
+                      const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                      c10::ArrayRef<int64_t> candidate_ids, int64_t max_prefix_length);
+  // with_layer for a step program, whose plan comes with every call: stores the prefix rows (the
+  // last write_slots.size(0) rows) of k, v in the slots given, then attend(layer_cache). The
+  // calling thread must own a batch (begin_step).
+  template <typename F>
+  auto with_step_layer(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
+                       const at::Tensor& value_slots, F&& attend) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    owned_batch();
+    last_progress_ = std::chrono::steady_clock::now();
+    store_step_kv(layer, k, v, write_slots, value_slots);
+    return attend(cache_.select(0, layer));
+  }
   // One layer of this thread's batch in flight: stores the new prefix rows of k, v
   // [N, heads, head_dim] in their pages, then returns attend(plan, layer_cache) with the layer's
   // cache [pages, 2, page_size, heads, head_dim]. Holds the runtime throughout, so no other
@@ -89,6 +107,16 @@ class KVRuntime {
   bool owner_stalled() const;
   const BatchPlan& owned_batch() const;  // throws RequestError when this thread has no batch
   void store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v);
+  void store_step_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
+                     const at::Tensor& value_slots);
+  // What begin_batch and begin_step share: takes the runtime for this thread (lock held), reuses
+  // each user's longest cached common prefix, evicts and allocates; plan_ holds the batch's users,
+  // cached lengths and uncached tokens. Returns each user's pages.
+  std::vector<const std::vector<int64_t>*> plan_batch(std::unique_lock<std::mutex>& lock,
+                                                      const std::vector<int64_t>& user_ids,
+                                                      c10::ArrayRef<int64_t> token_ids,
+                                                      const std::vector<int64_t>& token_lengths,
+                                                      std::vector<std::optional<OffloadedUser>>& remote);
   void check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                    const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) const;
   void truncate(UserEntry& entry, int64_t num_tokens);

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 import kvexport
-from kvexport import artifact, isa, toolchain
+from kvexport import artifact, isa, step_runner, toolchain
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
 from kvexport.export.package import (check_package_ops, check_shared_objects, compile_package, graph_custom_ops,
                                      required_libraries)
-from kvexport.export.wrap import CachedRanker, export_cached
+from kvexport.export.wrap import CachedRanker, StepProgram, export_cached, export_step
 from kvexport.io import exclusive_lock, remove_stale_staging, rename_no_replace
 from kvexport.model import SIGNATURE, build_model
 from kvexport.native import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, build_native
@@ -166,10 +166,31 @@ def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
     return f"{config.name}-{digest.hexdigest()[:12]}"
 
 
-def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str) -> None:
+def _compile_step_program(model: torch.nn.Module, config: Config, runtime_name: str, device: str, staging: Path,
+                          inductor_configs: dict[str, object]) -> dict[str, object]:
+    """Exports and compiles the step program (docs/design.md 3.9) to staging/step.pt2; returns
+    its manifest entry."""
+    program = export_step(StepProgram(model, runtime_name), config, device)
+    ops = graph_custom_ops(program)
+    # What a host needs to plan requests for it (kvexport/step_runner.py, the C++ harness).
+    metadata = {"kvexport.version": kvexport.__version__, "kvexport.program": "step",
+                "kvexport.runtime_name": runtime_name, "kvexport.device": device,
+                "kvexport.runtime_config": config.runtime_json(),
+                "kvexport.request_limits": config.request_limits_json(),
+                "kvexport.max_prefix_length": str(config.model.max_prefix_length),
+                "kvexport.max_graph_rows": str(step_runner.MAX_GRAPH_ROWS),
+                "kvexport.max_graphs": str(step_runner.MAX_GRAPHS)}
+    package = compile_package(program, staging / artifact.STEP_PACKAGE, metadata, inductor_configs)
+    package_ops = check_package_ops(package, ops)
+    check_shared_objects(package)
+    return {"package": artifact.STEP_PACKAGE, "package_ops": dict(sorted(package_ops.items()))}
+
+
+def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str,
+                    step_program: bool) -> None:
     cpu_isa = config.serving.cpu_isa
     package_configs = isa.inductor_configs(cpu_isa)  # refuses a baseline this torch cannot honour
-    stages = _Stages(total=6 if cpu_isa == NATIVE_ISA else 7)
+    stages = _Stages(total=(6 if cpu_isa == NATIVE_ISA else 7) + step_program)
     shipped_library = OPS_LIBRARY
     if cpu_isa != NATIVE_ISA:
         with stages.stage("op library", f"the op library for {cpu_isa} (serving.cpu_isa; minutes the first time)"):
@@ -210,6 +231,11 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         package = compile_package(program, staging / artifact.PACKAGE, metadata, package_configs)
         package_ops = check_package_ops(package, ops)
         check_shared_objects(package)
+    step = None
+    if step_program:
+        with stages.stage("step program", "torch.export and AOTInductor compile of the request's device part "
+                                          "(step.pt2, replayed as CUDA graphs)"):
+            step = _compile_step_program(model, config, runtime_name, device, staging, package_configs)
     with stages.stage("manifest", "op library copy, sha256 of every file"):
         (staging / artifact.LIB_DIR).mkdir()
         shutil.copy2(shipped_library, staging / artifact.LIB_DIR / OPS_LIBRARY_NAME)
@@ -228,6 +254,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
             "versions": versions(),
             "required_libraries": libraries,
             "package_ops": dict(sorted(package_ops.items())),
+            **({"step_program": step} if step else {}),
             "trace": {"steps": steps},
             "files": artifact.hash_files(staging),
         }
@@ -259,10 +286,10 @@ def _replace_directory(staging: Path, output: Path, force: bool) -> None:
 
 
 def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = None, device: str | None = None,
-                   force: bool = False) -> Path:
+                   force: bool = False, step_program: bool | None = None) -> Path:
     """Runs every stage into a staging directory and renames it to `output` on success.
 
-    device defaults to the config's serving.device.
+    device defaults to the config's serving.device; step_program (step.pt2) to whether it is cuda.
     """
     config = load_config(config_path)
     source = "the --device flag" if device else f"serving.device in {config_path}"
@@ -272,7 +299,8 @@ def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = No
     started = time.perf_counter()
     try:
         with _prepare_output(output, force) as staging:
-            _write_artifact(config, staging, checkpoint, device)
+            _write_artifact(config, staging, checkpoint, device,
+                            torch.device(device).type == "cuda" if step_program is None else step_program)
             _replace_directory(staging, output, force)
     except OSError as exc:  # disk full, permissions: the user's environment
         raise UserError(f"cannot write {output}: {exc.strerror or exc}") from exc

@@ -10,6 +10,7 @@ from kvexport.config import Config
 from kvexport.model import SIGNATURE, random_batch
 from kvexport.model.hstu import HSTURanker
 from kvexport.ops import library
+from kvexport.ops import wrappers as kv
 
 
 class CachedRanker(nn.Module):
@@ -51,3 +52,54 @@ def export_cached(module: CachedRanker, config: Config) -> ExportedProgram:
         example = example_batch(config).tensors()
         return torch.export.export(module.eval(), example,
                                    dynamic_shapes=dynamic_shapes(config), strict=False)
+
+
+class StepProgram(nn.Module):
+    """The device part of a cached request as a program of its own (docs/design.md 3.9):
+    begin_step's inputs and plan in (StepInputs, then StepPlan), logits of every candidate row out."""
+
+    def __init__(self, model: HSTURanker, runtime_name: str):
+        super().__init__()
+        self.model = model
+        self.runtime_name = runtime_name
+
+    def forward(self, candidate_ids: torch.Tensor, candidate_positions: torch.Tensor, new_ids: torch.Tensor,
+                new_positions: torch.Tensor, page_table: torch.Tensor, row_user: torch.Tensor,
+                row_keys: torch.Tensor, row_candidate: torch.Tensor, write_slots: torch.Tensor,
+                value_slots: torch.Tensor, row_order: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        inputs = kv.StepInputs(candidate_ids, candidate_positions, new_ids, new_positions)
+        plan = kv.StepPlan(page_table, row_user, row_keys, row_candidate, write_slots, value_slots, row_order, tiles)
+        return self.model.step_logits(self.runtime_name, inputs, plan)
+
+
+# A step program's example for export: sizes distinct from each other (no two dimensions unify).
+_STEP_EXAMPLE = kv.StepLayout(candidate_rows=16, prefix_rows=24, users=2, pages_per_user=0, tiles=5,
+                              real_candidates=16)
+
+
+def step_dynamic_shapes(config: Config) -> tuple[dict[int, Dim], ...]:
+    """Candidate rows, prefix rows, users and tiles vary with the bucket (each with room for
+    bucket_size's rounding up); the page table is always the config's pages per user wide."""
+    m, max_batch = config.model, config.serving.max_batch_size
+    candidate_rows = Dim("candidate_rows", min=16, max=2 * max(16, max_batch * m.max_num_candidates))
+    prefix_rows = Dim("prefix_rows", min=16, max=2 * max(16, max_batch * m.max_prefix_length))
+    rows = Dim("rows", min=32, max=candidate_rows.max + prefix_rows.max)
+    users = Dim("users", min=1, max=2 * max_batch)
+    tiles = Dim("tiles", min=2, max=rows.max + users.max)
+    return ({0: candidate_rows}, {0: candidate_rows}, {0: prefix_rows}, {0: prefix_rows},
+            {0: users}, {0: rows}, {0: rows}, {0: rows}, {0: prefix_rows}, {0: prefix_rows}, {0: rows}, {0: tiles})
+
+
+def step_example(config: Config, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Zeros in the step program's input shapes (export traces them with fake kernels only)."""
+    layout = _STEP_EXAMPLE._replace(pages_per_user=config.kv_cache.pages_for(config.model.max_prefix_length))
+    inputs, plan = layout.split(torch.zeros(sum(layout.sizes()), dtype=torch.int64, device=device))
+    return tuple(t.clone() for t in (*inputs, *plan))
+
+
+def export_step(module: StepProgram, config: Config, device: torch.device | str = "cpu") -> ExportedProgram:
+    """torch.export of the step program: one program for every bucket."""
+    library.load()
+    with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        return torch.export.export(module.eval(), step_example(config, device),
+                                   dynamic_shapes=step_dynamic_shapes(config), strict=False)

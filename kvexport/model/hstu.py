@@ -132,6 +132,7 @@ class HSTURanker(nn.Module):
         self.embedding_scale = math.sqrt(m.hidden_size)
         self.alpha = 1.0 / math.sqrt(m.head_dim)
         self.scaling_seqlen = m.scaling_seqlen
+        self.max_prefix_length = m.max_prefix_length
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
@@ -188,6 +189,10 @@ class HSTURanker(nn.Module):
                          num_candidates: torch.Tensor) -> torch.Tensor:
         """Candidates [T] -> [T, d]; a user's candidates share position P (its prefix length)."""
         positions = torch.repeat_interleave(token_lengths, num_candidates, output_size=candidate_ids.shape[0])
+        return self.embed_candidates_at(candidate_ids, positions)
+
+    def embed_candidates_at(self, candidate_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Candidates [T] at their users' prefix lengths [T] -> [T, d]."""
         return self.item_embedding(self.item_rows(candidate_ids)) * self.embedding_scale + self.position_embedding(positions)
 
     def score(self, candidate_states: torch.Tensor) -> torch.Tensor:
@@ -260,6 +265,21 @@ class HSTURanker(nn.Module):
         logits = self.score(x[: candidate_ids.shape[0]])
         kv.end_batch(runtime, user_ids, logits)
         return logits
+
+
+    def step_logits(self, runtime: str, inputs: kv.StepInputs, plan: kv.StepPlan) -> torch.Tensor:
+        """The device part of a cached request, planned by begin_step (docs/design.md 3.9): inputs
+        and plan on the model's device, padded to a bucket; returns logits [Tp, num_tasks] of every
+        candidate row, the batch's first. No host work and no synchronisation, so a CUDA graph of
+        it serves every batch of the bucket."""
+        candidates = self.embed_candidates_at(inputs.candidate_ids, inputs.candidate_positions)
+        x = torch.cat([candidates, self.embed_prefix(inputs.new_ids, inputs.new_positions)])  # [Tp + Np, d]
+        for i, layer in enumerate(self.layers):
+            u, v, q, k = layer.project(x)
+            o = kv.paged_attention_step(runtime, i, q, k, v, plan, self.max_prefix_length, self.alpha,
+                                        1.0 / self.scaling_seqlen)
+            x = layer.finish(x, u, o)
+        return self.score(x[: inputs.candidate_ids.shape[0]])
 
 
 def _keyed_rows(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

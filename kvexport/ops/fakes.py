@@ -50,6 +50,24 @@ def _end_batch(runtime, user_ids, after):
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
 
 
+@torch.library.register_fake("kvexport::begin_step")
+def _begin_step(runtime, config, user_ids, token_ids, token_lengths, num_candidates, candidate_ids, placement,
+                max_prefix_length):
+    torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
+    staged = token_ids.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+    return staged, torch.empty(6, dtype=torch.int64)
+
+
+@torch.library.register_fake("kvexport::paged_attention_step")
+def _paged_attention_step(runtime, layer, q, k, v, page_table, row_user, row_keys, row_candidate, write_slots,
+                          value_slots, row_order, tiles, max_keys, alpha, inv_scaling_seqlen):
+    torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
+    torch._check(q.shape == k.shape and q.shape == v.shape, lambda: "q, k and v must have one shape")
+    # The plan's sizes are the step program's own inputs (rows = candidate rows + prefix rows); the
+    # op checks them against q when it runs.
+    return torch.empty_like(q)
+
+
 @torch.library.register_fake("kvexport::hstu_paged_attention")
 def _hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen):
     torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")

@@ -23,12 +23,15 @@ from kvexport.native import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
 # Every op the library defines (csrc/ops/register.cpp's TORCH_LIBRARY block, in its order).
-OPS = ("check_request", "upload", "begin_batch", "paged_attention", "end_batch", "create_runtime",
+OPS = ("check_request", "upload", "begin_batch", "paged_attention", "end_batch", "begin_step", "paged_attention_step",
+       "create_runtime",
        "abort_batch", "last_error", "stat_names", "runtime_stats", "reset_runtime", "evict_user", "cached_length",
        "device_users_lru", "read_user_kv", "drop_runtime", "gpu_info", "attach_remote", "flush_remote",
        "hstu_paged_attention")
-# Ops that read or write runtime state and may appear in an exported graph.
+# Ops that read or write runtime state and may appear in an exported graph: the cached model's,
+# and the step program's (begin_step runs on the host, outside it).
 STATEFUL_OPS = ("begin_batch", "paged_attention", "end_batch")
+STEP_OPS = ("paged_attention_step",)
 _lock = threading.Lock()
 _loaded: Path | None = None
 
@@ -50,7 +53,7 @@ def load(path: Path = OPS_LIBRARY) -> Path:
                             "python -m kvexport.native) with this kvexport")
         from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
 
-        for name in STATEFUL_OPS:
+        for name in STATEFUL_OPS + STEP_OPS:
             torch.library._register_effectful_op(f"{NAMESPACE}::{name}", EffectType.ORDERED)
         _loaded = path
         return path

@@ -11,6 +11,7 @@ the model computes with on the device from one pinned staging buffer, asynchrono
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -88,6 +89,82 @@ def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, 
     Prefix rows read the cache up to themselves; candidates read the whole prefix and their own k, v.
     """
     return _ops().paged_attention(runtime, layer, q, k, v, alpha, inv_scaling_seqlen)
+
+
+class StepPlan(NamedTuple):
+    """A step program's plan of one batch (docs/design.md 3.9), on the runtime's device: new rows
+    are [candidate rows][prefix rows], each part padded to its bucket, the real rows first."""
+
+    page_table: torch.Tensor     # [Bp, pages_per_user] each user's pages
+    row_user: torch.Tensor       # [R] batch index of each row (padding rows: 0)
+    row_keys: torch.Tensor       # [R] cached keys each row reads (padding rows: 0)
+    row_candidate: torch.Tensor  # [R] 1 for candidate rows
+    write_slots: torch.Tensor    # [Np] cache slot of each prefix row's k (padding rows: a trash page)
+    value_slots: torch.Tensor    # [Np] its v
+    row_order: torch.Tensor      # [R] rows grouped by user (tiles index it), padding rows last
+    tiles: torch.Tensor          # [TT, 3] (user, first index into row_order, rows); empty ones last
+
+
+class StepInputs(NamedTuple):
+    """What a step program embeds: candidate ids and positions [Tp], new prefix token ids and
+    positions [Np] (padding: id 0 at position 0)."""
+
+    candidate_ids: torch.Tensor
+    candidate_positions: torch.Tensor
+    new_ids: torch.Tensor
+    new_positions: torch.Tensor
+
+
+class StepLayout(NamedTuple):
+    """Sizes of begin_step's buffer (csrc/runtime/batch_plan.h, StepLayout): the bucket, and how
+    many of its candidate rows are the batch's."""
+
+    candidate_rows: int
+    prefix_rows: int
+    users: int
+    pages_per_user: int
+    tiles: int
+    real_candidates: int
+
+    @property
+    def bucket(self) -> tuple[int, int, int]:
+        """What a captured step depends on besides the model: (candidate rows, prefix rows, users)."""
+        return self.candidate_rows, self.prefix_rows, self.users
+
+    def sizes(self) -> tuple[int, ...]:
+        """Elements of each part of the buffer, in its order (StepInputs', then StepPlan's)."""
+        t, n, rows = self.candidate_rows, self.prefix_rows, self.candidate_rows + self.prefix_rows
+        return t, t, n, n, self.users * self.pages_per_user, rows, rows, rows, n, n, rows, 3 * self.tiles
+
+    def split(self, buffer: torch.Tensor) -> tuple[StepInputs, StepPlan]:
+        """Views of begin_step's buffer (on the host, or a copy of it on the device), in its order."""
+        parts = list(buffer.split(self.sizes()))
+        parts[4] = parts[4].view(self.users, self.pages_per_user)
+        parts[11] = parts[11].view(self.tiles, 3)
+        return StepInputs(*parts[:4]), StepPlan(*parts[4:])
+
+
+def begin_step(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids: torch.Tensor,
+               token_lengths: torch.Tensor, num_candidates: torch.Tensor, candidate_ids: torch.Tensor,
+               placement: torch.Tensor, max_prefix_length: int) -> tuple[torch.Tensor, StepLayout]:
+    """begin_batch for a step program: plans the batch (check_request's host tensors, and its
+    candidate_ids) and returns, on the host (pinned for a GPU runtime), the step's inputs and plan
+    in one int64 buffer padded to a bucket, with its layout (StepLayout.split views it). The host
+    uploads the buffer, runs the step program on it, then calls end_batch. Refusals as begin_batch's.
+    """
+    staged, layout = _ops().begin_step(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates,
+                                       candidate_ids, placement, max_prefix_length)
+    return staged, StepLayout(*layout.tolist())
+
+
+def paged_attention_step(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         plan: StepPlan, max_keys: int, alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
+    """paged_attention with the plan as tensors (a step program's): stores the layer's prefix rows
+    of k, v [R, H, dh] (the last plan.write_slots rows) in their slots, then attends. max_keys
+    bounds every row's keys (the model's max_prefix_length); a CUDA graph of the step replays the
+    same launch for every batch of its bucket. The calling thread must be in a batch (begin_step).
+    """
+    return _ops().paged_attention_step(runtime, layer, q, k, v, *plan, max_keys, alpha, inv_scaling_seqlen)
 
 
 def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None:

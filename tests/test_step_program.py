@@ -1,0 +1,200 @@
+"""The step program (step.pt2, docs/design.md 3.9): the request's device part, which kvexport's
+hosts run on its own after planning the request on the host, on a GPU as CUDA graphs captured per
+bucket. Every output is compared with the eager model's full recompute (no cache, no padding)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import pytest
+import torch
+
+import kvexport
+from kvexport import step_runner
+from kvexport.bench.suite import SweepRequests
+from kvexport.describe import describe
+from kvexport.errors import RequestFailed
+from kvexport.model import build_model
+from kvexport.model.batch import random_batch
+from kvexport.ops import wrappers as kv
+from kvexport.replay import replay_command
+from tests.test_cuda_package import cuda_artifact  # noqa: F401  (fixture: the tiny package built for CUDA)
+
+ATOL = 1e-5  # float32: padded and unpadded rows run the same kernels row by row
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_config, tiny_checkpoint):
+    """The eager model's full recompute (no cache) with the artifacts' weights."""
+    model = build_model(tiny_config, tiny_checkpoint).eval()
+
+    def recompute(batch):
+        with torch.no_grad():
+            return model(batch)
+
+    return recompute
+
+
+def test_build_writes_the_step_program_only_when_asked(step_artifact, tiny_artifact, tiny_config):
+    manifest = json.loads((step_artifact / "manifest.json").read_text())
+    layers = tiny_config.model.num_layers
+    assert manifest["step_program"]["package_ops"] == {"kvexport::paged_attention_step": layers}
+    assert "step.pt2" in manifest["files"]
+    plain = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert "step_program" not in plain and not (tiny_artifact / "step.pt2").exists()
+    assert describe(step_artifact)["step_program"] == manifest["step_program"]  # kvexport inspect
+    assert describe(tiny_artifact)["step_program"] is None
+
+
+def test_step_route_matches_the_full_recompute_through_eviction(step_artifact, tiny_config, reference):
+    config = tiny_config
+    sweeps = [SweepRequests(config, 60 + 9 * i, 1, first_user=500 + i, new_events=3, candidates=2 + i % 5)
+              for i in range(10)]
+    with kvexport.load(step_artifact) as package:
+        for r in range(3):
+            for sweep in sweeps:  # ten users of 60-141 events: more than the device tier holds
+                batch = sweep.variant(r)
+                torch.testing.assert_close(package.score(batch), reference(batch), atol=ATOL, rtol=0)
+        stats = package.stats()
+    assert stats["hit_tokens"] > 0 and stats["offloads"] > 0 and stats["onboards"] > 0
+
+
+def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, reference):
+    """Batches of 1-4 users and 1-64 candidates: each part's bucket holds the batch, is at least
+    16 rows, and has at most a quarter of padding above that; every output is exact."""
+    seen = set()
+    with kvexport.load(step_artifact) as package:
+        for i, (users, candidates, events) in enumerate([(1, 1, 1), (1, 17, 9), (2, 33, 40), (3, 64, 70),
+                                                         (4, 50, 96)]):
+            batch = random_batch(tiny_config.model, seed=i, history_lengths=[events] * users,
+                                 num_candidates=[candidates] * users, first_user_id=1000 * (i + 1))
+            user_ids, lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
+                "", tiny_config.request_limits_json(), *batch.tensors())
+            name = f"bucket-probe-{i}"
+            _, layout = kv.begin_step(name, tiny_config.runtime_json(), user_ids, token_ids, lengths, num_candidates,
+                                      candidate_ids, torch.empty(0), tiny_config.model.max_prefix_length)
+            kv.abort_batch(name)
+            kv.drop_runtime(name)
+            real_prefix = int(lengths.sum())  # an empty cache: every prefix token is new
+            for padded, real in ((layout.candidate_rows, users * candidates), (layout.prefix_rows, real_prefix)):
+                assert real <= padded <= max(16, real * 5 // 4 + 1)
+            assert layout.real_candidates == users * candidates and users <= layout.users <= 2 * users
+            seen.add(layout.bucket)
+            torch.testing.assert_close(package.score(batch), reference(batch), atol=ATOL, rtol=0)
+    assert len(seen) == 5
+
+
+def test_refusals_through_the_step_route_leave_the_next_request_exact(step_artifact, tiny_config, reference):
+    config = tiny_config
+    good = random_batch(config.model, seed=4, history_lengths=[20], num_candidates=[3], first_user_id=77)
+    bad = good.to_dict()
+    bad["item_ids"] = bad["item_ids"].clone()
+    bad["item_ids"][0] = -1
+    too_long = random_batch(config.model, seed=5, history_lengths=[config.model.max_history_length] * 2,
+                            num_candidates=[1, 1], first_user_id=900)
+    with kvexport.load(step_artifact) as package:
+        with pytest.raises(RequestFailed) as refused:
+            package.run(type(good)(**bad))
+        assert refused.value.code == "invalid_request" and "item_ids has -1" in str(refused.value)
+        with pytest.raises(RequestFailed) as full:
+            package.run(too_long)
+        assert full.value.code == "capacity_exceeded" and "device pages" in str(full.value)
+        torch.testing.assert_close(package.score(good), reference(good), atol=ATOL, rtol=0)
+
+
+def _eight_threads(package, config, first_user: int, reference) -> list[str]:
+    """Eight threads score their own users through one package, five rounds each; the requests
+    that differ from the full recompute."""
+    sweeps = [SweepRequests(config, 30 + 5 * i, 1, first_user=first_user + i, new_events=2, candidates=3)
+              for i in range(8)]
+    failures: list[str] = []
+
+    def client(sweep):
+        for r in range(5):
+            batch = sweep.variant(r)
+            if not torch.allclose(package.score(batch).cpu(), reference(batch), atol=ATOL, rtol=0):
+                failures.append(f"user {sweep.users[0].user_id} round {r}")
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in sweeps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures
+
+
+def test_eight_threads_score_their_own_users(step_artifact, tiny_config, reference):
+    with kvexport.load(step_artifact) as package:
+        assert _eight_threads(package, tiny_config, 2000, reference) == []
+
+
+def test_the_harness_replays_the_trace_through_the_step_program(step_artifact, tiny_artifact, tmp_path):
+    """The C++ harness plans each request itself and runs step.pt2 (two threads): every step as
+    recorded; an artifact without step.pt2 is refused in one line."""
+    report = tmp_path / "replay.json"
+    result = subprocess.run(replay_command(step_artifact, report, threads=2, route="step"), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(report.read_text())["passed"]
+    plain = subprocess.run(replay_command(tiny_artifact, route="step"), capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 2
+    assert plain.stderr == ("error: --route step needs an artifact with a step program (step.pt2): build it with "
+                            "--step-program\n")
+
+
+# -- on a GPU: the same route replayed as CUDA graphs --------------------------------------------
+
+def on_gpu(test):
+    """Marks a test as a GPU one (pytest -m cuda), skipped without a CUDA device."""
+    for mark in (pytest.mark.cuda, pytest.mark.slow,
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")):
+        test = mark(test)
+    return test
+
+
+def _score_rounds(package, sweeps, rounds: int, reference) -> None:
+    for r in range(rounds):
+        for sweep in sweeps:
+            batch = sweep.variant(r)
+            torch.testing.assert_close(package.score(batch).cpu(), reference(batch), atol=ATOL, rtol=0)
+
+
+@on_gpu
+def test_graphs_replay_exactly_through_eviction(cuda_artifact, tiny_config, reference):
+    sweeps = [SweepRequests(tiny_config, 60 + 9 * i, 1, first_user=3000 + i, new_events=3, candidates=4)
+              for i in range(10)]
+    with kvexport.load(cuda_artifact) as package:
+        _score_rounds(package, sweeps, 4, reference)
+        assert package.cuda_graphs >= 1
+        stats = package.stats()
+    assert stats["offloads"] > 0 and stats["onboards"] > 0
+
+
+@on_gpu
+def test_graphs_kept_are_bounded_and_large_buckets_run_without_one(cuda_artifact, tiny_config, reference,
+                                                                    monkeypatch):
+    monkeypatch.setattr(step_runner, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(step_runner, "MAX_GRAPH_ROWS", 48)
+    sweeps = [SweepRequests(tiny_config, 20 + 40 * i, 1, first_user=4000 + i, new_events=2 + 6 * i, candidates=3)
+              for i in range(4)]
+    with kvexport.load(cuda_artifact) as package:
+        _score_rounds(package, sweeps, 3, reference)
+        assert 1 <= package.cuda_graphs <= 2
+
+
+@on_gpu
+def test_graphs_from_eight_threads(cuda_artifact, tiny_config, reference):
+    with kvexport.load(cuda_artifact) as package:
+        assert _eight_threads(package, tiny_config, 5000, reference) == []
+        assert package.cuda_graphs >= 1
+
+
+@on_gpu
+def test_the_harness_replays_the_trace_through_cuda_graphs(cuda_artifact, tmp_path):
+    report = tmp_path / "replay.json"
+    result = subprocess.run(replay_command(cuda_artifact, report, threads=2, route="graphs"), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(report.read_text())["passed"]
