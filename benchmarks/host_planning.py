@@ -1,4 +1,6 @@
-"""Host planning of a cached request: the time of kvexport::check_request and kvexport::begin_batch.
+"""Host planning of a cached request: the time of kvexport::check_request and kvexport::begin_batch
+(model.pt2's planning), and of kvexport::begin_step (the step program's: the same planning, plus its
+inputs laid out and padded to a bucket in one buffer), side by side.
 
 The H200 workload's shapes (configs/hstu-kuairand-1k.yaml: 4064 cached + 32 new events, 100
 candidates per user) on a CPU runtime of a one-layer, narrow model: the ops' work depends on the
@@ -43,24 +45,29 @@ def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, 
     requests = SweepRequests(config, cached_events, batch_size, first_user=0, new_events=new_events,
                              candidates=candidates)
     name, placement = config.name, model.position_embedding.weight
-    check_us, begin_us = [], []
+    check_us, begin_us, step_us = [], [], []
     with torch.no_grad():
         model.forward_cached(requests.variant(0), name)
         batch = requests.variant(1)
         for _ in range(repeats):
             started = time.perf_counter()
-            user_ids, token_lengths, token_ids, num_candidates, _ = kv.check_request(
+            user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
                 name, model.request_limits, *batch.tensors())
             checked = time.perf_counter()
             kv.begin_batch(name, model.runtime_config, user_ids, token_ids, token_lengths, num_candidates, placement)
             planned = time.perf_counter()
             kv.abort_batch(name)
+            stepped = time.perf_counter()
+            kv.begin_step(name, model.runtime_config, user_ids, token_ids, token_lengths, num_candidates,
+                          candidate_ids, placement, config.model.max_prefix_length)
+            step_us.append((time.perf_counter() - stepped) * 1e6)
+            kv.abort_batch(name)
             check_us.append((checked - started) * 1e6)
             begin_us.append((planned - checked) * 1e6)
     kv.drop_runtime(name)
-    check, begin = statistics.median(check_us), statistics.median(begin_us)
+    check, begin, step = (statistics.median(us) for us in (check_us, begin_us, step_us))
     return {"batch_size": batch_size, "check_request_us": round(check, 1), "begin_batch_us": round(begin, 1),
-            "total_us": round(check + begin, 1), "repeats": repeats}
+            "begin_step_us": round(step, 1), "total_us": round(check + begin, 1), "repeats": repeats}
 
 
 def main() -> None:
@@ -74,7 +81,8 @@ def main() -> None:
     for batch_size in (int(b) for b in args.batch.split(",")):
         row = measure(batch_size, args.repeats, args.cached_events, args.new_events, args.candidates)
         print(f"batch {row['batch_size']:3d}: check_request {row['check_request_us']:7.1f} us, "
-              f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us (median of {args.repeats})")
+              f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us; "
+              f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats})")
 
 
 if __name__ == "__main__":

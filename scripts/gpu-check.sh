@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU host: builds the native code with its CUDA kernels, runs the CUDA tests,
-# times the attention kernel, then builds, verifies, replays and soaks the tiny and the
-# kuairand-1k configs on the GPU and benchmarks them. Every step runs even if an earlier one
+# times the attention kernel (alone and beside torch's fused attention), then builds, verifies,
+# replays (model.pt2, and step.pt2 as CUDA graphs) and soaks the tiny and the kuairand-1k configs
+# on the GPU and benchmarks them. Every step runs even if an earlier one
 # failed (unless it needs that one's artifact); each writes OUT/STEP.log, the JSON reports go to
 # OUT/, packages to OUT/artifacts/, and OUT/summary.txt says how each step ended.
 #   scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]
@@ -66,7 +67,8 @@ kept() {
   fi
   for config in $rebuilt; do
     case $name in
-      verify-$config | replay-$config | soak-$config | request-bench-$config | bench-$config) return 1 ;;
+      verify-$config | replay-$config | replay-graphs-$config | soak-$config | request-bench-$config | \
+        bench-$config) return 1 ;;
     esac
   done
   return 0
@@ -103,6 +105,9 @@ package() {
   step "build-$name" kvexport build "$config" -o "$artifact" --device cuda --force || return
   step "verify-$name" kvexport verify "$artifact" --json "$out/verify-$name.json"
   step "replay-$name" kvexport replay "$artifact" --json "$out/replay-$name.json"
+  # The C++ harness planning each request itself and replaying step.pt2 as CUDA graphs.
+  step "replay-graphs-$name" kvexport replay "$artifact" --route graphs --threads 2 \
+    --json "$out/replay-graphs-$name.json"
   step "soak-$name" kvexport soak "$artifact" --requests "$requests" --users "$users" --json "$out/soak-$name.json"
 }
 
@@ -119,6 +124,8 @@ print("compiler kvexport builds with", toolchain.select_compiler().path)
 EOF
 step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
 step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
+# The same bytes through torch's own fused attention backends, side by side.
+step peers "$python" benchmarks/h200/peers.py --json "$out/peers.json"
 if command -v ncu > /dev/null; then
   # Where the attention kernel's time goes at batch 8 (Nsight Compute: throughput, memory, occupancy, stalls).
   step profile-attention ncu --clock-control none -k regex:attention_mma --launch-skip 2 --launch-count 1 \

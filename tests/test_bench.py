@@ -127,18 +127,31 @@ def test_kernel_bench_inputs_are_a_request_the_kernel_computes(threads):
     torch.testing.assert_close(got, _dense_attention(*inputs, 0.25, 1 / 8192), rtol=1e-5, atol=1e-6)
 
 
-def test_request_bench_runs_on_a_cpu_package(tiny_artifact, tiny_checkpoint, tmp_path):
-    """benchmarks/h200/request_bench.py (the GPU workload's bench) on the CPU package: every row measured."""
-    out = tmp_path / "request.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "request_bench.py"), str(tiny_artifact),
+def _request_bench(artifact, checkpoint, out):
+    """benchmarks/h200/request_bench.py on a CPU artifact, small: returns its rows."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "request_bench.py"), str(artifact),
                              "--length", "32", "--new-events", "4", "--candidates", "8", "--batch", "1,2",
                              "--warmup", "1", "--repeats", "3", "--full-repeats", "2", "--json", str(out),
-                             "--checkpoint", str(tiny_checkpoint)],
+                             "--checkpoint", str(checkpoint)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_request_bench_runs_on_a_cpu_package(tiny_artifact, tiny_checkpoint, tmp_path):
+    """benchmarks/h200/request_bench.py (the GPU workload's bench) on the CPU package: every row measured."""
+    rows = _request_bench(tiny_artifact, tiny_checkpoint, tmp_path / "request.json")
     assert [row["batch_size"] for row in rows] == [1, 2]
     for row in rows:
         assert row["cached_ms"]["n"] == 3 and row["full_ms"]["n"] == 2 and row["eager_cached_ms"]["n"] == 3
         assert 0 < row["cached_ms"]["median"] <= row["cached_ms"]["p99"] <= row["cached_ms"]["max"]
         assert row["cache_speedup"] > 0 and row["package_speedup_vs_eager"] > 0
+
+
+def test_request_bench_times_each_route_side_by_side(step_artifact, tiny_checkpoint, tmp_path):
+    """On an artifact with a step program: the step route and model.pt2's, each row measured, the
+    eager model timed beside the first."""
+    rows = _request_bench(step_artifact, tiny_checkpoint, tmp_path / "request.json")
+    assert [(row["route"], row["batch_size"]) for row in rows] == [("step", 1), ("step", 2), ("model", 1), ("model", 2)]
+    assert all(row["cached_ms"]["n"] == 3 for row in rows)
+    assert ["eager_cached_ms" in row for row in rows] == [True, True, False, False]

@@ -35,7 +35,7 @@ fi
 exit 0
 """
 
-TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "soak-tiny", "request-bench-tiny"}
+TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "replay-graphs-tiny", "soak-tiny", "request-bench-tiny"}
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_no
     code, first = gpu_check(script, out, stand_in, "--quick", failing="soak")
     assert code == 1
     assert first["soak-tiny"] == "failed" and first["request-bench-tiny"] == "ran"
-    assert set(first) == {"native", "pytest-cuda", "attention-bench"} | TINY_STEPS | (
+    assert set(first) == {"native", "pytest-cuda", "attention-bench", "peers"} | TINY_STEPS | (
         {"profile-attention"} if "profile-attention" in first else set())
 
     code, second = gpu_check(script, out, stand_in, "--quick", "--resume")

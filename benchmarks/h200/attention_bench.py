@@ -37,8 +37,8 @@ PEAK_FLOPS = 790e12
 CONTEXTUAL = 6  # contextual tokens before the 2 * history events
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The request's shape and the timing loop (this bench's and peers.py's)."""
     parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--history", type=int, default=4096, help="cached events per user")
     parser.add_argument("--new-events", type=int, default=32, help="uncached events per user")
@@ -50,6 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(parser)
     parser.add_argument("--json", help="also write the JSON object here")
     parser.add_argument("--profile", action="store_true",
                         help="only run the op (warmup + repeats calls per batch), for a profiler such as "
@@ -128,8 +133,9 @@ def event_times(fn, layers: int, warmup: int, repeats: int) -> float:
     return statistics.median(ms)
 
 
-def kernel_times(fn, layers: int, warmup: int, repeats: int) -> tuple[float, int]:
-    """Median device ms of the kvexport kernels per call (and how many kernels a call launches)."""
+def kernel_times(fn, layers: int, warmup: int, repeats: int, name: str = "kvexport") -> tuple[float, int]:
+    """Median device ms per call of the kernels whose name contains `name` ("": every kernel but
+    copies and fills), and how many such kernels a call launches."""
     from torch.profiler import ProfilerActivity, profile
 
     for i in range(warmup):
@@ -140,10 +146,11 @@ def kernel_times(fn, layers: int, warmup: int, repeats: int) -> tuple[float, int
             fn(i % layers)
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA and "kvexport" in e.name),
+                      if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name
+                      and not e.name.startswith(("Memcpy", "Memset"))),
                      key=lambda e: e.time_range.start)
-    if len(kernels) % repeats:
-        raise RuntimeError(f"{len(kernels)} kvexport kernels in {repeats} calls")
+    if not kernels or len(kernels) % repeats:
+        raise RuntimeError(f"{len(kernels)} kernels named *{name}* in {repeats} calls")
     per_call = len(kernels) // repeats
     totals = [sum(e.time_range.elapsed_us() for e in kernels[i:i + per_call]) / 1e3
               for i in range(0, len(kernels), per_call)]

@@ -13,6 +13,11 @@ exactly the cached prefix). Reported per batch size:
 Also the package's size and how long kvexport.load took (first load in this process).
 Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), medians of each.
 
+--routes: how the package is run, side by side in this process (each loads it anew): "graphs"
+(step.pt2 replayed as CUDA graphs, kvexport.load's default for a CUDA package), "step" (step.pt2
+run directly) and "model" (model.pt2 runs the whole request, as plain hosts do). Routes other than
+"model" need an artifact with a step program. The eager model is timed once, beside the first route.
+
     python3 benchmarks/h200/request_bench.py OUT --length 4064 --new-events 32 --candidates 100 \
         --batch 1,8,32 --json /tmp/request-bench.json
 """
@@ -28,6 +33,7 @@ from pathlib import Path
 import torch
 
 import kvexport
+from kvexport.artifact import open_artifact
 from kvexport.bench.suite import SweepRequests
 from kvexport.bench.timing import summary, timed_ms
 from kvexport.errors import UserError
@@ -50,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--full-repeats", type=int, default=5, help="repetitions of the full recompute")
     parser.add_argument("--checkpoint", type=Path, help="the checkpoint the artifact was built from, if any")
+    parser.add_argument("--routes", help="comma-separated: graphs, step, model (see above; default: every route "
+                                         "the artifact has, graphs on a GPU only)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace-dir", type=Path,
                         help="write a Chrome trace (host and device) of one cached call per batch size here")
@@ -62,7 +70,19 @@ def parse_args() -> argparse.Namespace:
     if not args.replot and args.artifact is None:
         parser.error("give an artifact directory (or --replot JSON --plot PNG)")
     args.batch = [int(b) for b in args.batch.split(",")]
+    args.routes = args.routes.split(",") if args.routes else None
+    unknown = [r for r in args.routes or () if r not in ROUTES]
+    if unknown:
+        parser.error(f"unknown route {unknown[0]} (routes: {', '.join(ROUTES)})")
     return args
+
+
+# kvexport.load's arguments of each route.
+ROUTES = {"graphs": {"step_program": True, "cuda_graphs": True},
+          "step": {"step_program": True, "cuda_graphs": False},
+          "model": {"step_program": False}}
+ROUTE_LABELS = {"graphs": "step.pt2 as CUDA graphs", "step": "step.pt2 without graphs",
+                "model": "model.pt2 (plain hosts)"}
 
 
 def times(run, warmup: int, repeats: int) -> list[float]:
@@ -70,7 +90,8 @@ def times(run, warmup: int, repeats: int) -> list[float]:
 
 
 # The ops a request runs, as the profiler names them.
-OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", "upload", *library.STATEFUL_OPS))
+OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", "upload", "begin_step", *library.STATEFUL_OPS,
+                                                   *library.STEP_OPS))
 
 
 def cuda_profile(package, batch, trace: Path | None) -> dict:
@@ -108,7 +129,7 @@ def cuda_profile(package, batch, trace: Path | None) -> dict:
                      "cuda_api": dict(sorted(api.items(), key=lambda item: -item[1]["us"]))}}
 
 
-def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> dict:
+def bench_batch(package, model, eager_runtime: str | None, args, batch_size: int, route: str) -> dict:
     config, device = package.config, package.device
     requests = SweepRequests(config, args.length, batch_size, first_user=batch_size * 100_000,
                              new_events=args.new_events, candidates=args.candidates)
@@ -121,18 +142,19 @@ def bench_batch(package, model, eager_runtime: str, args, batch_size: int) -> di
         package.run(variants[i + 1])
 
     full_ms = times(full, 1, args.full_repeats)
-    with torch.no_grad():
-        kv.reset_runtime(eager_runtime)
-        model.forward_cached(variants[0], eager_runtime)
-        eager = times(lambda i: model.forward_cached(variants[i + 1], eager_runtime), args.warmup,
-                      args.repeats)
-    row = {"batch_size": batch_size, "cached_events": args.length, "new_events": args.new_events,
-           "candidates": args.candidates, "cached_ms": summary(cached), "full_ms": summary(full_ms),
-           "eager_cached_ms": summary(eager)}
+    row = {"route": route, "batch_size": batch_size, "cached_events": args.length, "new_events": args.new_events,
+           "candidates": args.candidates, "cached_ms": summary(cached), "full_ms": summary(full_ms)}
     row["cache_speedup"] = round(row["full_ms"]["median"] / row["cached_ms"]["median"], 2)
-    row["package_speedup_vs_eager"] = round(row["eager_cached_ms"]["median"] / row["cached_ms"]["median"], 2)
+    if eager_runtime is not None:
+        with torch.no_grad():
+            kv.reset_runtime(eager_runtime)
+            model.forward_cached(variants[0], eager_runtime)
+            eager = times(lambda i: model.forward_cached(variants[i + 1], eager_runtime), args.warmup,
+                          args.repeats)
+        row["eager_cached_ms"] = summary(eager)
+        row["package_speedup_vs_eager"] = round(row["eager_cached_ms"]["median"] / row["cached_ms"]["median"], 2)
     if device.type == "cuda":
-        trace = args.trace_dir / f"request-b{batch_size}.trace.json" if args.trace_dir else None
+        trace = args.trace_dir / f"request-{route}-b{batch_size}.trace.json" if args.trace_dir else None
         row.update(cuda_profile(package, variants[-1], trace))
     print(json.dumps(row), flush=True)
     return row
@@ -146,12 +168,17 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    by_route: dict[str, list[dict]] = {}
+    for row in result["rows"]:
+        by_route.setdefault(row.get("route", "model"), []).append(row)  # runs before routes: model.pt2
+    rows = next(iter(by_route.values()))  # the first route's, timed beside the eager model
     batches = [r["batch_size"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(batches, [r["full_ms"]["median"] for r in rows], "o-", label="package, full recompute (empty cache)")
     ax.plot(batches, [r["eager_cached_ms"]["median"] for r in rows], "^-", label="eager model, cached")
-    ax.plot(batches, [r["cached_ms"]["median"] for r in rows], "s-", label="package, cached")
+    for (route, route_rows), marker in zip(by_route.items(), "sDv"):
+        ax.plot(batches, [r["cached_ms"]["median"] for r in route_rows], f"{marker}-",
+                label=f"package, cached: {ROUTE_LABELS[route]}")
     if "all_kernels_us_per_request" in rows[0]:
         ax.plot(batches, [r["all_kernels_us_per_request"] / 1000 for r in rows], "s--",
                 label="package, cached: its kernels' device time")
@@ -179,25 +206,36 @@ def main() -> int:
         return 0
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with kvexport.load(args.artifact) as package:
-        load_s = time.perf_counter() - started
-        limit = package.config.model.max_history_length
-        if args.length is None:
-            args.length = limit - args.new_events
-        if args.length + args.new_events > limit:
-            print(f"error: --length + --new-events exceed model.max_history_length ({limit})", file=sys.stderr)
-            return 2
-        model = eager_model_for(package.artifact, args.checkpoint).to(package.device)
-        eager = KVCacheManager(package.config, runtime_name=f"{package.config.name}@request-bench",
-                               device=package.device)
-        try:
-            rows = [bench_batch(package, model, eager.name, args, b) for b in args.batch]
-        finally:
-            eager.close()
-        result = {"artifact": str(args.artifact), "device": str(package.device), "torch": torch.__version__,
-                  "load_s": round(load_s, 2), "package_bytes": package.artifact.package.stat().st_size,
-                  "gpu": torch.cuda.get_device_name() if package.device.type == "cuda" else None, "rows": rows}
+    artifact = open_artifact(args.artifact)
+    limit = artifact.config.model.max_history_length
+    if args.length is None:
+        args.length = limit - args.new_events
+    if args.length + args.new_events > limit:
+        print(f"error: --length + --new-events exceed model.max_history_length ({limit})", file=sys.stderr)
+        return 2
+    device = torch.device(artifact.manifest.get("device") or artifact.config.serving.device)
+    if args.routes is None:
+        args.routes = (["graphs"] if device.type == "cuda" else []) + ["step", "model"] if artifact.step_package \
+            else ["model"]
+    if artifact.step_package is None and args.routes != ["model"]:
+        print(f"error: {args.artifact} has no step program (build it with --step-program); use --routes model",
+              file=sys.stderr)
+        return 2
+    rows, load_s = [], {}
+    model = eager_model_for(artifact, args.checkpoint).to(device)
+    eager = KVCacheManager(artifact.config, runtime_name=f"{artifact.config.name}@request-bench", device=device)
+    try:
+        for i, route in enumerate(args.routes):
+            started = time.perf_counter()
+            with kvexport.load(artifact, **ROUTES[route]) as package:
+                load_s[route] = round(time.perf_counter() - started, 2)
+                rows += [bench_batch(package, model, eager.name if i == 0 else None, args, b, route)
+                         for b in args.batch]
+    finally:
+        eager.close()
+    result = {"artifact": str(args.artifact), "device": str(device), "torch": torch.__version__, "load_s": load_s,
+              "package_bytes": artifact.package.stat().st_size,
+              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
