@@ -55,13 +55,13 @@ def _load_shipped_library(artifact: Artifact) -> None:
                         "with this kvexport, or check it with `kvexport replay`, which uses the shipped one")
 
 
-def _package_device(artifact: Artifact) -> torch.device:
+def package_device(artifact: Artifact) -> torch.device:
     """The device the package was built for: the manifest's, else the config's serving.device."""
     return torch.device(artifact.manifest.get("device") or artifact.config.serving.device)
 
 
 def _resolve_device(artifact: Artifact, device: torch.device | str | None) -> torch.device:
-    own = _package_device(artifact)
+    own = package_device(artifact)
     if device is None:
         return own
     try:

@@ -40,6 +40,7 @@ from kvexport.errors import UserError
 from kvexport.model.batch import check_batch
 from kvexport.ops import library, wrappers as kv
 from kvexport.ops.manager import KVCacheManager
+from kvexport.package_api import package_device
 from kvexport.soak import eager_model_for
 
 
@@ -213,7 +214,7 @@ def main() -> int:
     if args.length + args.new_events > limit:
         print(f"error: --length + --new-events exceed model.max_history_length ({limit})", file=sys.stderr)
         return 2
-    device = torch.device(artifact.manifest.get("device") or artifact.config.serving.device)
+    device = package_device(artifact)
     if args.routes is None:
         args.routes = (["graphs"] if device.type == "cuda" else []) + ["step", "model"] if artifact.step_package \
             else ["model"]
