@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from kvexport.config import load_config
+from kvexport.model.batch import Batch, random_batch
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
-from tests.conftest import host_placement, scratch_runtime
+from tests.conftest import ROOT, host_placement, scratch_runtime
 
 ALPHA, INV_S = 0.5, 1.0 / 64
 
@@ -318,3 +320,25 @@ def test_the_op_list_is_the_librarys():
     assert faked and set(faked) <= set(library.OPS)
     library.load()
     assert all(hasattr(torch.ops.kvexport, name) for name in library.OPS)
+
+
+def test_check_request_lays_out_requests_of_many_events_on_several_threads_exactly():
+    """Four users of 4,100 events (more than the 2^15 tokens a request needs to be laid out on the
+    OpenMP threads): the tokens are each user's context ids, then its item and action ids
+    interleaved, users in order; a bad id in the last user is still named."""
+    config = load_config(ROOT / "configs" / "hstu-bench.yaml")
+    batch = random_batch(config.model, seed=11, history_lengths=[4100, 4090, 4100, 4095], num_candidates=[2] * 4,
+                         first_user_id=60)
+    _, lengths, tokens, _, _ = kv.check_request("", config.request_limits_json(), *batch.tensors())
+    expected, first = [], 0
+    for b, events in enumerate(batch.history_lengths.tolist()):
+        items, actions = batch.item_ids[first:first + events], batch.action_ids[first:first + events]
+        expected += [*batch.context_ids[b].tolist(), *torch.stack([items, actions], dim=1).flatten().tolist()]
+        first += events
+    assert tokens.tolist() == expected and len(expected) > 2 ** 15
+    assert lengths.tolist() == [config.model.num_contextual_features + 2 * e for e in batch.history_lengths.tolist()]
+    bad = batch.to_dict()
+    bad["action_ids"] = bad["action_ids"].clone()
+    bad["action_ids"][-3] = config.model.action_vocab_size
+    with pytest.raises(ValueError, match=f"action_ids has {config.model.action_vocab_size}, outside"):
+        kv.check_request("", config.request_limits_json(), *Batch(**bad).tensors())

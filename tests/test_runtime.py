@@ -292,3 +292,21 @@ def test_stalled_batch_goes_to_the_next_request_and_its_ops_then_fail():
         assert kv.runtime_stats(name)["stalled_batches"] == 1
         assert later_error and later_error[0][0] == "internal"
         assert "no batch in flight" in later_error[0][1]
+
+
+BIG_CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": 16, "device_pages": 2200,
+                         "host_pages": 4, "dtype": "float32"})
+
+
+def test_requests_of_many_tokens_compare_prefixes_on_several_threads_exactly():
+    """Four users of 8,500 tokens (more than the 2^15 a request needs to compare its users on the
+    OpenMP threads), each changed at its own position: each reuses exactly its common prefix."""
+    users = {u: [(7919 * u + 31 * t) % 100_003 for t in range(8500)] for u in range(4)}
+    changed_at = {0: 8500, 1: 0, 2: 4097, 3: 8499}  # 8500: unchanged, then grown by one token
+    with scratch_runtime(BIG_CONFIG) as name:
+        assert request(name, users, config=BIG_CONFIG) == [0] * 4
+        again = {u: ts[:changed_at[u]] + [-1 - t for t in ts[changed_at[u]:]] + [5] for u, ts in users.items()}
+        assert request(name, again, config=BIG_CONFIG) == [changed_at[u] for u in users]
+        stats = kv.runtime_stats(name)
+    assert stats["hit_tokens"] == sum(changed_at.values())
+    assert stats["prefix_truncations"] == 3

@@ -61,6 +61,25 @@ def test_step_route_matches_the_full_recompute_through_eviction(step_artifact, t
     assert stats["hit_tokens"] > 0 and stats["offloads"] > 0 and stats["onboards"] > 0
 
 
+TILE_ROWS = 192  # the attention kernels' tile: rows of one user at most (kAttentionTileRows)
+
+
+def assert_rows_tiled_by_user(plan, layout, real_prefix: int) -> None:
+    """row_order holds the real rows grouped by user, in row order within a user, then the padding
+    rows; tiles cut each user's rows into runs of at most TILE_ROWS, then zeros."""
+    row_user, rows = plan.row_user.tolist(), layout.candidate_rows + layout.prefix_rows
+    real = [i for i in range(rows) if (i < layout.real_candidates if i < layout.candidate_rows
+                                                else i - layout.candidate_rows < real_prefix)]
+    padding = sorted(set(range(rows)) - set(real))
+    assert plan.row_order.tolist() == sorted(real, key=lambda i: row_user[i]) + padding
+    tiles, first = [], 0
+    for user in sorted({row_user[i] for i in real}):
+        count = sum(1 for i in real if row_user[i] == user)
+        tiles += [[user, first + start, min(TILE_ROWS, count - start)] for start in range(0, count, TILE_ROWS)]
+        first += count
+    assert plan.tiles[:len(tiles)].tolist() == tiles and not plan.tiles[len(tiles):].any()
+
+
 def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, reference):
     """Batches of 1-4 users and 1-64 candidates: each part's bucket holds the batch, is at least
     16 rows, and has at most a quarter of padding above that; every output is exact."""
@@ -73,10 +92,19 @@ def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, 
             user_ids, lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
                 "", tiny_config.request_limits_json(), *batch.tensors())
             name = f"bucket-probe-{i}"
-            _, layout = kv.begin_step(name, tiny_config.runtime_json(), user_ids, token_ids, lengths, num_candidates,
-                                      candidate_ids, torch.empty(0), tiny_config.model.max_prefix_length)
+            staged, layout = kv.begin_step(name, tiny_config.runtime_json(), user_ids, token_ids, lengths,
+                                           num_candidates, candidate_ids, torch.empty(0),
+                                           tiny_config.model.max_prefix_length)
             kv.abort_batch(name)
             kv.drop_runtime(name)
+            assert staged.numel() == layout.numel()
+            inputs, plan = layout.split(staged)
+            # Every input on a 16-byte boundary (AOTInductor would copy one that is not, every run),
+            # and the parts are the batch's: the first of them its candidates, the page table its users'.
+            assert all(part.data_ptr() % 16 == 0 for part in (*inputs, *plan))
+            assert torch.equal(inputs.candidate_ids[:users * candidates], candidate_ids)
+            assert plan.page_table.shape == (layout.users, layout.pages_per_user)
+            assert_rows_tiled_by_user(plan, layout, real_prefix=int(lengths.sum()))
             real_prefix = int(lengths.sum())  # an empty cache: every prefix token is new
             for padded, real in ((layout.candidate_rows, users * candidates), (layout.prefix_rows, real_prefix)):
                 assert real <= padded <= max(16, real * 5 // 4 + 1)

@@ -8,7 +8,8 @@ exactly the cached prefix). Reported per batch size:
 - eager: the eager model's cached path on the same device, through its own runtime;
 - kernels_per_request and attention_us_per_request: CUDA kernels launched by one cached package
   call, and the device time of those whose name contains "kvexport" (the attention kernels), from
-  the torch profiler (CUDA packages only); "host": that call's time inside each kvexport op and
+  the torch profiler (CUDA packages only), with top_kernels: the costliest by name (calls, device
+  time); "host": that call's time inside each kvexport op and
   each CUDA runtime call (launches, copies, synchronisations), and --trace-dir its Chrome trace.
 Also the package's size and how long kvexport.load took (first load in this process).
 Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), medians of each.
@@ -95,6 +96,9 @@ OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", "upload", "
                                                    *library.STEP_OPS))
 
 
+TOP_KERNELS = 12  # the costliest kernels by name, in the profile's top_kernels
+
+
 def cuda_profile(package, batch, trace: Path | None) -> dict:
     """Where one cached call's time goes: the kernels it launches and their device time (kvexport's
     own: the attention kernels), and on the host the time inside each kvexport op and inside each
@@ -122,7 +126,13 @@ def cuda_profile(package, batch, trace: Path | None) -> dict:
             row = api.setdefault(e.name, {"calls": 0, "us": 0.0})
             row["calls"] += 1
             row["us"] = round(row["us"] + e.cpu_time_total, 1)
+    by_name: dict[str, dict] = {}
+    for e in kernels:
+        row = by_name.setdefault(e.name[:120], {"calls": 0, "us": 0.0})
+        row["calls"] += 1
+        row["us"] = round(row["us"] + e.device_time_total, 1)
     return {"kernels_per_request": len(kernels),
+            "top_kernels": dict(sorted(by_name.items(), key=lambda item: -item[1]["us"])[:TOP_KERNELS]),
             "attention_us_per_request": round(sum(e.device_time_total for e in ours), 1),
             "all_kernels_us_per_request": round(sum(e.device_time_total for e in kernels), 1),
             "host": {"profiled_call_us": round(call_us, 1),

@@ -6,14 +6,12 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cstdint>
-#include <exception>
-#include <mutex>
 #include <vector>
 
 #include "ops/compiled_isa.h"
+#include "runtime/parallel.h"
 
 namespace kvexport::ops {
 
@@ -260,32 +258,11 @@ constexpr int64_t kInlineWork = 1 << 18;
 bool runs_alone(int64_t work) { return kernel_threads() <= 1 || work < kInlineWork || at::in_parallel_region(); }
 
 // Runs body(i) for i in [0, total) on the calling thread plus up to kernel_threads() - 1 OpenMP
-// threads (on the calling thread alone when `alone`, runs_alone's answer for the call). Items are claimed one by one from
-// a shared counter rather than split in fixed halves, so a thread that the OS does not schedule (a
-// busy host) delays the call by at most the item it holds, not by its whole share, and causal
-// users' unequal tiles balance. Items are claimed from the end, where a user's costliest tiles
-// are, so the last ones claimed are the cheap ones.
+// threads, or on the calling thread alone when `alone` (runs_alone's answer for the call). Items
+// are claimed from the end, where a user's costliest tiles are (runtime::for_each_item).
 template <typename F>
 void for_each_item(int64_t total, bool alone, const F& body) {
-  const int64_t threads = std::min<int64_t>(kernel_threads(), total);
-  if (threads <= 1 || alone) {
-    for (int64_t i = total - 1; i >= 0; --i) body(i);
-    return;
-  }
-  std::atomic<int64_t> next{total};
-  std::exception_ptr error;  // an exception must not leave the parallel region
-  std::mutex error_mutex;
-#pragma omp parallel num_threads(threads)
-  {
-    try {
-      for (int64_t i; (i = next.fetch_sub(1, std::memory_order_relaxed) - 1) >= 0;) body(i);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-      next.store(0, std::memory_order_relaxed);
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  runtime::for_each_item(total, alone ? 1 : kernel_threads(), body);
 }
 
 // One call of the kernel: (tile, head) pairs as items, each over all the keys its rows read.

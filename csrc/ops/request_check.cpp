@@ -1,6 +1,7 @@
 #include "ops/request_check.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <mutex>
@@ -10,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/parallel.h"
 #include "runtime/request_error.h"
 #include "runtime/staging.h"
 
@@ -118,7 +120,8 @@ void check_distinct(const at::Tensor& user_ids) {
 
 // Each user's context ids, then item and action ids interleaved, users one after another; nullopt
 // (nothing to use) when an item or action id lies outside [0, vocab): the caller names it. The
-// range test is branch-free, so the copy stays one vectorisable pass over the events.
+// range test is branch-free, so each user's copy stays one vectorisable pass over its events;
+// a request of many events lays its users out on several threads (runtime::kParallelTokens).
 std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const at::Tensor& items,
                                         const at::Tensor& actions, const at::Tensor& context, int64_t item_vocab,
                                         int64_t action_vocab) {
@@ -128,22 +131,27 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
   const int64_t* length = history_lengths.const_data_ptr<int64_t>();
   const int64_t *item = items.const_data_ptr<int64_t>(), *action = actions.const_data_ptr<int64_t>();
   const int64_t* ctx = context.const_data_ptr<int64_t>();
+  std::vector<int64_t> first_event(num_users + 1, 0);  // of each user in items and actions
+  for (int64_t b = 0; b < num_users; ++b) first_event[b + 1] = first_event[b] + length[b];
   // Unsigned comparison: a negative id wraps to a huge value and fails `< vocab` too.
   const auto item_limit = static_cast<uint64_t>(item_vocab), action_limit = static_cast<uint64_t>(action_vocab);
-  bool bad = false;
-  for (int64_t b = 0; b < num_users; ++b) {
-    out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context, out);
+  std::vector<char> bad(num_users, 0);
+  const auto lay_out = [&](int64_t b) {
+    int64_t* user_out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context,
+                                  out + b * num_context + 2 * first_event[b]);
+    const int64_t *user_item = item + first_event[b], *user_action = action + first_event[b];
+    bool user_bad = false;
     for (int64_t e = 0; e < length[b]; ++e) {
-      bad |= static_cast<uint64_t>(item[e]) >= item_limit;
-      bad |= static_cast<uint64_t>(action[e]) >= action_limit;
-      out[2 * e] = item[e];
-      out[2 * e + 1] = action[e];
+      user_bad |= static_cast<uint64_t>(user_item[e]) >= item_limit;
+      user_bad |= static_cast<uint64_t>(user_action[e]) >= action_limit;
+      user_out[2 * e] = user_item[e];
+      user_out[2 * e + 1] = user_action[e];
     }
-    out += 2 * length[b];
-    item += length[b];
-    action += length[b];
-  }
-  if (bad) return std::nullopt;
+    bad[b] = user_bad;
+  };
+  const bool parallel = 2 * first_event[num_users] >= runtime::kParallelTokens && !at::in_parallel_region();
+  runtime::for_each_item(num_users, parallel ? at::get_num_threads() : 1, lay_out);
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) return std::nullopt;
   return tokens;
 }
 

@@ -27,14 +27,11 @@ const std::string& metadata_value(const std::unordered_map<std::string, std::str
   return it->second;
 }
 
-// The step program's inputs: views of begin_step's buffer, in StepLayout's order.
+// The step program's inputs: views of begin_step's buffer, in StepLayout's order and offsets.
 std::vector<at::Tensor> split(const at::Tensor& buffer, const runtime::StepLayout& layout) {
   std::vector<at::Tensor> parts;
-  int64_t offset = 0;
-  for (auto size : layout.sizes()) {
-    parts.push_back(buffer.narrow(0, offset, size));
-    offset += size;
-  }
+  const auto sizes = layout.sizes(), offsets = layout.offsets();
+  for (size_t i = 0; i < sizes.size(); ++i) parts.push_back(buffer.narrow(0, offsets[i], sizes[i]));
   parts[4] = parts[4].view({layout.users, layout.pages_per_user});
   parts[11] = parts[11].view({layout.tiles, 3});
   return parts;

@@ -6,25 +6,31 @@
 
 #include <algorithm>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 namespace kvexport::runtime {
 
 std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vector<int64_t>& row_user,
                                                                  int64_t tile_rows) {
+  // A counting sort: users are batch indices, so each user's rows start at the count of rows of
+  // the users before it, and keep their order.
+  int64_t num_users = 0;
+  for (auto user : row_user) {
+    if (user < 0) throw std::invalid_argument("user_tiles: negative batch index " + std::to_string(user));
+    num_users = std::max(num_users, user + 1);
+  }
+  std::vector<int64_t> first(num_users + 1, 0);
+  for (auto user : row_user) ++first[user + 1];
+  std::partial_sum(first.begin(), first.end(), first.begin());
   std::vector<int64_t> row_order(row_user.size());
-  std::iota(row_order.begin(), row_order.end(), 0);
-  std::stable_sort(row_order.begin(), row_order.end(),
-                   [&](int64_t a, int64_t b) { return row_user[a] < row_user[b]; });
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (size_t row = 0; row < row_user.size(); ++row) row_order[next[row_user[row]]++] = static_cast<int64_t>(row);
   std::vector<int64_t> tiles;
-  for (size_t first = 0; first < row_order.size();) {
-    const int64_t user = row_user[row_order[first]];
-    size_t end = first;
-    while (end < row_order.size() && row_user[row_order[end]] == user &&
-           static_cast<int64_t>(end - first) < tile_rows) {
-      ++end;
+  for (int64_t user = 0; user < num_users; ++user) {
+    for (int64_t start = first[user]; start < first[user + 1]; start += tile_rows) {
+      tiles.insert(tiles.end(), {user, start, std::min(tile_rows, first[user + 1] - start)});
     }
-    tiles.insert(tiles.end(), {user, static_cast<int64_t>(first), static_cast<int64_t>(end - first)});
-    first = end;
   }
   return {std::move(row_order), std::move(tiles)};
 }
@@ -81,12 +87,6 @@ void count_rows(BatchPlan& plan, const PlanRows& r) {
   plan.num_new_prefix_rows = static_cast<int64_t>(r.write_slots.size());
   plan.num_candidate_rows = static_cast<int64_t>(r.row_user.size()) - plan.num_new_prefix_rows;
   plan.max_row_keys = r.row_keys.empty() ? 0 : *std::max_element(r.row_keys.begin(), r.row_keys.end());
-}
-
-// Appends `values`, then `fill` up to `size` values.
-int64_t* put(int64_t* cursor, const int64_t* values, size_t count, int64_t size, int64_t fill) {
-  cursor = std::copy(values, values + count, cursor);
-  return std::fill_n(cursor, size - static_cast<int64_t>(count), fill);
 }
 
 }  // namespace
@@ -148,23 +148,32 @@ StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<in
   for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
 
   StepPlan step{staging_buffer(layout.numel(), device), layout};
-  int64_t* cursor = step.staged.data_ptr<int64_t>();
-  const auto Tp = layout.candidate_rows, Np = layout.prefix_rows, R = layout.rows();
-  cursor = put(cursor, candidate_ids.data(), candidate_ids.size(), Tp, 0);
-  cursor = put(cursor, candidate_positions.data(), candidate_positions.size(), Tp, 0);
-  cursor = put(cursor, new_ids.data(), new_ids.size(), Np, 0);
-  cursor = put(cursor, r.new_position.data(), r.new_position.size(), Np, 0);
-  cursor = put(cursor, r.page_table.data(), r.page_table.size(), layout.users * layout.pages_per_user, 0);
-  cursor = put(cursor, row_user.data(), row_user.size(), R, 0);
-  cursor = put(cursor, row_keys.data(), row_keys.size(), R, 0);
-  cursor = put(cursor, row_candidate.data(), row_candidate.size(), R, 0);
-  cursor = put(cursor, r.write_slots.data(), r.write_slots.size(), Np, trash_slot);
-  cursor = put(cursor, value_slots.data(), value_slots.size(), Np, trash_slot + page_size);
-  for (int64_t i = 0; i < R; ++i) {  // the real rows by tile, then the padding rows
+  int64_t* buffer = step.staged.data_ptr<int64_t>();
+  const auto sizes = layout.sizes(), offsets = layout.offsets();
+  size_t part = 0;
+  // The next part: `values`, then `fill` up to its size, then zeros up to the next part's offset.
+  const auto next = [&](const int64_t* values, size_t count, int64_t fill) {
+    const int64_t end = part + 1 < offsets.size() ? offsets[part + 1] : layout.numel();
+    int64_t* cursor = std::copy(values, values + count, buffer + offsets[part]);
+    cursor = std::fill_n(cursor, sizes[part] - static_cast<int64_t>(count), fill);
+    std::fill(cursor, buffer + end, 0);
+    ++part;
+  };
+  next(candidate_ids.data(), candidate_ids.size(), 0);
+  next(candidate_positions.data(), candidate_positions.size(), 0);
+  next(new_ids.data(), new_ids.size(), 0);
+  next(r.new_position.data(), r.new_position.size(), 0);
+  next(r.page_table.data(), r.page_table.size(), 0);
+  next(row_user.data(), row_user.size(), 0);
+  next(row_keys.data(), row_keys.size(), 0);
+  next(row_candidate.data(), row_candidate.size(), 0);
+  next(r.write_slots.data(), r.write_slots.size(), trash_slot);
+  next(value_slots.data(), value_slots.size(), trash_slot + page_size);
+  for (int64_t i = 0; i < layout.rows(); ++i) {  // the real rows by tile, then the padding rows
     if (row_index[i] < 0) row_order.push_back(i);
   }
-  cursor = put(cursor, row_order.data(), row_order.size(), R, 0);
-  put(cursor, tiles.data(), tiles.size(), 3 * layout.tiles, 0);
+  next(row_order.data(), row_order.size(), 0);
+  next(tiles.data(), tiles.size(), 0);
   return step;
 }
 

@@ -65,16 +65,28 @@ struct StepLayout {
   // (enough for any batch of the bucket)
   int64_t real_candidates = 0; // T: the leading candidate rows that are the batch's
   int64_t rows() const { return candidate_rows + prefix_rows; }
-  // int64 values of StepPlan::staged: candidate ids and positions [Tp] each, new token ids and
-  // positions [Np] each, page_table [Bp, pages_per_user], row_user, row_keys, row_candidate [R]
-  // each, write_slots, value_slots [Np] each, row_order [R], tiles [TT, 3].
+  // int64 parts of StepPlan::staged, each at its offset: candidate ids and positions [Tp] each,
+  // new token ids and positions [Np] each, page_table [Bp, pages_per_user], row_user, row_keys,
+  // row_candidate [R] each, write_slots, value_slots [Np] each, row_order [R], tiles [TT, 3].
   std::vector<int64_t> sizes() const {
     const int64_t t = candidate_rows, n = prefix_rows, r = rows();
     return {t, t, n, n, users * pages_per_user, r, r, r, n, n, r, 3 * tiles};
   }
+  // Where each part starts: every part on a 16-byte boundary (kStepAlign values), as AOTInductor
+  // compiles a program's inputs to expect; an input off it is copied on every run.
+  static constexpr int64_t kStepAlign = 2;
+  std::vector<int64_t> offsets() const {
+    std::vector<int64_t> starts;
+    int64_t next = 0;
+    for (auto size : sizes()) {
+      starts.push_back(next);
+      next += (size + kStepAlign - 1) / kStepAlign * kStepAlign;
+    }
+    return starts;
+  }
   int64_t numel() const {
     int64_t total = 0;
-    for (auto size : sizes()) total += size;
+    for (auto size : sizes()) total += (size + kStepAlign - 1) / kStepAlign * kStepAlign;
     return total;
   }
   // As begin_step returns it, and back.

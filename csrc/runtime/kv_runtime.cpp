@@ -1,14 +1,17 @@
 #include "runtime/kv_runtime.h"
 
 #include "runtime/host_tier.h"
+#include "runtime/parallel.h"
 #include "runtime/python_gil.h"
 #include "runtime/staging.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <typeinfo>
@@ -29,9 +32,13 @@ at::Tensor page_index(const std::vector<int64_t>& pages, int64_t count, const at
   return host.to(device, /*non_blocking=*/true);
 }
 
+// How many leading tokens a and b share. Compared a block at a time with memcmp (vectorised by the
+// C library), then token by token within the first block that differs.
 int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t b_len) {
+  constexpr int64_t kBlock = 256;
   const int64_t n = std::min(a_len, b_len);
   int64_t i = 0;
+  while (i + kBlock <= n && std::memcmp(a + i, b + i, kBlock * sizeof(int64_t)) == 0) i += kBlock;
   while (i < n && a[i] == b[i]) ++i;
   return i;
 }
@@ -175,15 +182,30 @@ std::vector<const std::vector<int64_t>*> KVRuntime::plan_batch(std::unique_lock<
       if (!offloaded[b] && !remote.empty()) offloaded[b] = std::move(remote[b]);
     }
   }
+  // Each user's common prefix with the tokens cached for it, compared on several threads for a
+  // request of many tokens; then reused in batch order.
+  const auto num_users = static_cast<int64_t>(user_ids.size());
+  std::vector<int64_t> first_token(num_users + 1, 0), common(num_users, 0);
+  std::vector<const std::vector<int64_t>*> stored(num_users);
+  for (int64_t b = 0; b < num_users; ++b) {
+    first_token[b + 1] = first_token[b] + token_lengths[b];
+    stored[b] = cached_tokens(user_ids[b], offloaded[b]);
+  }
+  const auto compare = [&](int64_t b) {
+    if (stored[b]) {
+      common[b] = common_prefix(stored[b]->data(), static_cast<int64_t>(stored[b]->size()),
+                                token_ids.data() + first_token[b], token_lengths[b]);
+    }
+  };
+  const bool parallel = first_token[num_users] >= kParallelTokens && !at::in_parallel_region();
+  for_each_item(num_users, parallel ? at::get_num_threads() : 1, compare);
   plan_ = BatchPlan{};
   plan_.user_ids = user_ids;
-  int64_t offset = 0;
-  for (size_t b = 0; b < user_ids.size(); ++b) {
-    const int64_t* tokens = token_ids.data() + offset;
-    const int64_t cached = reuse_prefix(user_ids[b], tokens, token_lengths[b], offloaded[b]);
+  for (int64_t b = 0; b < num_users; ++b) {
+    const int64_t* tokens = token_ids.data() + first_token[b];
+    const int64_t cached = reuse_prefix(user_ids[b], common[b], token_lengths[b], offloaded[b]);
     plan_.cached_lengths.push_back(cached);
     plan_.uncached_tokens.emplace_back(tokens + cached, tokens + token_lengths[b]);
-    offset += token_lengths[b];
   }
   for (size_t b = 0; b < user_ids.size(); ++b) {
     auto& entry = users_.touch(user_ids[b]);
@@ -228,14 +250,19 @@ std::vector<std::optional<OffloadedUser>> KVRuntime::read_remote(const std::vect
   return users;
 }
 
-int64_t KVRuntime::reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
+const std::vector<int64_t>* KVRuntime::cached_tokens(int64_t user_id, const std::optional<OffloadedUser>& offloaded) {
+  auto* entry = users_.find(user_id);
+  return entry ? &entry->token_ids : offloaded ? &offloaded->token_ids : nullptr;
+}
+
+int64_t KVRuntime::reuse_prefix(int64_t user_id, int64_t common, int64_t length,
                                 std::optional<OffloadedUser>& offloaded) {
   ++counters_.lookups;
   auto* entry = users_.find(user_id);
-  const std::vector<int64_t>* stored = entry ? &entry->token_ids : offloaded ? &offloaded->token_ids : nullptr;
+  const std::vector<int64_t>* stored = cached_tokens(user_id, offloaded);
   int64_t reused = 0;
   if (stored) {
-    reused = common_prefix(stored->data(), static_cast<int64_t>(stored->size()), tokens, length);
+    reused = common;
     if (reused < static_cast<int64_t>(stored->size())) ++counters_.prefix_truncations;
   }
   if (entry) truncate(*entry, reused);

@@ -120,8 +120,11 @@ class KVRuntime {
   void check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
                    const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) const;
   void truncate(UserEntry& entry, int64_t num_tokens);
-  int64_t reuse_prefix(int64_t user_id, const int64_t* tokens, int64_t length,
-                       std::optional<OffloadedUser>& offloaded);
+  // The tokens cached for a user: its device tier entry's, else those of its offloaded copy.
+  const std::vector<int64_t>* cached_tokens(int64_t user_id, const std::optional<OffloadedUser>& offloaded);
+  // Keeps the first `common` of the user's cached tokens (their common prefix with its `length`
+  // request tokens) and counts the lookup.
+  int64_t reuse_prefix(int64_t user_id, int64_t common, int64_t length, std::optional<OffloadedUser>& offloaded);
   std::vector<int64_t> allocate_pages(int64_t count, const std::unordered_set<int64_t>& in_batch);
   void evict(int64_t user_id);  // device tier -> tier chain
   at::Tensor cached_pages(const UserEntry& entry) const;  // the pages holding the entry's tokens

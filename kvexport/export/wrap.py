@@ -93,7 +93,7 @@ def step_dynamic_shapes(config: Config) -> tuple[dict[int, Dim], ...]:
 def step_example(config: Config, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
     """Zeros in the step program's input shapes (export traces them with fake kernels only)."""
     layout = _STEP_EXAMPLE._replace(pages_per_user=config.kv_cache.pages_for(config.model.max_prefix_length))
-    inputs, plan = layout.split(torch.zeros(sum(layout.sizes()), dtype=torch.int64, device=device))
+    inputs, plan = layout.split(torch.zeros(layout.numel(), dtype=torch.int64, device=device))
     return tuple(t.clone() for t in (*inputs, *plan))
 
 

@@ -115,6 +115,10 @@ class StepInputs(NamedTuple):
     new_positions: torch.Tensor
 
 
+# int64 values per 16 bytes: begin_step starts each part of its buffer on such a boundary.
+STEP_ALIGN = 2
+
+
 class StepLayout(NamedTuple):
     """Sizes of begin_step's buffer (csrc/runtime/batch_plan.h, StepLayout): the bucket, and how
     many of its candidate rows are the batch's."""
@@ -136,9 +140,22 @@ class StepLayout(NamedTuple):
         t, n, rows = self.candidate_rows, self.prefix_rows, self.candidate_rows + self.prefix_rows
         return t, t, n, n, self.users * self.pages_per_user, rows, rows, rows, n, n, rows, 3 * self.tiles
 
+    def offsets(self) -> tuple[int, ...]:
+        """Where each part starts: on a 16-byte boundary (STEP_ALIGN values), as AOTInductor compiles
+        the step program's inputs to expect (an input off it is copied on every run)."""
+        starts, start = [], 0
+        for size in self.sizes():
+            starts.append(start)
+            start += -(-size // STEP_ALIGN) * STEP_ALIGN
+        return tuple(starts)
+
+    def numel(self) -> int:
+        """Values in the whole buffer."""
+        return self.offsets()[-1] + -(-self.sizes()[-1] // STEP_ALIGN) * STEP_ALIGN
+
     def split(self, buffer: torch.Tensor) -> tuple[StepInputs, StepPlan]:
         """Views of begin_step's buffer (on the host, or a copy of it on the device), in its order."""
-        parts = list(buffer.split(self.sizes()))
+        parts = [buffer.narrow(0, start, size) for start, size in zip(self.offsets(), self.sizes())]
         parts[4] = parts[4].view(self.users, self.pages_per_user)
         parts[11] = parts[11].view(self.tiles, 3)
         return StepInputs(*parts[:4]), StepPlan(*parts[4:])
