@@ -31,6 +31,7 @@ from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_req
 from kvexport.native import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
+from kvexport.program import load_program
 from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy, redact_url
 from kvexport.step_runner import StepRunner
 
@@ -305,12 +306,10 @@ def _load_compiled(package: Path, device_index: int):
     running probe programs: 12 s on the 2-core CI machine with an empty inductor cache, before the
     package is opened. kvexport checks the host itself, and refuses rather than warns (check_host,
     check_device), so it skips that probe. The loader's arguments are those aoti_load_package
-    passes for a package path (model "model", one runner).
+    passes for a package path (model "model", one runner), and its call spec is read once
+    (kvexport.program).
     """
-    from torch._inductor.package.package import AOTICompiledModel
-
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, device_index)
-    return AOTICompiledModel(loader)
+    return load_program(package, device_index)
 
 
 def _attach_remote(runtime: str, url: str, write_policy: str) -> str | None:

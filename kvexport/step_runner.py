@@ -18,6 +18,7 @@ import torch
 
 from kvexport.model.batch import Batch
 from kvexport.ops import wrappers as kv
+from kvexport.program import load_program
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,11 @@ class StepRunner:
     between begin_step and end_batch, which the cache runtime serialises."""
 
     def __init__(self, package: Path, device: torch.device, *, cuda_graphs: bool):
-        from torch._inductor.package.package import AOTICompiledModel
-
-        # Single-threaded: no runner pool and no events of its own, so a CUDA graph can capture a run.
+        # Single-threaded, so that a CUDA graph can capture a run.
         index = device.index if device.index is not None else -1
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", True, 1, index)
-        self._program = AOTICompiledModel(loader)
+        self._program = load_program(package, index, single_threaded=True)
         # What planning needs travels in the step program, as every host reads it.
-        metadata = loader.get_metadata()
+        metadata = self._program.get_metadata()
         self.runtime_name = metadata["kvexport.runtime_name"]
         self._runtime_config = metadata["kvexport.runtime_config"]
         self._limits = metadata["kvexport.request_limits"]

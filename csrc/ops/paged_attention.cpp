@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "ops/compiled_isa.h"
@@ -65,14 +66,20 @@ constexpr int64_t kBlockFloats = 8192;  // 32 KiB of keys and 32 KiB of values p
 // them (causal rows stop early). acc[t * head_dim + d] += sum_j SiLU(alpha q_t . k_j) * inv * v_j[d].
 // scores holds a tile's rows (up to kAloneTileRows) of stride floats.
 //
-// kHeadDim >= 64 fixes the head size at compile time (blocks of a whole number of kKeyChunk keys):
-// the dot products then run in register tiles of kRowGroup rows by kKeyChunk keys over the whole
-// head dimension, one load of a key column feeding kRowGroup multiply-adds, and each row's weighted
-// sum of values runs in registers over all of its keys: 1.25x (64) and 1.41x (128) faster than the
-// row-at-a-time loop below on this CPU, single thread; at 32 it was 0.9x, so 32 and any other size
-// (0) take that loop: one row at a time, the scores summed in memory.
+// kHeadDim > 0 (32, 64 or 128) fixes the head size at compile time (blocks of a whole number of
+// kKeyChunk keys): the dot products then run in register tiles of kRowGroup rows by kKeyChunk keys
+// over the whole head dimension, one load of a key column feeding kRowGroup multiply-adds, and each
+// row's weighted sum of values runs in registers over all of its keys, several keys a step into
+// sums of their own so that the adds do not wait on each other. Single thread, on the 2-core
+// machine: register tiles made 64 and 128 1.25x and 1.41x faster than the row-at-a-time loop below
+// (32 then lost); the value sums kept in vector registers made 32 1.43x, 64 1.24x and 128 1.19x
+// faster again (benchmarks/RESULTS.md). Any other size (0) takes the row-at-a-time loop, the scores
+// summed in memory.
 constexpr int64_t kRowGroup = 4;
 constexpr int64_t kKeyChunk = 16;
+// A vector of kLanes floats (GCC's vector extension: one AVX-512 register, or two AVX2 ones).
+constexpr int64_t kLanes = 16;
+using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
 
 template <int64_t kHeadDim>
 inline __attribute__((always_inline)) void dot_tile(const float* q, int64_t rows, const float* keys_t,
@@ -99,7 +106,8 @@ inline __attribute__((always_inline)) void attend_block_impl(const float* q, flo
                                                              int64_t rows, const float* keys_t, int64_t stride,
                                                              const float* values, int64_t runtime_head_dim,
                                                              float alpha, float inv_scaling_seqlen, float* scores) {
-  if constexpr (kHeadDim >= 64) {
+  if constexpr (kHeadDim > 0) {
+    static_assert(kHeadDim % kLanes == 0, "a fixed head size is a whole number of vectors");
     const int64_t most = *std::max_element(limits, limits + rows);
     if (most <= 0) return;
     // Whole chunks: keys past `count` are stale scratch, finite, and read by no row.
@@ -109,16 +117,47 @@ inline __attribute__((always_inline)) void attend_block_impl(const float* q, flo
       if (count <= 0) continue;
       float* weights = scores + t * stride;
       silu_weights(weights, count, alpha, inv_scaling_seqlen);
-      float sum[kHeadDim];
+      // The row's sum as vectors of kLanes floats, unrolled so each stays in a register (as a
+      // float array, GCC stored it to the stack and read it back for every key).
+      constexpr int64_t kVectors = kHeadDim / kLanes;
+      Lanes sum[kVectors];
       float* acc_row = acc + t * kHeadDim;
-      std::copy(acc_row, acc_row + kHeadDim, sum);
-      for (int64_t j = 0; j < count; ++j) {
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kVectors; ++c) std::memcpy(&sum[c], acc_row + c * kLanes, sizeof(Lanes));
+      // kKeys keys a step into sums of their own: kKeys * kVectors independent add chains.
+      constexpr int64_t kKeys = kVectors >= 8 ? 1 : 8 / kVectors;
+      Lanes part[kKeys - 1][kVectors] = {};
+      int64_t j = 0;
+      for (; j + kKeys <= count; j += kKeys) {
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < kKeys; ++k) {
+          const float w = weights[j + k];
+          const float* value = values + (j + k) * kHeadDim;
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < kVectors; ++c) {
+            Lanes v;
+            std::memcpy(&v, value + c * kLanes, sizeof(Lanes));
+            (k == 0 ? sum[c] : part[k - 1][c]) += w * v;
+          }
+        }
+      }
+      for (; j < count; ++j) {
         const float w = weights[j];
         const float* value = values + j * kHeadDim;
-#pragma omp simd
-        for (int64_t d = 0; d < kHeadDim; ++d) sum[d] += w * value[d];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kVectors; ++c) {
+          Lanes v;
+          std::memcpy(&v, value + c * kLanes, sizeof(Lanes));
+          sum[c] += w * v;
+        }
       }
-      std::copy(sum, sum + kHeadDim, acc_row);
+#pragma GCC unroll 8
+      for (int64_t k = 0; k + 1 < kKeys; ++k) {
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kVectors; ++c) sum[c] += part[k][c];
+      }
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kVectors; ++c) std::memcpy(acc_row + c * kLanes, &sum[c], sizeof(Lanes));
     }
     return;
   }
