@@ -38,8 +38,26 @@ class _Terminated(BaseException):
 _interrupted_by: list[int] = []
 
 
+def _inside_torch_tracing() -> bool:
+    """Whether torch is tracing on this thread (torch.export, AOTInductor's lowering): a fake-tensor
+    or proxy dispatch mode is active."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
+
+
 def _raise_interrupted(signum, frame) -> None:
     _interrupted_by.append(signum)
+    if _inside_torch_tracing():
+        # Raised here, the exception would unwind through torch's dispatcher, whose mode guards
+        # then fail again in C++ and abort the process (SIGABRT: no cleanup, no exit status of
+        # ours). Remove what the command is writing and exit now instead.
+        from kvexport.io import run_abrupt_cleanups
+
+        run_abrupt_cleanups()
+        _exit_on_signal(signum)
     raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated(signum)
 
 

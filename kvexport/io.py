@@ -21,6 +21,27 @@ from kvexport.errors import UserError
 _LOCK_ATTEMPTS = 5  # a lock file removed between our open and flock is retried on a fresh one
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <linux/fcntl.h>, <linux/fs.h>
 
+# What a command is writing, to remove when a signal ends it without unwinding its stack
+# (kvexport.cli: a signal that lands inside torch's tracing cannot be raised there).
+_abrupt_cleanups: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def cleaned_up_on_abrupt_exit(cleanup: Callable[[], None]):
+    """Within the block, run_abrupt_cleanups calls `cleanup` (the block's own exit still must)."""
+    _abrupt_cleanups.append(cleanup)
+    try:
+        yield
+    finally:
+        _abrupt_cleanups.remove(cleanup)
+
+
+def run_abrupt_cleanups() -> None:
+    """Removes what the blocks now open are writing, innermost first."""
+    for cleanup in reversed(_abrupt_cleanups):
+        with contextlib.suppress(OSError):
+            cleanup()
+
 
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type's name when it has none)."""
@@ -80,7 +101,8 @@ def exclusive_lock(path: Path, holder: str):
     else:
         raise UserError(f"{holder} (lock {path} keeps changing)")
     try:
-        yield
+        with cleaned_up_on_abrupt_exit(lambda: Path(path).unlink(missing_ok=True)):
+            yield
     finally:
         Path(path).unlink(missing_ok=True)
         os.close(fd)

@@ -99,6 +99,51 @@ def test_signal_during_build_leaves_nothing(tmp_path, signum, code):
     assert list(tmp_path.iterdir()) == []
 
 
+# A command interrupted while torch traces under a fake-tensor mode, as `kvexport build` exports
+# and compiles: the signal arrives between two traced ops.
+_INTERRUPTED_WHILE_TRACING = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from kvexport import cli
+from kvexport.io import cleaned_up_on_abrupt_exit
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+writing = Path(sys.argv[1])
+writing.mkdir()
+
+
+@cli._handle_errors
+def command():
+    with cleaned_up_on_abrupt_exit(writing.rmdir):
+        with FakeTensorMode():
+            x = torch.ones(4, 4)
+            os.kill(os.getpid(), int(sys.argv[2]))
+            for _ in range(10_000):
+                x = torch.where(x > 0, x, 0.0)
+    print("the command ran to its end")
+
+
+command()
+"""
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_while_torch_traces_removes_what_was_written_and_exits_cleanly(tmp_path, signum, code):
+    """A signal that arrives while torch traces is not raised into torch's dispatcher (raised
+    there, it once aborted a build in test_signal_during_build_leaves_nothing: SIGABRT from "one
+    FakeTensorMode already exists", the staging directory left): the handler removes what the
+    command registered and exits with the signal's status. The command here never removes its
+    directory itself, so only that path can."""
+    writing = tmp_path / "writing"
+    result = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_TRACING, str(writing), str(int(signum))],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == f"error: interrupted by {signal.Signals(signum).name}"
+    assert "ran to its end" not in result.stdout and not writing.exists()
+
+
 def test_stale_staging_is_removed_and_live_staging_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "_write_artifact", _fake_write_artifact)
     dead_pid = _dead_pid()

@@ -26,7 +26,7 @@ from kvexport.errors import UserError
 from kvexport.export.package import (check_package_ops, check_shared_objects, compile_package, graph_custom_ops,
                                      required_libraries)
 from kvexport.export.wrap import CachedRanker, StepProgram, export_cached, export_step
-from kvexport.io import exclusive_lock, remove_stale_staging, rename_no_replace
+from kvexport.io import cleaned_up_on_abrupt_exit, exclusive_lock, remove_stale_staging, rename_no_replace
 from kvexport.model import SIGNATURE, build_model
 from kvexport.native import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, build_native
 from kvexport.ops import library
@@ -131,7 +131,8 @@ def _prepare_output(output: Path, force: bool):
         staging = parent / f"{prefix}{os.getpid()}"
         try:
             staging.mkdir()
-            yield staging
+            with cleaned_up_on_abrupt_exit(lambda: shutil.rmtree(staging, ignore_errors=True)):
+                yield staging
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
