@@ -326,7 +326,8 @@ TORCH_LIBRARY(kvexport, m) {
   // A step program's request (docs/design.md 3.9): the host calls check_request, then begin_step,
   // which plans like begin_batch and returns, on the host, the step program's inputs and plan in
   // one buffer (padded to buckets) and its layout [candidate rows, prefix rows, users,
-  // pages per user, tiles, real candidates]; the step program runs paged_attention_step per layer
+  // pages per user, tiles, real candidates, alignment of the parts (runtime::StepLayout)]; the
+  // step program runs paged_attention_step per layer
   // with that plan as tensors (fixed addresses, so a CUDA graph can replay it); end_batch commits.
   m.def("begin_step(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
         "Tensor num_candidates, Tensor candidate_ids, Tensor placement, int max_prefix_length) -> "

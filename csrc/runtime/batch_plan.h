@@ -6,6 +6,8 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -89,12 +91,17 @@ struct StepLayout {
     for (auto size : sizes()) total += (size + kStepAlign - 1) / kStepAlign * kStepAlign;
     return total;
   }
-  // As begin_step returns it, and back.
+  // As begin_step returns it, and back: the sizes, then kStepAlign, so that a host never splits a
+  // buffer of an op library that aligns its parts otherwise (before kStepAlign, none did).
   std::vector<int64_t> to_vector() const {
-    return {candidate_rows, prefix_rows, users, pages_per_user, tiles, real_candidates};
+    return {candidate_rows, prefix_rows, users, pages_per_user, tiles, real_candidates, kStepAlign};
   }
   static StepLayout from_vector(const std::vector<int64_t>& v) {
-    return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5)};
+    if (v.size() != 7 || v[6] != kStepAlign) {
+      throw std::invalid_argument("begin_step's layout is not this version's (" + std::to_string(v.size()) +
+                                  " values): the op library was built from other kvexport sources");
+    }
+    return {v[0], v[1], v[2], v[3], v[4], v[5]};
   }
 };
 

@@ -55,7 +55,7 @@ def _begin_step(runtime, config, user_ids, token_ids, token_lengths, num_candida
                 max_prefix_length):
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
     staged = token_ids.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
-    return staged, torch.empty(6, dtype=torch.int64)
+    return staged, torch.empty(7, dtype=torch.int64)
 
 
 @torch.library.register_fake("kvexport::paged_attention_step")

@@ -171,7 +171,11 @@ def begin_step(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids
     """
     staged, layout = _ops().begin_step(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates,
                                        candidate_ids, placement, max_prefix_length)
-    return staged, StepLayout(*layout.tolist())
+    values = layout.tolist()  # StepLayout's fields, then the alignment of the buffer's parts
+    if len(values) != len(StepLayout._fields) + 1 or values[-1] != STEP_ALIGN:
+        raise RuntimeError(f"begin_step's layout is not this version's ({len(values)} values): the op library "
+                           "was built from other kvexport sources")
+    return staged, StepLayout(*values[:-1])
 
 
 def paged_attention_step(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
