@@ -118,46 +118,35 @@ inline __attribute__((always_inline)) void attend_block_impl(const float* q, flo
       float* weights = scores + t * stride;
       silu_weights(weights, count, alpha, inv_scaling_seqlen);
       // The row's sum as vectors of kLanes floats, unrolled so each stays in a register (as a
-      // float array, GCC stored it to the stack and read it back for every key).
+      // float array, GCC stored it to the stack and read it back for every key); kKeys keys a step
+      // into sums of their own, kKeys * kVectors independent add chains, added up at the end.
       constexpr int64_t kVectors = kHeadDim / kLanes;
-      Lanes sum[kVectors];
+      constexpr int64_t kKeys = kVectors >= 8 ? 1 : 8 / kVectors;
+      Lanes sum[kKeys][kVectors] = {};
       float* acc_row = acc + t * kHeadDim;
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kVectors; ++c) std::memcpy(&sum[c], acc_row + c * kLanes, sizeof(Lanes));
-      // kKeys keys a step into sums of their own: kKeys * kVectors independent add chains.
-      constexpr int64_t kKeys = kVectors >= 8 ? 1 : 8 / kVectors;
-      Lanes part[kKeys - 1][kVectors] = {};
-      int64_t j = 0;
-      for (; j + kKeys <= count; j += kKeys) {
+      for (int64_t c = 0; c < kVectors; ++c) std::memcpy(&sum[0][c], acc_row + c * kLanes, sizeof(Lanes));
+      for (int64_t j = 0; j < count; j += kKeys) {
+        const int64_t step = std::min(kKeys, count - j);  // the last step may hold fewer keys
 #pragma GCC unroll 8
         for (int64_t k = 0; k < kKeys; ++k) {
+          if (k >= step) break;
           const float w = weights[j + k];
           const float* value = values + (j + k) * kHeadDim;
 #pragma GCC unroll 8
           for (int64_t c = 0; c < kVectors; ++c) {
             Lanes v;
             std::memcpy(&v, value + c * kLanes, sizeof(Lanes));
-            (k == 0 ? sum[c] : part[k - 1][c]) += w * v;
+            sum[k][c] += w * v;
           }
         }
       }
-      for (; j < count; ++j) {
-        const float w = weights[j];
-        const float* value = values + j * kHeadDim;
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < kVectors; ++c) {
-          Lanes v;
-          std::memcpy(&v, value + c * kLanes, sizeof(Lanes));
-          sum[c] += w * v;
-        }
+      for (int64_t c = 0; c < kVectors; ++c) {
+#pragma GCC unroll 8
+        for (int64_t k = 1; k < kKeys; ++k) sum[0][c] += sum[k][c];
+        std::memcpy(acc_row + c * kLanes, &sum[0][c], sizeof(Lanes));
       }
-#pragma GCC unroll 8
-      for (int64_t k = 0; k + 1 < kKeys; ++k) {
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kVectors; ++c) sum[c] += part[k][c];
-      }
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kVectors; ++c) std::memcpy(acc_row + c * kLanes, &sum[c], sizeof(Lanes));
     }
     return;
   }

@@ -189,7 +189,7 @@ std::vector<const std::vector<int64_t>*> KVRuntime::plan_batch(std::unique_lock<
   std::vector<const std::vector<int64_t>*> stored(num_users);
   for (int64_t b = 0; b < num_users; ++b) {
     first_token[b + 1] = first_token[b] + token_lengths[b];
-    stored[b] = cached_tokens(user_ids[b], offloaded[b]);
+    stored[b] = cached_tokens(users_.find(user_ids[b]), offloaded[b]);
   }
   const auto compare = [&](int64_t b) {
     if (stored[b]) {
@@ -250,8 +250,8 @@ std::vector<std::optional<OffloadedUser>> KVRuntime::read_remote(const std::vect
   return users;
 }
 
-const std::vector<int64_t>* KVRuntime::cached_tokens(int64_t user_id, const std::optional<OffloadedUser>& offloaded) {
-  auto* entry = users_.find(user_id);
+const std::vector<int64_t>* KVRuntime::cached_tokens(const UserEntry* entry,
+                                                     const std::optional<OffloadedUser>& offloaded) {
   return entry ? &entry->token_ids : offloaded ? &offloaded->token_ids : nullptr;
 }
 
@@ -259,7 +259,7 @@ int64_t KVRuntime::reuse_prefix(int64_t user_id, int64_t common, int64_t length,
                                 std::optional<OffloadedUser>& offloaded) {
   ++counters_.lookups;
   auto* entry = users_.find(user_id);
-  const std::vector<int64_t>* stored = cached_tokens(user_id, offloaded);
+  const std::vector<int64_t>* stored = cached_tokens(entry, offloaded);
   int64_t reused = 0;
   if (stored) {
     reused = common;

@@ -121,7 +121,8 @@ class KVRuntime {
                    const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates) const;
   void truncate(UserEntry& entry, int64_t num_tokens);
   // The tokens cached for a user: its device tier entry's, else those of its offloaded copy.
-  const std::vector<int64_t>* cached_tokens(int64_t user_id, const std::optional<OffloadedUser>& offloaded);
+  static const std::vector<int64_t>* cached_tokens(const UserEntry* entry,
+                                                   const std::optional<OffloadedUser>& offloaded);
   // Keeps the first `common` of the user's cached tokens (their common prefix with its `length`
   // request tokens) and counts the lookup.
   int64_t reuse_prefix(int64_t user_id, int64_t common, int64_t length, std::optional<OffloadedUser>& offloaded);

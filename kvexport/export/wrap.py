@@ -13,13 +13,17 @@ from kvexport.ops import library
 from kvexport.ops import wrappers as kv
 
 
-class CachedRanker(nn.Module):
-    """Plain tensors in (the batch signature), logits out, through the named cache runtime."""
+class _RuntimeProgram(nn.Module):
+    """The model as a program that runs through the named cache runtime."""
 
     def __init__(self, model: HSTURanker, runtime_name: str):
         super().__init__()
         self.model = model
         self.runtime_name = runtime_name
+
+
+class CachedRanker(_RuntimeProgram):
+    """Plain tensors in (the batch signature), logits out, through the named cache runtime."""
 
     def forward(self, user_ids: torch.Tensor, history_lengths: torch.Tensor, item_ids: torch.Tensor,
                 action_ids: torch.Tensor, context_ids: torch.Tensor, num_candidates: torch.Tensor,
@@ -54,14 +58,9 @@ def export_cached(module: CachedRanker, config: Config) -> ExportedProgram:
                                    dynamic_shapes=dynamic_shapes(config), strict=False)
 
 
-class StepProgram(nn.Module):
+class StepProgram(_RuntimeProgram):
     """The device part of a cached request as a program of its own (docs/design.md 3.9):
     begin_step's inputs and plan in (StepInputs, then StepPlan), logits of every candidate row out."""
-
-    def __init__(self, model: HSTURanker, runtime_name: str):
-        super().__init__()
-        self.model = model
-        self.runtime_name = runtime_name
 
     def forward(self, candidate_ids: torch.Tensor, candidate_positions: torch.Tensor, new_ids: torch.Tensor,
                 new_positions: torch.Tensor, page_table: torch.Tensor, row_user: torch.Tensor,
