@@ -78,6 +78,31 @@ def test_paged_attention_kernel_many_rows_per_user(head_dim, threads, num_rows, 
     torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
 
 
+def strided_like(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t [N, H, dh] with the same values in another layout: "slices" as one of four column blocks of
+    a projection's output (the model's q, k, v: rows apart by 4 H dh), "transposed" with each row's
+    heads apart (no row of it contiguous), "contiguous" as it is."""
+    if layout == "slices":
+        wide = torch.randn(t.shape[0], 4, *t.shape[1:]).to(t.dtype)
+        wide[:, 2] = t
+        return wide.flatten(1).chunk(4, dim=1)[2].unflatten(1, t.shape[1:])
+    if layout == "transposed":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t
+
+
+@pytest.mark.parametrize("layout", ["slices", "transposed"])
+def test_paged_attention_kernel_reads_strided_rows(layout):
+    """q, k, v read in place whatever the stride between rows (a copy only when a row is not
+    contiguous): the same result as contiguous inputs, and the output contiguous."""
+    q, k, v, *rest = random_paged_inputs(8, head_dim=32)
+    strided = [strided_like(t, layout) for t in (q, k, v)]
+    assert layout != "slices" or strided[0].stride(0) == 4 * 2 * 32
+    got = kv.hstu_paged_attention(*strided, *rest, ALPHA, INV_S)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, reference_paged_attention(q, k, v, *rest), rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_kernel_rejects_pages_outside_the_cache():
     q, k, v, cache, page_table, row_user, row_keys, row_candidate = random_paged_inputs(7)
     page_table[1, 2] = 8
@@ -128,15 +153,17 @@ def batch_inputs():
     return user_ids, token_ids, token_lengths, num_candidates
 
 
-def test_stateful_ops_match_reference_attention(runtime):
-    """paged_attention over the runtime's cache == dense HSTU attention over prefix + candidate."""
+@pytest.mark.parametrize("layout", ["contiguous", "slices", "transposed"])
+def test_stateful_ops_match_reference_attention(runtime, layout):
+    """paged_attention over the runtime's cache == dense HSTU attention over prefix + candidate,
+    whatever the layout of q, k, v (prefix rows read the k/v just stored from them)."""
     user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
     g = torch.Generator().manual_seed(0)
     rows = 3 + 7  # candidates first, then every prefix token (cold cache)
     q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
     new_tokens = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
     assert new_tokens.tolist() == [list(range(7)), [0, 1, 2, 3, 0, 1, 2]]  # a cold cache: every token is new
-    got = kv.paged_attention(runtime, 0, q, k, v, ALPHA, INV_S)
+    got = kv.paged_attention(runtime, 0, *(strided_like(t, layout) for t in (q, k, v)), ALPHA, INV_S)
     kv.end_batch(runtime, user_ids, got)
     # Dense reference: user 0 = prefix rows 3..6 + candidates 0, 1; user 1 = prefix rows 7..9 + candidate 2.
     for prefix_rows, candidate_rows in (([3, 4, 5, 6], [0, 1]), ([7, 8, 9], [2])):

@@ -19,9 +19,11 @@
 #if defined(KVEXPORT_KERNEL_MULTIVERSION) && defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX512F__)
 #define KVEXPORT_KERNEL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define KVEXPORT_KERNEL_CLONE_LIST "x86-64-v4,x86-64-v3"
+#define KVEXPORT_KERNEL_MULTIVERSIONED 1
 #else
 #define KVEXPORT_KERNEL_CLONES
 #define KVEXPORT_KERNEL_CLONE_LIST ""
+#define KVEXPORT_KERNEL_MULTIVERSIONED 0
 #endif
 
 namespace kvexport::ops::isa {

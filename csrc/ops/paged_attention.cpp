@@ -9,6 +9,7 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops/compiled_isa.h"
@@ -18,17 +19,31 @@ namespace kvexport::ops {
 
 namespace {
 
-// The loops below are written for `#pragma omp simd` (-fopenmp-simd): the reductions vectorise
-// without -ffast-math. expf does not vectorise without -ffast-math (glibc declares its vector
-// variants only then), so SiLU uses exp2 by range reduction and a degree-7 polynomial: relative
-// error below 1e-7 on the whole float range, far inside the package tolerances.
-inline float exp_approx(float x) {
-  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float t = clamped * 1.44269504088896341f;  // x * log2(e)
-  constexpr float kRound = 12582912.0f;             // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (t + kRound) - kRound;
-  const float f = (t - n) * 0.693147180559945309f;  // e^f with f in [-ln2/2, ln2/2]
-  float p = 1.0f / 5040.0f;
+// The loops below are written for `#pragma omp simd` (-fopenmp-simd) or on GCC vectors: the
+// reductions vectorise without -ffast-math. expf does not vectorise without -ffast-math (glibc
+// declares its vector variants only then), so SiLU uses exp2 by range reduction and a degree-7
+// polynomial: relative error below 1e-7 on the whole float range, far inside the package
+// tolerances. exp_approx takes a float or a vector of floats (the same operations lane by lane).
+template <typename V>
+struct IntLanes {
+  using type = decltype(V{} < V{});  // a vector's comparisons give lanes of int32
+};
+template <>
+struct IntLanes<float> {
+  using type = int32_t;
+};
+
+template <typename V>
+inline __attribute__((always_inline)) V exp_approx(V x) {
+  using Int = typename IntLanes<V>::type;
+  const V zero = {};
+  V clamped = x < -87.0f ? zero - 87.0f : x;
+  clamped = clamped > 88.0f ? zero + 88.0f : clamped;
+  const V t = clamped * 1.44269504088896341f;  // x * log2(e)
+  constexpr float kRound = 12582912.0f;         // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (t + kRound) - kRound;
+  const V f = (t - n) * 0.693147180559945309f;  // e^f with f in [-ln2/2, ln2/2]
+  V p = zero + 1.0f / 5040.0f;
   p = p * f + 1.0f / 720.0f;
   p = p * f + 1.0f / 120.0f;
   p = p * f + 1.0f / 24.0f;
@@ -36,183 +51,212 @@ inline float exp_approx(float x) {
   p = p * f + 0.5f;
   p = p * f + 1.0f;
   p = p * f + 1.0f;
-  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float's bits
-  return p * std::bit_cast<float>(exponent);
+  Int whole;
+  if constexpr (std::is_same_v<V, float>) {
+    whole = static_cast<int32_t>(n);
+  } else {
+    whole = __builtin_convertvector(n, Int);
+  }
+  const Int exponent = (whole + 127) << 23;  // 2^n as a float's bits
+  V scale;
+  std::memcpy(&scale, &exponent, sizeof(V));
+  return p * scale;
 }
 
-// scores[j] <- SiLU(alpha * scores[j]) * inv_scaling_seqlen
+// SiLU(alpha * x) * inv_scaling_seqlen, of a float or lane by lane.
+template <typename V>
+inline __attribute__((always_inline)) V silu_weight(V x, float alpha, float inv_scaling_seqlen) {
+  const V scaled = alpha * x;
+  return scaled / (1.0f + exp_approx(-scaled)) * inv_scaling_seqlen;
+}
+
+// scores[j] <- SiLU(alpha * scores[j]) * inv_scaling_seqlen. The kernels for fixed head sizes
+// apply silu_weight to vectors instead: without AVX-512 masks the vectoriser leaves this loop's
+// clamps as branches (the x86-64-v3 build's kernel ran 2.8x slower than the native one for it).
 inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scaling_seqlen) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = alpha * scores[j];
-    scores[j] = x / (1.0f + exp_approx(-x)) * inv_scaling_seqlen;
-  }
+  for (int64_t j = 0; j < n; ++j) scores[j] = silu_weight(scores[j], alpha, inv_scaling_seqlen);
 }
 
 // Rows of one user are processed in tiles of up to kTileRows rows, and the user's keys in blocks
-// of kBlockFloats / head_dim keys converted to float (keys transposed, values row by row). A block
-// is read from the cache once per tile and stays in L1/L2 while every row of the tile uses it: no
-// buffer of the whole history (megabytes allocated and zeroed per call) and no pass of each row
-// over megabytes of L3. A call that runs on the calling thread alone (for_each_item) takes tiles
-// of kAloneTileRows: no balance to keep, and each block is then gathered once per 64 rows rather
-// than 16 (single thread: 194 -> 155 us for 96 rows over 130 keys at head size 32, 64 -> 33 ms for
-// 164 rows over 4000 keys at 128, 533 -> 405 us at 64).
+// of kBlockFloats / head_dim keys. A block is read from the cache once per tile and stays in L1/L2
+// while every row of the tile uses it: no buffer of the whole history (megabytes allocated and
+// zeroed per call) and no pass of each row over megabytes of L3. A float32 cache is read where it
+// lies (a block is a list of key and value rows); another dtype's block is converted to float rows
+// first. A call that runs on the calling thread alone (for_each_item) takes tiles of
+// kAloneTileRows: no balance to keep, and each block is then read once per 64 rows rather than 16
+// (single thread: 194 -> 155 us for 96 rows over 130 keys at head size 32, 64 -> 33 ms for 164
+// rows over 4000 keys at 128, 533 -> 405 us at 64).
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kAloneTileRows = 64;
 constexpr int64_t kBlockFloats = 8192;  // 32 KiB of keys and 32 KiB of values per block
+// A vector of kLanes floats (GCC's vector extension), the rows of a tile a register holds: 16 where
+// the kernel runs with AVX-512 (wide_vectors), else 8. (16-float vectors on AVX2, two registers
+// each, ran out of its 16 registers: 8x slower.)
+template <int64_t kLanes>
+struct Lanes;
+template <>
+struct Lanes<8> {
+  using type = float __attribute__((vector_size(8 * sizeof(float))));
+};
+template <>
+struct Lanes<16> {
+  using type = float __attribute__((vector_size(16 * sizeof(float))));
+};
+// Keys a step of the dot products: each key's value broadcast into its own sum.
+constexpr int64_t kKeyGroup = 8;
 
-// One block for one tile, float only (the part worth compiling per ISA). keys_t[d * stride + j] and
-// values[j * head_dim + d] hold keys 0..count-1 of the block; row t reads the first limits[t] of
-// them (causal rows stop early). acc[t * head_dim + d] += sum_j SiLU(alpha q_t . k_j) * inv * v_j[d].
-// scores holds a tile's rows (up to kAloneTileRows) of stride floats.
+// The keys of one block: key j's head_dim floats at keys[j], its value's at values[j]. The lists
+// run kKeyGroup - 1 entries past the block's keys, repeating its last key (read, never used).
+struct Block {
+  const float* const* keys;
+  const float* const* values;
+};
+
+// One block for one tile, float only (the part worth compiling per ISA). q_t[d * kAloneTileRows + t]
+// holds the tile's rows transposed, zero past `rows` up to a whole vector; row t reads the first
+// limits[t] keys of the block (causal rows stop early). acc[t * head_dim + d] += sum_j
+// SiLU(alpha q_t . k_j) * inv * v_j[d]. scores holds the block's keys by the tile's rows:
+// scores[j * kAloneTileRows + t].
 //
-// kHeadDim > 0 (32, 64 or 128) fixes the head size at compile time (blocks of a whole number of
-// kKeyChunk keys): the dot products then run in register tiles of kRowGroup rows by kKeyChunk keys
-// over the whole head dimension, one load of a key column feeding kRowGroup multiply-adds, and each
-// row's weighted sum of values runs in registers over all of its keys, several keys a step into
-// sums of their own so that the adds do not wait on each other. Single thread, on the 2-core
-// machine: register tiles made 64 and 128 1.25x and 1.41x faster than the row-at-a-time loop below
-// (32 then lost); the value sums kept in vector registers made 32 1.43x, 64 1.24x and 128 1.19x
-// faster again (benchmarks/RESULTS.md). Any other size (0) takes the row-at-a-time loop, the scores
-// summed in memory.
-constexpr int64_t kRowGroup = 4;
-constexpr int64_t kKeyChunk = 16;
-// A vector of kLanes floats (GCC's vector extension: one AVX-512 register, or two AVX2 ones).
-constexpr int64_t kLanes = 16;
-using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-template <int64_t kHeadDim>
-inline __attribute__((always_inline)) void dot_tile(const float* q, int64_t rows, const float* keys_t,
-                                                    int64_t stride, int64_t keys, float* scores) {
-  for (int64_t t0 = 0; t0 < rows; t0 += kRowGroup) {
-    const int64_t group = std::min(kRowGroup, rows - t0);
-    for (int64_t j0 = 0; j0 < keys; j0 += kKeyChunk) {
-      float acc[kRowGroup][kKeyChunk] = {};
-      for (int64_t d = 0; d < kHeadDim; ++d) {
-        const float* column = keys_t + d * stride + j0;
-        for (int64_t r = 0; r < kRowGroup; ++r) {  // rows past `group` read q's scratch, never stored
-          const float qd = q[(t0 + r) * kHeadDim + d];
-#pragma omp simd
-          for (int64_t j = 0; j < kKeyChunk; ++j) acc[r][j] += qd * column[j];
-        }
-      }
-      for (int64_t r = 0; r < group; ++r) std::copy(acc[r], acc[r] + kKeyChunk, scores + (t0 + r) * stride + j0);
-    }
-  }
-}
-
-template <int64_t kHeadDim>
-inline __attribute__((always_inline)) void attend_block_impl(const float* q, float* acc, const int64_t* limits,
-                                                             int64_t rows, const float* keys_t, int64_t stride,
-                                                             const float* values, int64_t runtime_head_dim,
-                                                             float alpha, float inv_scaling_seqlen, float* scores) {
+// kHeadDim > 0 (32, 64 or 128) fixes the head size at compile time. The dot products run in
+// register tiles of kLanes rows by kKeyGroup keys over the whole head dimension: one load of q's
+// column feeds kKeyGroup multiply-adds with each key's value broadcast from the row it lies in, so
+// neither the keys nor the cache are transposed. Each row's weighted sum of values runs in
+// registers over all of its keys, several keys a step into sums of their own so that the adds do
+// not wait on each other. Any other size (0) takes a row-at-a-time loop.
+template <int64_t kHeadDim, int64_t kLanes>
+inline __attribute__((always_inline)) void attend_block_impl(const float* q, const float* q_t, float* acc,
+                                                             const int64_t* limits, int64_t rows, Block block,
+                                                             int64_t runtime_head_dim, float alpha,
+                                                             float inv_scaling_seqlen, float* scores) {
+  const int64_t most = *std::max_element(limits, limits + rows);
+  if (most <= 0) return;
   if constexpr (kHeadDim > 0) {
-    static_assert(kHeadDim % kLanes == 0, "a fixed head size is a whole number of vectors");
-    const int64_t most = *std::max_element(limits, limits + rows);
-    if (most <= 0) return;
-    // Whole chunks: keys past `count` are stale scratch, finite, and read by no row.
-    dot_tile<kHeadDim>(q, rows, keys_t, stride, (most + kKeyChunk - 1) / kKeyChunk * kKeyChunk, scores);
-    for (int64_t t = 0; t < rows; ++t) {
-      const int64_t count = limits[t];
-      if (count <= 0) continue;
-      float* weights = scores + t * stride;
-      silu_weights(weights, count, alpha, inv_scaling_seqlen);
-      // The row's sum as vectors of kLanes floats, unrolled so each stays in a register (as a
-      // float array, GCC stored it to the stack and read it back for every key); kKeys keys a step
-      // into sums of their own, kKeys * kVectors independent add chains, added up at the end.
-      constexpr int64_t kVectors = kHeadDim / kLanes;
-      constexpr int64_t kKeys = kVectors >= 8 ? 1 : 8 / kVectors;
-      Lanes sum[kKeys][kVectors] = {};
-      float* acc_row = acc + t * kHeadDim;
+    using Vector = typename Lanes<kLanes>::type;
+    static_assert(sizeof(Vector) == kLanes * sizeof(float));
+    const int64_t vector_rows = (rows + kLanes - 1) / kLanes * kLanes;
+    for (int64_t t0 = 0; t0 < vector_rows; t0 += kLanes) {
+      for (int64_t j0 = 0; j0 < most; j0 += kKeyGroup) {
+        Vector dots[kKeyGroup] = {};
+        for (int64_t d = 0; d < kHeadDim; ++d) {
+          Vector column;
+          std::memcpy(&column, q_t + d * kAloneTileRows + t0, sizeof(Vector));
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kVectors; ++c) std::memcpy(&sum[0][c], acc_row + c * kLanes, sizeof(Lanes));
-      for (int64_t j = 0; j < count; j += kKeys) {
-        const int64_t step = std::min(kKeys, count - j);  // the last step may hold fewer keys
+          for (int64_t i = 0; i < kKeyGroup; ++i) dots[i] += column * block.keys[j0 + i][d];
+        }
 #pragma GCC unroll 8
-        for (int64_t k = 0; k < kKeys; ++k) {
-          if (k >= step) break;
-          const float w = weights[j + k];
-          const float* value = values + (j + k) * kHeadDim;
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < kVectors; ++c) {
-            Lanes v;
-            std::memcpy(&v, value + c * kLanes, sizeof(Lanes));
-            sum[k][c] += w * v;
-          }
+        for (int64_t i = 0; i < kKeyGroup; ++i) {
+          std::memcpy(scores + (j0 + i) * kAloneTileRows + t0, &dots[i], sizeof(Vector));
         }
       }
+    }
+    for (int64_t j = 0; j < most; ++j) {
+      for (int64_t t0 = 0; t0 < vector_rows; t0 += kLanes) {
+        Vector x;
+        std::memcpy(&x, scores + j * kAloneTileRows + t0, sizeof(Vector));
+        x = silu_weight(x, alpha, inv_scaling_seqlen);
+        std::memcpy(scores + j * kAloneTileRows + t0, &x, sizeof(Vector));
+      }
+    }
+    // Keys a row does not read weigh nothing (rows past `rows` already do: their q is zero), so
+    // that the weighted sums run over whole vectors of rows too.
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t j = std::max<int64_t>(limits[t], 0); j < most; ++j) scores[j * kAloneTileRows + t] = 0.0f;
+    }
+    // acc's columns += the weights' columns times each value's entries: kDims entries of the
+    // values a step, each broadcast into its own sum of kLanes rows.
+    constexpr int64_t kDims = 8;
+    static_assert(kHeadDim % kDims == 0, "a fixed head size is a whole number of steps");
+    for (int64_t t0 = 0; t0 < vector_rows; t0 += kLanes) {
+      for (int64_t d0 = 0; d0 < kHeadDim; d0 += kDims) {
+        Vector sums[kDims];
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kVectors; ++c) {
+        for (int64_t i = 0; i < kDims; ++i) std::memcpy(&sums[i], acc + (d0 + i) * kAloneTileRows + t0, sizeof(Vector));
+        for (int64_t j = 0; j < most; ++j) {
+          Vector weights;
+          std::memcpy(&weights, scores + j * kAloneTileRows + t0, sizeof(Vector));
+          const float* value = block.values[j] + d0;
 #pragma GCC unroll 8
-        for (int64_t k = 1; k < kKeys; ++k) sum[0][c] += sum[k][c];
-        std::memcpy(acc_row + c * kLanes, &sum[0][c], sizeof(Lanes));
+          for (int64_t i = 0; i < kDims; ++i) sums[i] += weights * value[i];
+        }
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < kDims; ++i) std::memcpy(acc + (d0 + i) * kAloneTileRows + t0, &sums[i], sizeof(Vector));
       }
     }
     return;
   }
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t head_dim = runtime_head_dim;
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t count = limits[t];
-    if (count <= 0) continue;
     const float* q_row = q + t * head_dim;
-    float* acc_row = acc + t * head_dim;
-    std::fill(scores, scores + count, 0.0f);
-    for (int64_t d = 0; d < head_dim; ++d) {  // vectorised over keys: no horizontal reductions
-      const float qd = q_row[d];
-      const float* column = keys_t + d * stride;
-#pragma omp simd
-      for (int64_t j = 0; j < count; ++j) scores[j] += qd * column[j];
+    for (int64_t j = 0; j < count; ++j) {
+      const float* key = block.keys[j];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += q_row[d] * key[d];
+      scores[j] = dot;
     }
     silu_weights(scores, count, alpha, inv_scaling_seqlen);
-    int64_t j = 0;
-    for (; j + 4 <= count; j += 4) {  // four keys per step: independent products, one add chain
-      const float *v0 = values + j * head_dim, *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
-      const float w0 = scores[j], w1 = scores[j + 1], w2 = scores[j + 2], w3 = scores[j + 3];
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) acc_row[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
-    }
-    for (; j < count; ++j) {
+    for (int64_t j = 0; j < count; ++j) {
       const float w = scores[j];
-      const float* value = values + j * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) acc_row[d] += w * value[d];
+      const float* value = block.values[j];
+      for (int64_t d = 0; d < head_dim; ++d) acc[d * kAloneTileRows + t] += w * value[d];
     }
   }
 }
 
-using AttendBlock = void (*)(const float*, float*, const int64_t*, int64_t, const float*, int64_t, const float*,
-                             int64_t, float, float, float*);
+using AttendBlock = void (*)(const float*, const float*, float*, const int64_t*, int64_t, Block, int64_t, float, float,
+                             float*);
 
-#define KVEXPORT_ATTEND_BLOCK(name, head_dim)                                                                   \
-  KVEXPORT_KERNEL_CLONES void name(const float* q, float* acc, const int64_t* limits, int64_t rows,            \
-                                   const float* keys_t, int64_t stride, const float* values, int64_t dh,       \
-                                   float alpha, float inv_scaling_seqlen, float* scores) {                     \
-    attend_block_impl<head_dim>(q, acc, limits, rows, keys_t, stride, values, dh, alpha, inv_scaling_seqlen,   \
-                                scores);                                                                        \
+#define KVEXPORT_ATTEND_BLOCK(name, head_dim, lanes)                                                             \
+  KVEXPORT_KERNEL_CLONES void name(const float* q, const float* q_t, float* acc, const int64_t* limits,          \
+                                   int64_t rows, Block block, int64_t dh, float alpha, float inv_scaling_seqlen,  \
+                                   float* scores) {                                                               \
+    attend_block_impl<head_dim, lanes>(q, q_t, acc, limits, rows, block, dh, alpha, inv_scaling_seqlen, scores);  \
   }
-KVEXPORT_ATTEND_BLOCK(attend_block_32, 32)
-KVEXPORT_ATTEND_BLOCK(attend_block_64, 64)
-KVEXPORT_ATTEND_BLOCK(attend_block_128, 128)
-KVEXPORT_ATTEND_BLOCK(attend_block_any, 0)
+KVEXPORT_ATTEND_BLOCK(attend_block_32, 32, 8)
+KVEXPORT_ATTEND_BLOCK(attend_block_64, 64, 8)
+KVEXPORT_ATTEND_BLOCK(attend_block_128, 128, 8)
+KVEXPORT_ATTEND_BLOCK(attend_block_32_wide, 32, 16)
+KVEXPORT_ATTEND_BLOCK(attend_block_64_wide, 64, 16)
+KVEXPORT_ATTEND_BLOCK(attend_block_128_wide, 128, 16)
+KVEXPORT_ATTEND_BLOCK(attend_block_any, 0, 8)
 #undef KVEXPORT_ATTEND_BLOCK
 
+// Whether 16-float vectors are one register where the kernel runs: the library is compiled for
+// AVX-512, or its kernels are multiversioned and this CPU takes the x86-64-v4 clone.
+bool wide_vectors() {
+#if defined(__AVX512F__)
+  return true;
+#elif KVEXPORT_KERNEL_MULTIVERSIONED
+  static const bool wide = __builtin_cpu_supports("x86-64-v4");
+  return wide;
+#else
+  return false;
+#endif
+}
+
 AttendBlock attend_block_for(int64_t head_dim) {
+  const bool wide = wide_vectors();
   switch (head_dim) {
-    case 32: return attend_block_32;
-    case 64: return attend_block_64;
-    case 128: return attend_block_128;
+    case 32: return wide ? attend_block_32_wide : attend_block_32;
+    case 64: return wide ? attend_block_64_wide : attend_block_64;
+    case 128: return wide ? attend_block_128_wide : attend_block_128;
     default: return attend_block_any;
   }
 }
 
-// Keys first..first+count-1 of one user and head as float: keys_t[d * stride + j], values[j * head_dim + d].
-// `head` points at the head's slice of page 0, slot 0; v follows k within a page. Multiversioned
-// like attend_block: the conversions vectorise too.
+// The rows of keys first..first+count-1 of one user and head into keys[j] and values[j], then
+// kKeyGroup - 1 more entries repeating the last key. `head` points at the head's slice of page 0,
+// slot 0; v follows k within a page. A float cache is read in place; any other dtype is converted
+// into `converted` (2 * count rows of head_dim floats). Multiversioned like attend_block: the
+// conversions vectorise.
 template <typename scalar_t>
 KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* user_pages, int64_t first,
                                          int64_t count, int64_t page_size, int64_t page_stride,
-                                         int64_t row_stride, int64_t head_dim, int64_t stride, float* keys_t,
-                                         float* values) {
+                                         int64_t row_stride, int64_t head_dim, const float** keys,
+                                         const float** values, float* converted) {
   const int64_t value_offset = page_size * row_stride;
   for (int64_t j = 0; j < count;) {  // page by page: one division per page, not per key
     const int64_t position = first + j;
@@ -220,11 +264,24 @@ KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* us
     const int64_t in_page = std::min(page_size - slot, count - j);
     const scalar_t* key = head + user_pages[position / page_size] * page_stride + slot * row_stride;
     for (int64_t s = 0; s < in_page; ++s, ++j, key += row_stride) {
-      for (int64_t d = 0; d < head_dim; ++d) {
-        keys_t[d * stride + j] = static_cast<float>(key[d]);
-        values[j * head_dim + d] = static_cast<float>(key[value_offset + d]);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        keys[j] = key;
+        values[j] = key + value_offset;
+      } else {
+        float* k_row = converted + 2 * j * head_dim;
+        float* v_row = k_row + head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          k_row[d] = static_cast<float>(key[d]);
+          v_row[d] = static_cast<float>(key[value_offset + d]);
+        }
+        keys[j] = k_row;
+        values[j] = v_row;
       }
     }
+  }
+  for (int64_t i = 1; i < kKeyGroup; ++i) {
+    keys[count - 1 + i] = keys[count - 1];
+    values[count - 1 + i] = values[count - 1];
   }
 }
 
@@ -243,9 +300,10 @@ std::vector<Tile> user_tiles(const int64_t* users, int64_t num_rows, int64_t til
   return tiles;
 }
 
-// Per-thread scratch, kept between calls (one block's keys and values, one tile's rows).
+// Per-thread scratch, kept between calls (one block's key lists and converted rows, one tile's rows).
 struct Scratch {
-  std::vector<float> keys_t, values, scores, q, acc;
+  std::vector<const float*> keys, values;
+  std::vector<float> converted, scores, q, q_t, acc;
   std::vector<int64_t> limits;
 };
 
@@ -254,10 +312,12 @@ Scratch& scratch(int64_t block_keys, int64_t head_dim) {
   const auto fit = [](auto& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   };
-  fit(s.keys_t, block_keys * head_dim);
-  fit(s.values, block_keys * head_dim);
-  fit(s.scores, kAloneTileRows * block_keys);
+  fit(s.keys, block_keys + kKeyGroup);
+  fit(s.values, block_keys + kKeyGroup);
+  fit(s.converted, 2 * block_keys * head_dim);
+  fit(s.scores, kAloneTileRows * (block_keys + kKeyGroup));
   fit(s.q, kAloneTileRows * head_dim);
+  fit(s.q_t, kAloneTileRows * head_dim);
   fit(s.acc, kAloneTileRows * head_dim);
   fit(s.limits, kAloneTileRows);
   return s;
@@ -303,7 +363,8 @@ class Attention {
       : num_heads_(q.size(1)), head_dim_(q.size(2)), page_size_(cache.size(2)), row_stride_(num_heads_ * head_dim_),
         page_stride_(2 * page_size_ * row_stride_), max_pages_(page_table.size(1)),
         block_keys_(std::max<int64_t>(16, kBlockFloats / head_dim_)), alpha_(alpha), inv_scaling_(inv_scaling_seqlen),
-        q_(q.data_ptr<scalar_t>()), k_(k.data_ptr<scalar_t>()), v_(v.data_ptr<scalar_t>()),
+        q_stride_(q.stride(0)), k_stride_(k.stride(0)), v_stride_(v.stride(0)), q_(q.data_ptr<scalar_t>()),
+        k_(k.data_ptr<scalar_t>()), v_(v.data_ptr<scalar_t>()),
         cache_(cache.data_ptr<scalar_t>()), pages_(page_table.data_ptr<int64_t>()),
         users_(row_user.data_ptr<int64_t>()), keys_(row_keys.data_ptr<int64_t>()),
         candidate_(row_candidate.data_ptr<bool>()), out_(out.data_ptr<scalar_t>()),
@@ -325,56 +386,63 @@ class Attention {
     const Tile& tile = tiles_[pair / num_heads_];
     const int64_t h = pair % num_heads_;
     Scratch& s = scratch(block_keys_, head_dim_);
-    const int64_t n = load_q(tile, h, s.q.data());
-    std::fill(s.acc.begin(), s.acc.begin() + tile.num_rows * head_dim_, 0.0f);
+    const int64_t n = load_q(tile, h, s.q.data(), s.q_t.data());
+    std::fill(s.acc.begin(), s.acc.begin() + head_dim_ * kAloneTileRows, 0.0f);
     accumulate(tile, h, n, s);
     finish(tile, h, s.q.data(), s.acc.data());
   }
 
-  // The tile's rows of head h as float into q (tile rows x head_dim); returns the most keys a row reads.
-  int64_t load_q(const Tile& tile, int64_t h, float* q) const {
+  // The tile's rows of head h as float into q (tile rows x head_dim) and transposed into q_t
+  // (head_dim x kAloneTileRows, zero past the tile's rows); returns the most keys a row reads.
+  int64_t load_q(const Tile& tile, int64_t h, float* q, float* q_t) const {
     int64_t n = 0;
+    std::fill(q_t, q_t + head_dim_ * kAloneTileRows, 0.0f);
     for (int64_t t = 0; t < tile.num_rows; ++t) {
-      const scalar_t* row = q_ + (tile.first_row + t) * row_stride_ + h * head_dim_;
-      for (int64_t d = 0; d < head_dim_; ++d) q[t * head_dim_ + d] = static_cast<float>(row[d]);
+      const scalar_t* row = q_ + (tile.first_row + t) * q_stride_ + h * head_dim_;
+      for (int64_t d = 0; d < head_dim_; ++d) {
+        q[t * head_dim_ + d] = static_cast<float>(row[d]);
+        q_t[d * kAloneTileRows + t] = q[t * head_dim_ + d];
+      }
       n = std::max(n, keys_[tile.first_row + t]);
     }
     return n;
   }
 
-  // s.acc (tile rows x head_dim) += the tile's attention over the first n keys of head h, block by block.
+  // s.acc (head_dim x kAloneTileRows, transposed) += the tile's attention over the first n keys of head h, block by block.
   void accumulate(const Tile& tile, int64_t h, int64_t n, Scratch& s) const {
     const int64_t* user_pages = pages_ + users_[tile.first_row] * max_pages_;
     for (int64_t first = 0; first < n; first += block_keys_) {
       const int64_t count = std::min(block_keys_, n - first);
       gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_, head_dim_,
-                   block_keys_, s.keys_t.data(), s.values.data());
+                   s.keys.data(), s.values.data(), s.converted.data());
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         s.limits[t] = std::clamp<int64_t>(keys_[tile.first_row + t] - first, 0, count);
       }
-      attend_block_(s.q.data(), s.acc.data(), s.limits.data(), tile.num_rows, s.keys_t.data(), block_keys_,
-                    s.values.data(), head_dim_, alpha_, inv_scaling_, s.scores.data());
+      attend_block_(s.q.data(), s.q_t.data(), s.acc.data(), s.limits.data(), tile.num_rows,
+                    Block{s.keys.data(), s.values.data()}, head_dim_, alpha_, inv_scaling_, s.scores.data());
     }
   }
 
   // Adds each candidate row's attention to its own k/v, then writes the tile's rows of head h.
   void finish(const Tile& tile, int64_t h, const float* q, float* acc) const {
     for (int64_t t = 0; t < tile.num_rows; ++t) {
-      const int64_t r = tile.first_row + t, head = r * row_stride_ + h * head_dim_;
-      float* acc_row = acc + t * head_dim_;
+      const int64_t r = tile.first_row + t, head = h * head_dim_;
       if (candidate_[r]) {  // a candidate also reads its own k/v, which is not in the cache
         const float* q_row = q + t * head_dim_;
+        const scalar_t *k_row = k_ + r * k_stride_ + head, *v_row = v_ + r * v_stride_ + head;
         float self = 0.0f;
-        for (int64_t d = 0; d < head_dim_; ++d) self += q_row[d] * static_cast<float>(k_[head + d]);
+        for (int64_t d = 0; d < head_dim_; ++d) self += q_row[d] * static_cast<float>(k_row[d]);
         silu_weights(&self, 1, alpha_, inv_scaling_);
-        for (int64_t d = 0; d < head_dim_; ++d) acc_row[d] += self * static_cast<float>(v_[head + d]);
+        for (int64_t d = 0; d < head_dim_; ++d) acc[d * kAloneTileRows + t] += self * static_cast<float>(v_row[d]);
       }
-      for (int64_t d = 0; d < head_dim_; ++d) out_[head + d] = static_cast<scalar_t>(acc_row[d]);
+      scalar_t* out_row = out_ + r * row_stride_ + head;
+      for (int64_t d = 0; d < head_dim_; ++d) out_row[d] = static_cast<scalar_t>(acc[d * kAloneTileRows + t]);
     }
   }
 
   const int64_t num_heads_, head_dim_, page_size_, row_stride_, page_stride_, max_pages_, block_keys_;
   const float alpha_, inv_scaling_;
+  const int64_t q_stride_, k_stride_, v_stride_;  // between rows of q, k, v (row_stride_ when contiguous)
   const scalar_t *q_, *k_, *v_, *cache_;
   const int64_t *pages_, *users_, *keys_;
   const bool* candidate_;
@@ -395,6 +463,10 @@ void end_request_threads() {
   if (request_threads == 0) return;
   omp_set_num_threads(request_threads);
   request_threads = 0;
+}
+
+at::Tensor rows_in_place(const at::Tensor& t) {
+  return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
 int64_t check_row_metadata(const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
@@ -429,14 +501,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(row_user.size(0) == q.size(0) && row_keys.size(0) == q.size(0) && row_candidate.size(0) == q.size(0),
               "paged_attention: row metadata has ", row_user.size(0), " rows, q has ", q.size(0));
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: this kernel runs on CPU, got ", q.device());
-  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), cc = cache.contiguous();
+  const auto qc = rows_in_place(q), kc = rows_in_place(k), vc = rows_in_place(v), cc = cache.contiguous();
   const auto pt = page_table.to(at::kLong).contiguous();
   const auto users = row_user.to(at::kLong).contiguous(), keys = row_keys.to(at::kLong).contiguous();
   const auto candidate = row_candidate.to(at::kBool).contiguous();
   TORCH_CHECK(pt.dim() == 2, "paged_attention: page_table must be [B, max_pages], got ", pt.sizes());
   TORCH_CHECK(cache.device() == q.device(), "paged_attention: cache on ", cache.device(), ", q on ", q.device());
   check_row_metadata(pt, users, keys, cache.size(0), cache.size(2));
-  auto out = at::empty_like(qc);
+  auto out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     Attention<scalar_t>(qc, kc, vc, cc, pt, users, keys, candidate, static_cast<float>(alpha),
                         static_cast<float>(inv_scaling_seqlen), out)

@@ -32,6 +32,32 @@ at::Tensor page_index(const std::vector<int64_t>& pages, int64_t count, const at
   return host.to(device, /*non_blocking=*/true);
 }
 
+// slots [cache rows, H, dh] (one layer's cache) at index[i] <- rows[i] (rows [n, H, dh]). On the
+// CPU, where the rows are the model's k or v (each row's values contiguous, any stride between
+// rows) in the cache's dtype, a memcpy a row: index_copy_ of the same rows costs a contiguous copy
+// and more than the copy itself in dispatch at a cached request's few rows. Elsewhere index_copy_.
+void store_rows(at::Tensor& slots, const at::Tensor& index, const at::Tensor& rows) {
+  const bool row_copies = slots.is_cpu() && rows.is_cpu() && index.is_cpu() && rows.scalar_type() == slots.scalar_type() &&
+                        index.scalar_type() == at::kLong && index.is_contiguous() && rows.stride(2) == 1 &&
+                        rows.stride(1) == rows.size(2) && rows.size(0) == index.size(0);
+  if (!row_copies) {
+    slots.index_copy_(0, index, rows.to(slots.dtype()));
+    return;
+  }
+  const int64_t count = slots.size(0), row_bytes = slots.size(1) * slots.size(2) * slots.element_size(),
+                from_stride = rows.stride(0) * rows.element_size();
+  const int64_t* at = index.const_data_ptr<int64_t>();
+  auto* to = static_cast<char*>(slots.data_ptr());
+  const auto* from = static_cast<const char*>(rows.const_data_ptr());
+  for (int64_t i = 0; i < index.size(0); ++i) {
+    if (at[i] < 0 || at[i] >= count) {
+      throw RequestError(ErrorCode::kInternal, "cache slot " + std::to_string(at[i]) + " outside 0.." +
+                                                   std::to_string(count - 1));
+    }
+    std::memcpy(to + at[i] * row_bytes, from + i * from_stride, row_bytes);
+  }
+}
+
 // How many leading tokens a and b share. Compared a block at a time with memcmp (vectorised by the
 // C library), then token by token within the first block that differs.
 int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t b_len) {
@@ -392,10 +418,8 @@ void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Ten
                                                  std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
   }
   auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
-  const auto new_k = k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
-  const auto new_v = v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows).to(cache_.dtype());
-  slots.index_copy_(0, plan.write_slots, new_k);
-  slots.index_copy_(0, plan.value_slots, new_v);
+  store_rows(slots, plan.write_slots, k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows));
+  store_rows(slots, plan.value_slots, v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows));
 }
 
 void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
@@ -413,8 +437,8 @@ void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tens
   }
   auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
   const int64_t first = k.size(0) - prefix_rows;  // rows are [candidates][prefix]
-  slots.index_copy_(0, write_slots, k.narrow(0, first, prefix_rows).to(cache_.dtype()));
-  slots.index_copy_(0, value_slots, v.narrow(0, first, prefix_rows).to(cache_.dtype()));
+  store_rows(slots, write_slots, k.narrow(0, first, prefix_rows));
+  store_rows(slots, value_slots, v.narrow(0, first, prefix_rows));
 }
 
 void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
