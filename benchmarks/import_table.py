@@ -8,7 +8,11 @@ would peak at twice the table. Then the whole `kvexport import-checkpoint --from
 one-layer ranker (hidden size `--dim`) whose item table is that table, in a fresh process: its
 time and peak memory over a process that only imported torch and kvexport's CLI.
 
+`--format dcp`: the same table in float16 as Meta's trainer saves it (torch.distributed.checkpoint,
+one process, so one chunk), read with kvexport.importers.dcp.read_tensors in a fresh process.
+
     .venv/bin/python benchmarks/import_table.py --json benchmarks/import-table.json
+    .venv/bin/python benchmarks/import_table.py --format dcp --rows 4194304 --json benchmarks/import-dcp.json
 """
 
 from __future__ import annotations
@@ -98,6 +102,30 @@ def _peak_kib(code: str) -> int:
     return int(result.stdout.split()[-1])
 
 
+DCP_KEY = "sparse_dict._embedding_collection.embeddings.table.weight"
+
+
+def write_dcp(directory: Path, rows: int, dim: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    table = torch.empty(rows, dim, dtype=torch.float16)
+    for first in range(0, rows, CHUNK):
+        table[first:first + CHUNK] = torch.randn(min(CHUNK, rows - first), dim).half()
+    dcp.save({DCP_KEY: table}, checkpoint_id=str(directory))
+
+
+def read_dcp_in_this_process(directory: Path) -> dict:
+    from kvexport.importers.dcp import read_tensors
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    table = read_tensors(directory, [DCP_KEY])[DCP_KEY]
+    seconds = time.perf_counter() - started
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rows": table.shape[0], "seconds": round(seconds, 2), "peak_rss_mib": round(peak_kib / 1024, 1),
+            "rss_before_mib": round(before / 1024, 1), "table_mib": round(table.numel() * 2 / 2**20, 1)}
+
+
 def read_in_this_process(directory: Path, dim: int) -> dict:
     from kvexport.importers.nvidia import read_dynamic_table
 
@@ -116,11 +144,31 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1 << 21)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--format", choices=["dynamicemb", "dcp"], default="dynamicemb")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # the fresh process's part
+    parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)  # writes a DCP table in a process of its own
     args = parser.parse_args()
     if args.read:
-        print(json.dumps(read_in_this_process(args.read, args.dim)))
+        print(json.dumps(read_dcp_in_this_process(args.read) if args.format == "dcp"
+                         else read_in_this_process(args.read, args.dim)))
+        return
+    if args.write:
+        write_dcp(args.write, args.rows, args.dim)
+        return
+    if args.format == "dcp":
+        with tempfile.TemporaryDirectory(prefix="kvexport-import-bench-") as work:
+            # Written in a process of its own: a child's peak RSS counts what its parent held when it forked.
+            subprocess.run([sys.executable, __file__, "--write", work, "--rows", str(args.rows), "--dim",
+                            str(args.dim)], check=True, capture_output=True)
+            reader = subprocess.run([sys.executable, __file__, "--read", work, "--format", "dcp"], check=True,
+                                    capture_output=True, text=True)
+        result = {**json.loads(reader.stdout), "dim": args.dim, "format": "dcp",
+                  "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
+        result["peak_over_table"] = round((result["peak_rss_mib"] - result["rss_before_mib"]) / result["table_mib"], 2)
+        print(json.dumps(result, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
         return
     with tempfile.TemporaryDirectory(prefix="kvexport-import-bench-") as work:
         dumps = Path(work) / "dumps"

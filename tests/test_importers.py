@@ -32,7 +32,7 @@ def free_port() -> str:
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def trainer_dir(request, tmp_path_factory) -> tuple[Path, int]:
     out = tmp_path_factory.mktemp(f"world{request.param}")
-    subprocess.run([sys.executable, str(WRITER), str(out), str(request.param), free_port()], check=True,
+    subprocess.run([sys.executable, str(WRITER), "torch_save", str(out), str(request.param), free_port()], check=True,
                    capture_output=True, timeout=300)
     return out, request.param
 

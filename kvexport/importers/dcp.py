@@ -1,0 +1,224 @@
+"""A torch.distributed checkpoint (DCP) directory, read without running its pickle's code.
+
+Meta's generative-recommenders saves its embedding tables with `torch.distributed.checkpoint.save`:
+a directory of `__<rank>_<n>.distcp` data files and one `.metadata` file. torch's own reader
+unpickles `.metadata` with plain `pickle.load`, which runs whatever the file names. Here it is
+unpickled with only DCP's metadata records (as inert stand-ins that keep their fields), torch.Size,
+dtypes and layouts allowed; any other name refuses the file, naming it. Each tensor chunk is a
+`torch.save` archive at a recorded offset of a data file, read with `weights_only=True` and copied
+into the whole tensor at once, so a table is held once plus one chunk (once when it is one chunk).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable
+
+import torch
+
+from kvexport.errors import UserError
+from kvexport.importers.sharded import _Record
+from kvexport.io import first_line
+
+METADATA_FILE = ".metadata"
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# The records of a .metadata pickle, each a stand-in that keeps its state (_Record.field).
+_RECORD_NAMES = {
+    (_METADATA_MODULE, name): type(name, (_Record,), {"__module__": __name__})
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+}
+_RECORD_NAMES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = type(
+    "_StorageInfo", (_Record,), {"__module__": __name__})
+_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+
+
+def _layout(name: str) -> torch.layout:
+    """Stand-in for torch.serialization._get_layout: the layouts by name, nothing else."""
+    if name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown layout {name!r}")
+    return _LAYOUTS[name]
+
+
+def _path(*parts: str) -> str:
+    """Stand-in for pathlib's path classes (a checkpoint id): the path as text."""
+    return "/".join(parts)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Finds only DCP's metadata records, torch.Size, dtypes and layouts."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _RECORD_NAMES:
+            return _RECORD_NAMES[module, name]
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return _layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+            return _path
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def _field(record: Any, name: str, where: str, optional: bool = False) -> Any:
+    """A record's field; an optional one (left out of the pickle when None) may be absent."""
+    try:
+        return record.field(name)
+    except (AttributeError, UserError):
+        if optional:
+            return None
+        raise UserError(f"{where}: its metadata lacks {name}") from None
+
+
+def _properties(record: Any, where: str) -> torch.dtype:
+    """The dtype of a TensorProperties record (pickled as a tuple: dtype first)."""
+    state = getattr(record, "state", None)
+    dtype = state[0] if isinstance(state, tuple) and state else _field(record, "dtype", where)
+    if not isinstance(dtype, torch.dtype):
+        raise UserError(f"{where}: its metadata gives no dtype")
+    return dtype
+
+
+def read_metadata(directory: Path) -> Any:
+    """The checkpoint's Metadata record. UserError when missing, unreadable, or naming anything
+    besides DCP's records (nothing of the file's choosing runs)."""
+    path = directory / METADATA_FILE
+    try:
+        with open(path, "rb") as file:
+            return _MetadataUnpickler(file).load()
+    except FileNotFoundError:
+        raise UserError(f"{directory} is not a torch.distributed checkpoint: it has no {METADATA_FILE}") from None
+    except pickle.UnpicklingError as exc:
+        asked = str(exc).removeprefix("GLOBAL ")
+        raise UserError(f"{path} is refused: it asks for {asked}, not a torch.distributed checkpoint record") from None
+    except (EOFError, OSError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise UserError(f"{path} is unreadable: {first_line(exc)}") from None
+
+
+class _FileView(io.RawIOBase):
+    """length bytes of a file from offset, as a seekable file of their own (what torch.load reads)."""
+
+    def __init__(self, file: BinaryIO, offset: int, length: int):
+        super().__init__()
+        self._file, self._offset, self._length, self._at = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = min(max(base + position, 0), self._length)
+        return self._at
+
+    def readinto(self, buffer) -> int:
+        count = min(len(buffer), self._length - self._at)
+        if count <= 0:
+            return 0
+        self._file.seek(self._offset + self._at)
+        view = memoryview(buffer)[:count]
+        got = self._file.readinto(view)
+        self._at += got
+        return got
+
+
+def _boxes_tile(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """Why the (offsets, sizes) boxes do not cover `size` exactly once, or None when they do."""
+    for offsets, lengths in boxes:
+        if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, size)):
+            return f"a chunk at {list(offsets)} of shape {list(lengths)} lies outside its size {list(size)}"
+    for i, (a_offsets, a_lengths) in enumerate(boxes):
+        for b_offsets, b_lengths in boxes[i + 1:]:
+            if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(a_offsets, a_lengths, b_offsets, b_lengths)):
+                return f"its chunks at {list(a_offsets)} and {list(b_offsets)} overlap"
+    volume = sum(torch.Size(lengths).numel() for _, lengths in boxes)
+    if volume != torch.Size(size).numel():
+        return f"its chunks leave gaps in its size {list(size)}"
+    return None
+
+
+def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by name (all of them, or `keys`), each assembled from its chunks.
+
+    UserError naming the key: a key the checkpoint lacks, an entry that is pickled bytes rather
+    than a tensor, a chunk written through a storage transform (compression), a data file missing
+    or short, a chunk that is not a tensor of its recorded shape and dtype, chunks that leave gaps
+    or overlap.
+    """
+    metadata = read_metadata(directory)
+    entries = _field(metadata, "state_dict_metadata", str(directory))
+    storage = _field(metadata, "storage_data", str(directory))
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise UserError(f"{directory / METADATA_FILE} is unreadable: its entries are not tables")
+    where = {(_field(index, "fqn", str(directory)), tuple(_field(index, "offset", str(directory), optional=True) or ())): info
+             for index, info in storage.items()}
+    wanted = list(entries) if keys is None else list(keys)
+    tensors = {}
+    for key in wanted:
+        if key not in entries:
+            raise UserError(f"{directory}: the checkpoint has no {key}")
+        entry = entries[key]
+        if type(entry).__name__ != "TensorStorageMetadata":
+            raise UserError(f"{directory}: {key} is saved as pickled bytes, not a tensor")
+        tensors[key] = _read_tensor(directory, key, entry, where)
+    return tensors
+
+
+def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Tensor:
+    size = tuple(int(n) for n in _field(entry, "size", key))
+    dtype = _properties(_field(entry, "properties", key), key)
+    chunks = [(tuple(int(o) for o in _field(c, "offsets", key)), tuple(int(n) for n in _field(c, "sizes", key)))
+              for c in _field(entry, "chunks", key)]
+    problem = _boxes_tile(size, chunks)
+    if problem:
+        raise UserError(f"{directory}: {key}: {problem}")
+    whole = None
+    for offsets, lengths in chunks:
+        info = where.get((key, offsets))
+        if info is None:
+            raise UserError(f"{directory}: {key}: no data file holds its chunk at {list(offsets)}")
+        transforms = _field(info, "transform_descriptors", key, optional=True)
+        if transforms:
+            raise UserError(f"{directory}: {key} is stored through {list(transforms)} (compressed or transformed), "
+                            "which kvexport does not read")
+        chunk = _read_chunk(directory, key, info)
+        if tuple(chunk.shape) != lengths or chunk.dtype != dtype:
+            raise UserError(f"{directory}: {key}: its chunk at {list(offsets)} holds {chunk.dtype} "
+                            f"{list(chunk.shape)}, the metadata says {dtype} {list(lengths)}")
+        if len(chunks) == 1:  # the chunk is the tensor: no second copy
+            return chunk
+        if whole is None:
+            whole = torch.empty(size, dtype=dtype)
+        whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))] = chunk
+    return torch.empty(size, dtype=dtype) if whole is None else whole  # None: an empty tensor, no chunk
+
+
+def _read_chunk(directory: Path, key: str, info: Any) -> torch.Tensor:
+    relative = str(_field(info, "relative_path", key))
+    offset, length = int(_field(info, "offset", key)), int(_field(info, "length", key))
+    path = directory / relative
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise UserError(f"{directory}: {key}: its data file {relative!r} lies outside the checkpoint")
+    try:
+        with open(path, "rb") as file:
+            if path.stat().st_size < offset + length:
+                raise UserError(f"{path} is shorter than the chunk of {key} it should hold "
+                                f"({offset} + {length} bytes)")
+            chunk = torch.load(io.BufferedReader(_FileView(file, offset, length)), map_location="cpu",
+                               weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{directory}: the data file {relative} of {key} is missing") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc)}") from None
+    if not isinstance(chunk, torch.Tensor):
+        raise UserError(f"{path}: the chunk of {key} is a {type(chunk).__name__}, not a tensor")
+    return chunk
