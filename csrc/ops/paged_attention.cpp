@@ -113,18 +113,19 @@ struct Block {
   const float* const* values;
 };
 
-// One block for one tile, float only (the part worth compiling per ISA). q_t[d * kAloneTileRows + t]
-// holds the tile's rows transposed, zero past `rows` up to a whole vector; row t reads the first
-// limits[t] keys of the block (causal rows stop early). acc[t * head_dim + d] += sum_j
-// SiLU(alpha q_t . k_j) * inv * v_j[d]. scores holds the block's keys by the tile's rows:
-// scores[j * kAloneTileRows + t].
+// One block for one tile, float only (the part worth compiling per ISA). q holds the tile's rows
+// (rows x head_dim) and q_t the same transposed (head_dim x kAloneTileRows, zero past `rows`); row t
+// reads the first limits[t] keys of the block (causal rows stop early). acc, transposed like q_t:
+// acc[d * kAloneTileRows + t] += sum_j SiLU(alpha q_t . k_j) * inv * v_j[d]. scores holds the
+// block's weights by key, then row: scores[j * kAloneTileRows + t].
 //
-// kHeadDim > 0 (32, 64 or 128) fixes the head size at compile time. The dot products run in
-// register tiles of kLanes rows by kKeyGroup keys over the whole head dimension: one load of q's
-// column feeds kKeyGroup multiply-adds with each key's value broadcast from the row it lies in, so
-// neither the keys nor the cache are transposed. Each row's weighted sum of values runs in
-// registers over all of its keys, several keys a step into sums of their own so that the adds do
-// not wait on each other. Any other size (0) takes a row-at-a-time loop.
+// kHeadDim > 0 (32, 64 or 128) fixes the head size at compile time. Both products are register
+// tiles vectorised over kLanes rows of the tile: the dot products over kKeyGroup keys at a time
+// (one load of q_t's column feeds kKeyGroup multiply-adds, each with a key's entry broadcast from
+// the row it lies in), the weighted sums over 8 entries of the values at a time (one load of a
+// key's weights for 8 multiply-adds). So neither the keys nor the cache are transposed, and keys a
+// row does not read are given weight 0 rather than skipped. Any other size (0) takes a
+// row-at-a-time loop.
 template <int64_t kHeadDim, int64_t kLanes>
 inline __attribute__((always_inline)) void attend_block_impl(const float* q, const float* q_t, float* acc,
                                                              const int64_t* limits, int64_t rows, Block block,
