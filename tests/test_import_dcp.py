@@ -4,6 +4,7 @@ ones made from them."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
@@ -119,3 +120,62 @@ def test_chunks_that_leave_gaps_or_are_transformed_are_refused(checkpoint, tmp_p
     with pytest.raises(UserError, match=f"{ACTIONS} is stored through \\['zstd'\\]"):
         read_tensors(sparse, [ACTIONS])
     assert torch.equal(read_tensors(sparse, [ITEMS])[ITEMS], items())
+
+
+def test_without_keys_every_tensor_entry_is_read(checkpoint):
+    assert set(read_tensors(checkpoint)) == {ITEMS, ACTIONS}  # the step counter is bytes, left out
+
+
+def test_metadata_that_claims_more_than_its_files_hold_is_refused_before_allocating(checkpoint, tmp_path):
+    """A few bytes of metadata cannot make the reader allocate: a chunk's recorded length must hold
+    its values, and its data file the recorded length."""
+    sparse = copy_of(checkpoint, tmp_path)
+
+    def enlarge(metadata):
+        entry = metadata.state_dict_metadata[ACTIONS]
+        entry.size = torch.Size([1 << 20, 1 << 12])
+        entry.chunks[0].sizes = entry.size
+
+    _rewrite_metadata(sparse, enlarge)
+    with pytest.raises(UserError, match=rf"shorter than the chunk of {ACTIONS} it should hold \(8589934592 bytes"):
+        read_tensors(sparse, [ACTIONS])
+
+
+def test_a_data_file_outside_the_checkpoint_is_refused(checkpoint, tmp_path):
+    sparse = copy_of(checkpoint, tmp_path)
+
+    def escape(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = "../" + info.relative_path
+
+    _rewrite_metadata(sparse, escape)
+    with pytest.raises(UserError, match=r"its data file '\.\./__[01]_0\.distcp' lies outside the checkpoint"):
+        read_tensors(sparse, [ACTIONS])
+
+
+def test_a_chunk_whose_data_disagrees_with_the_metadata_is_refused(checkpoint, tmp_path):
+    """A chunk archive holding another shape, or an expanded tensor (few bytes for many values)."""
+    sparse = copy_of(checkpoint, tmp_path)
+    metadata = pickle.loads((sparse / ".metadata").read_bytes())
+    (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == ACTIONS]
+    data = sparse / info.relative_path
+    for replacement in (torch.zeros(4, 3, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.float16).expand(3, 4)):
+        buffer = io.BytesIO()
+        torch.save(replacement, buffer)
+        info.offset, info.length = data.stat().st_size, max(len(buffer.getvalue()), 24)
+        with data.open("ab") as out:
+            out.write(buffer.getvalue().ljust(info.length, b"\0"))
+        (sparse / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(UserError, match=rf"{ACTIONS}: its chunk at \[0, 0\] holds torch.float16 \[(4, 3|3, 4)\]"):
+            read_tensors(sparse, [ACTIONS])
+
+
+def test_a_truncated_or_garbled_metadata_file_is_unreadable(checkpoint, tmp_path):
+    sparse = copy_of(checkpoint, tmp_path)
+    metadata = sparse / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:40])
+    with pytest.raises(UserError, match=r"\.metadata is unreadable"):
+        read_tensors(sparse)
+    metadata.write_bytes(b"\x80\x04\x8e" + (1 << 33).to_bytes(8, "little") + b"x")  # claims 8 GiB of bytes
+    with pytest.raises(UserError, match=r"\.metadata is unreadable: pickle data was truncated"):
+        read_tensors(sparse)

@@ -369,3 +369,14 @@ def test_check_request_lays_out_requests_of_many_events_on_several_threads_exact
     bad["action_ids"][-3] = config.model.action_vocab_size
     with pytest.raises(ValueError, match=f"action_ids has {config.model.action_vocab_size}, outside"):
         kv.check_request("", config.request_limits_json(), *Batch(**bad).tensors())
+
+
+def test_paged_attention_refuses_k_v_of_another_shape_before_storing(runtime):
+    """k/v rows that do not match the cache's [heads, head_dim] are refused before any row is
+    stored (a row copy of the wrong width would read past them)."""
+    user_ids, token_ids, token_lengths, num_candidates = batch_inputs()
+    kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
+    q = torch.randn(10, 2, 8)
+    expected = r"cannot store rows of shape \[7, 2, 4\] at \[7\] slots of a cache of rows \[136, 2, 8\]"
+    with pytest.raises(RuntimeError, match=expected):
+        kv.paged_attention(runtime, 0, q, torch.randn(10, 2, 4), torch.randn(10, 2, 4), ALPHA, INV_S)

@@ -37,9 +37,15 @@ at::Tensor page_index(const std::vector<int64_t>& pages, int64_t count, const at
 // rows) in the cache's dtype, a memcpy a row: index_copy_ of the same rows costs a contiguous copy
 // and more than the copy itself in dispatch at a cached request's few rows. Elsewhere index_copy_.
 void store_rows(at::Tensor& slots, const at::Tensor& index, const at::Tensor& rows) {
-  const bool row_copies = slots.is_cpu() && rows.is_cpu() && index.is_cpu() && rows.scalar_type() == slots.scalar_type() &&
-                        index.scalar_type() == at::kLong && index.is_contiguous() && rows.stride(2) == 1 &&
-                        rows.stride(1) == rows.size(2) && rows.size(0) == index.size(0);
+  if (rows.dim() != 3 || rows.size(1) != slots.size(1) || rows.size(2) != slots.size(2) || index.dim() != 1 ||
+      rows.size(0) != index.size(0)) {
+    throw RequestError(ErrorCode::kInternal, "cannot store rows of shape " + c10::str(rows.sizes()) + " at " +
+                                                 c10::str(index.sizes()) + " slots of a cache of rows " +
+                                                 c10::str(slots.sizes()));
+  }
+  const bool row_copies = slots.is_cpu() && rows.is_cpu() && index.is_cpu() && slots.is_contiguous() &&
+                          rows.scalar_type() == slots.scalar_type() && index.scalar_type() == at::kLong &&
+                          index.is_contiguous() && rows.stride(2) == 1 && rows.stride(1) == rows.size(2);
   if (!row_copies) {
     slots.index_copy_(0, index, rows.to(slots.dtype()));
     return;

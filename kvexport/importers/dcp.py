@@ -23,6 +23,7 @@ from kvexport.importers.sharded import _Record
 from kvexport.io import first_line
 
 METADATA_FILE = ".metadata"
+MAX_CHUNKS = 4096  # chunks of one tensor (a table over thousands of ranks); their overlaps are checked pairwise
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # The records of a .metadata pickle, each a stand-in that keeps its state (_Record.field).
 _RECORD_NAMES = {
@@ -55,8 +56,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _RECORD_NAMES[module, name]
         if module == "torch" and name == "Size":
             return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):  # no torch.__getattr__
+            return vars(torch)[name]
         if module == "torch.serialization" and name == "_get_layout":
             return _layout
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
@@ -88,15 +89,21 @@ def read_metadata(directory: Path) -> Any:
     besides DCP's records (nothing of the file's choosing runs)."""
     path = directory / METADATA_FILE
     try:
-        with open(path, "rb") as file:
-            return _MetadataUnpickler(file).load()
+        # From its bytes: a length the pickle declares for a string is then bounded by the file.
+        data = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{directory} is not a torch.distributed checkpoint: it has no {METADATA_FILE}") from None
+    except OSError as exc:
+        raise UserError(f"{path} is unreadable: {first_line(exc)}") from None
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
+        if not str(exc).startswith("GLOBAL "):
+            raise UserError(f"{path} is unreadable: {first_line(exc)}") from None
         asked = str(exc).removeprefix("GLOBAL ")
         raise UserError(f"{path} is refused: it asks for {asked}, not a torch.distributed checkpoint record") from None
-    except (EOFError, OSError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-        raise UserError(f"{path} is unreadable: {first_line(exc)}") from None
+    except (EOFError, MemoryError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise UserError(f"{path} is unreadable: {first_line(exc) or type(exc).__name__}") from None
 
 
 class _FileView(io.RawIOBase):
@@ -133,9 +140,14 @@ class _FileView(io.RawIOBase):
 
 def _boxes_tile(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
     """Why the (offsets, sizes) boxes do not cover `size` exactly once, or None when they do."""
+    if any(n < 0 for n in size):
+        return f"its size {list(size)} is negative"
     for offsets, lengths in boxes:
-        if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, size)):
+        if (len(offsets) != len(size) or len(lengths) != len(size) or
+                any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size))):
             return f"a chunk at {list(offsets)} of shape {list(lengths)} lies outside its size {list(size)}"
+    if len(boxes) > MAX_CHUNKS:
+        return f"it has {len(boxes)} chunks, more than {MAX_CHUNKS}"
     for i, (a_offsets, a_lengths) in enumerate(boxes):
         for b_offsets, b_lengths in boxes[i + 1:]:
             if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(a_offsets, a_lengths, b_offsets, b_lengths)):
@@ -147,7 +159,7 @@ def _boxes_tile(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[
 
 
 def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by name (all of them, or `keys`), each assembled from its chunks.
+    """The checkpoint's tensors by name (every tensor entry, or `keys`), each assembled from its chunks.
 
     UserError naming the key: a key the checkpoint lacks, an entry that is pickled bytes rather
     than a tensor, a chunk written through a storage transform (compression), a data file missing
@@ -161,7 +173,8 @@ def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str
         raise UserError(f"{directory / METADATA_FILE} is unreadable: its entries are not tables")
     where = {(_field(index, "fqn", str(directory)), tuple(_field(index, "offset", str(directory), optional=True) or ())): info
              for index, info in storage.items()}
-    wanted = list(entries) if keys is None else list(keys)
+    wanted = ([key for key, entry in entries.items() if type(entry).__name__ == "TensorStorageMetadata"]
+              if keys is None else list(keys))
     tensors = {}
     for key in wanted:
         if key not in entries:
@@ -174,51 +187,70 @@ def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str
 
 
 def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Tensor:
-    size = tuple(int(n) for n in _field(entry, "size", key))
-    dtype = _properties(_field(entry, "properties", key), key)
-    chunks = [(tuple(int(o) for o in _field(c, "offsets", key)), tuple(int(n) for n in _field(c, "sizes", key)))
-              for c in _field(entry, "chunks", key)]
+    try:
+        size = tuple(int(n) for n in _field(entry, "size", key))
+        dtype = _properties(_field(entry, "properties", key), key)
+        chunks = [(tuple(int(o) for o in _field(c, "offsets", key)), tuple(int(n) for n in _field(c, "sizes", key)))
+                  for c in _field(entry, "chunks", key)]
+    except UserError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{directory}: {key}: its metadata is malformed ({first_line(exc)})") from None
     problem = _boxes_tile(size, chunks)
     if problem:
         raise UserError(f"{directory}: {key}: {problem}")
+    # Every chunk's place in its data file, checked before the table is allocated: a few bytes of
+    # metadata cannot make it allocate more than its data files hold.
+    places = [_chunk_place(directory, key, where.get((key, offsets)), offsets,
+                           torch.Size(lengths).numel() * dtype.itemsize) for offsets, lengths in chunks]
     whole = None
-    for offsets, lengths in chunks:
-        info = where.get((key, offsets))
-        if info is None:
-            raise UserError(f"{directory}: {key}: no data file holds its chunk at {list(offsets)}")
-        transforms = _field(info, "transform_descriptors", key, optional=True)
-        if transforms:
-            raise UserError(f"{directory}: {key} is stored through {list(transforms)} (compressed or transformed), "
-                            "which kvexport does not read")
-        chunk = _read_chunk(directory, key, info)
-        if tuple(chunk.shape) != lengths or chunk.dtype != dtype:
+    for (offsets, lengths), place in zip(chunks, places):
+        chunk = _read_chunk(key, *place)
+        if (tuple(chunk.shape) != lengths or chunk.dtype != dtype or chunk.layout != torch.strided or
+                chunk.untyped_storage().nbytes() < chunk.numel() * chunk.element_size()):
             raise UserError(f"{directory}: {key}: its chunk at {list(offsets)} holds {chunk.dtype} "
-                            f"{list(chunk.shape)}, the metadata says {dtype} {list(lengths)}")
+                            f"{list(chunk.shape)} in {chunk.untyped_storage().nbytes()} bytes, the metadata says "
+                            f"{dtype} {list(lengths)}")
         if len(chunks) == 1:  # the chunk is the tensor: no second copy
-            return chunk
+            return chunk.detach().contiguous()
         if whole is None:
             whole = torch.empty(size, dtype=dtype)
         whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))] = chunk
     return torch.empty(size, dtype=dtype) if whole is None else whole  # None: an empty tensor, no chunk
 
 
-def _read_chunk(directory: Path, key: str, info: Any) -> torch.Tensor:
+def _chunk_place(directory: Path, key: str, info: Any, offsets: tuple[int, ...], nbytes: int) -> tuple[Path, int, int]:
+    """(data file, offset, length) of one chunk, checked: recorded, untransformed, inside the
+    checkpoint's directory, within its file, and long enough for its values."""
+    if info is None:
+        raise UserError(f"{directory}: {key}: no data file holds its chunk at {list(offsets)}")
+    transforms = _field(info, "transform_descriptors", key, optional=True)
+    if transforms:
+        raise UserError(f"{directory}: {key} is stored through {list(transforms)} (compressed or transformed), "
+                        "which kvexport does not read")
     relative = str(_field(info, "relative_path", key))
-    offset, length = int(_field(info, "offset", key)), int(_field(info, "length", key))
+    try:
+        offset, length = int(_field(info, "offset", key)), int(_field(info, "length", key))
+    except (TypeError, ValueError):
+        raise UserError(f"{directory}: {key}: its chunk at {list(offsets)} has no offset and length in a file") from None
     path = directory / relative
-    if Path(relative).is_absolute() or ".." in Path(relative).parts:
+    if not path.resolve().is_relative_to(directory.resolve()):
         raise UserError(f"{directory}: {key}: its data file {relative!r} lies outside the checkpoint")
+    if not path.is_file():
+        raise UserError(f"{directory}: the data file {relative} of {key} is missing")
+    if offset < 0 or length < nbytes or path.stat().st_size < offset + length:
+        raise UserError(f"{path} is shorter than the chunk of {key} it should hold ({nbytes} bytes of values in "
+                        f"{length} bytes at {offset})")
+    return path, offset, length
+
+
+def _read_chunk(key: str, path: Path, offset: int, length: int) -> torch.Tensor:
     try:
         with open(path, "rb") as file:
-            if path.stat().st_size < offset + length:
-                raise UserError(f"{path} is shorter than the chunk of {key} it should hold "
-                                f"({offset} + {length} bytes)")
             chunk = torch.load(io.BufferedReader(_FileView(file, offset, length)), map_location="cpu",
                                weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{directory}: the data file {relative} of {key} is missing") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc)}") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, MemoryError) as exc:
+        raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc) or type(exc).__name__}") from None
     if not isinstance(chunk, torch.Tensor):
         raise UserError(f"{path}: the chunk of {key} is a {type(chunk).__name__}, not a tensor")
     return chunk
