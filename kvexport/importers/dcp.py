@@ -19,11 +19,10 @@ from typing import Any, BinaryIO, Iterable
 import torch
 
 from kvexport.errors import UserError
-from kvexport.importers.sharded import _Record
+from kvexport.importers.sharded import _Record, tiling_problem
 from kvexport.io import first_line
 
 METADATA_FILE = ".metadata"
-MAX_CHUNKS = 4096  # chunks of one tensor (a table over thousands of ranks); their overlaps are checked pairwise
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # The records of a .metadata pickle, each a stand-in that keeps its state (_Record.field).
 _RECORD_NAMES = {
@@ -138,26 +137,6 @@ class _FileView(io.RawIOBase):
         return got
 
 
-def _boxes_tile(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
-    """Why the (offsets, sizes) boxes do not cover `size` exactly once, or None when they do."""
-    if any(n < 0 for n in size):
-        return f"its size {list(size)} is negative"
-    for offsets, lengths in boxes:
-        if (len(offsets) != len(size) or len(lengths) != len(size) or
-                any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size))):
-            return f"a chunk at {list(offsets)} of shape {list(lengths)} lies outside its size {list(size)}"
-    if len(boxes) > MAX_CHUNKS:
-        return f"it has {len(boxes)} chunks, more than {MAX_CHUNKS}"
-    for i, (a_offsets, a_lengths) in enumerate(boxes):
-        for b_offsets, b_lengths in boxes[i + 1:]:
-            if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(a_offsets, a_lengths, b_offsets, b_lengths)):
-                return f"its chunks at {list(a_offsets)} and {list(b_offsets)} overlap"
-    volume = sum(torch.Size(lengths).numel() for _, lengths in boxes)
-    if volume != torch.Size(size).numel():
-        return f"its chunks leave gaps in its size {list(size)}"
-    return None
-
-
 def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by name (every tensor entry, or `keys`), each assembled from its chunks.
 
@@ -196,7 +175,7 @@ def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Te
         raise
     except (TypeError, ValueError) as exc:
         raise UserError(f"{directory}: {key}: its metadata is malformed ({first_line(exc)})") from None
-    problem = _boxes_tile(size, chunks)
+    problem = tiling_problem(size, chunks, "chunk")
     if problem:
         raise UserError(f"{directory}: {key}: {problem}")
     # Every chunk's place in its data file, checked before the table is allocated: a few bytes of

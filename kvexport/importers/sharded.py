@@ -185,6 +185,30 @@ def load_trainer_file(path: Path, what: str, part: str | None = None) -> Any:
     return _convert(data)
 
 
+MAX_PIECES = 4096  # shards or chunks of one tensor (a table over thousands of ranks); overlaps are checked pairwise
+
+
+def tiling_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                   noun: str) -> str | None:
+    """Why the (offsets, lengths) boxes of a tensor's pieces (`noun`: shard, chunk) do not cover
+    `size` exactly once, or None when they do. Checked on the boxes: no mask as large as the table."""
+    if any(n < 0 for n in size):
+        return f"its size {list(size)} is negative"
+    if len(boxes) > MAX_PIECES:
+        return f"it has {len(boxes)} {noun}s, more than {MAX_PIECES}"
+    for offsets, lengths in boxes:
+        if (len(offsets) != len(size) or len(lengths) != len(size) or
+                any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size))):
+            return f"a {noun} at {list(offsets)} of shape {list(lengths)} lies outside its size {list(size)}"
+    for i, (a_offsets, a_lengths) in enumerate(boxes):
+        for b_offsets, b_lengths in boxes[i + 1:]:
+            if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(a_offsets, a_lengths, b_offsets, b_lengths)):
+                return f"its {noun}s overlap in its size {list(size)}"
+    if sum(torch.Size(lengths).numel() for _, lengths in boxes) != torch.Size(size).numel():
+        return f"its {noun}s leave gaps in its size {list(size)}"
+    return None
+
+
 def assemble(key: str, parts: list[ShardedValue]) -> torch.Tensor:
     """The whole tensor from every rank's ShardedValue of `key`: each element covered exactly once."""
     size = parts[0].size
@@ -193,17 +217,10 @@ def assemble(key: str, parts: list[ShardedValue]) -> torch.Tensor:
     shards = [shard for part in parts for shard in part.shards]
     if not shards:
         raise UserError(f"{key}: no rank holds a shard of it")
+    problem = tiling_problem(size, [(shard.offsets, tuple(shard.tensor.shape)) for shard in shards], "shard")
+    if problem:
+        raise UserError(f"{key}: {problem}")
     whole = torch.empty(size, dtype=shards[0].tensor.dtype)
-    covered = torch.zeros(size, dtype=torch.int8)
     for shard in shards:
-        region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))
-        if len(shard.offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in
-                                                   zip(shard.offsets, shard.tensor.shape, size)):
-            raise UserError(f"{key}: a shard at {list(shard.offsets)} of shape {list(shard.tensor.shape)} lies "
-                            f"outside its size {list(size)}")
-        whole[region] = shard.tensor
-        covered[region] += 1
-    if not bool((covered == 1).all()):
-        what = "overlap" if bool((covered > 1).any()) else "leave gaps"
-        raise UserError(f"{key}: its shards {what} in its size {list(size)}")
+        whole[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))] = shard.tensor
     return whole
