@@ -68,7 +68,7 @@ kept() {
   for config in $rebuilt; do
     case $name in
       verify-$config | replay-$config | replay-graphs-$config | soak-$config | request-bench-$config | \
-        bench-$config) return 1 ;;
+        host-phases-$config | bench-$config) return 1 ;;
     esac
   done
   return 0
@@ -145,6 +145,9 @@ if [[ $quick == 0 ]]; then
   # as the config's max_history_length (4096) leaves room for: 4064.
   step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \
     --trace-dir "$out/traces" --json "$out/request-bench-kuairand.json"
+  # Where the host's time goes in a graphs request: each phase of the step route on its own.
+  step host-phases-kuairand "$python" benchmarks/h200/host_phases.py "$out/artifacts/kuairand" \
+    --json "$out/host-phases-kuairand.json"
   step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4064 \
     --json "$out/bench-kuairand.json"
 fi
