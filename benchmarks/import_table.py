@@ -9,7 +9,9 @@ one-layer ranker (hidden size `--dim`) whose item table is that table, in a fres
 time and peak memory over a process that only imported torch and kvexport's CLI.
 
 `--format dcp`: the same table in float16 as Meta's trainer saves it (torch.distributed.checkpoint,
-one process, so one chunk), read with kvexport.importers.dcp.read_tensors in a fresh process.
+one process, so one chunk), read whole with kvexport.importers.dcp.read_tensors in a fresh process,
+then a random `--select` share of its rows (default 1%) with kvexport.importers.dcp.read_rows in
+another: what a deployment that serves some of a trainer's items reads.
 
     .venv/bin/python benchmarks/import_table.py --json benchmarks/import-table.json
     .venv/bin/python benchmarks/import_table.py --format dcp --rows 4194304 --json benchmarks/import-dcp.json
@@ -126,6 +128,20 @@ def read_dcp_in_this_process(directory: Path) -> dict:
             "rss_before_mib": round(before / 1024, 1), "table_mib": round(table.numel() * 2 / 2**20, 1)}
 
 
+def read_dcp_rows_in_this_process(directory: Path, rows: int, share: float) -> dict:
+    from kvexport.importers.dcp import read_rows
+
+    wanted = torch.randperm(rows, generator=torch.Generator().manual_seed(2))[: int(rows * share)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    selected = read_rows(directory, DCP_KEY, wanted)
+    seconds = time.perf_counter() - started
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"selected_rows": selected.shape[0], "select_seconds": round(seconds, 2),
+            "select_peak_rss_mib": round(peak_kib / 1024, 1), "select_rss_before_mib": round(before / 1024, 1),
+            "selected_mib": round(selected.numel() * 2 / 2**20, 1)}
+
+
 def read_in_this_process(directory: Path, dim: int) -> dict:
     from kvexport.importers.nvidia import read_dynamic_table
 
@@ -145,10 +161,15 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--format", choices=["dynamicemb", "dcp"], default="dynamicemb")
+    parser.add_argument("--select", type=float, default=0.01, help="--format dcp: the share of rows read by id")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--read-rows", type=Path, help=argparse.SUPPRESS)  # the second fresh process's part
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # the fresh process's part
     parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)  # writes a DCP table in a process of its own
     args = parser.parse_args()
+    if args.read_rows:
+        print(json.dumps(read_dcp_rows_in_this_process(args.read_rows, args.rows, args.select)))
+        return
     if args.read:
         print(json.dumps(read_dcp_in_this_process(args.read) if args.format == "dcp"
                          else read_in_this_process(args.read, args.dim)))
@@ -163,9 +184,13 @@ def main() -> None:
                             str(args.dim)], check=True, capture_output=True)
             reader = subprocess.run([sys.executable, __file__, "--read", work, "--format", "dcp"], check=True,
                                     capture_output=True, text=True)
-        result = {**json.loads(reader.stdout), "dim": args.dim, "format": "dcp",
+            selector = subprocess.run([sys.executable, __file__, "--read-rows", work, "--rows", str(args.rows),
+                                       "--select", str(args.select)], check=True, capture_output=True, text=True)
+        result = {**json.loads(reader.stdout), **json.loads(selector.stdout), "dim": args.dim, "format": "dcp",
                   "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
         result["peak_over_table"] = round((result["peak_rss_mib"] - result["rss_before_mib"]) / result["table_mib"], 2)
+        result["select_peak_over_table"] = round(
+            (result["select_peak_rss_mib"] - result["select_rss_before_mib"]) / result["table_mib"], 3)
         print(json.dumps(result, indent=2))
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")

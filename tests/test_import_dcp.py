@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvexport.errors import UserError
-from kvexport.importers.dcp import read_metadata, read_tensors
+from kvexport.importers.dcp import read_metadata, read_rows, read_tensors
 from tests.sharded_writer import PREFIX, actions, items
 from tests.test_importers import WRITER, free_port
 
@@ -168,6 +168,9 @@ def test_a_chunk_whose_data_disagrees_with_the_metadata_is_refused(checkpoint, t
         (sparse / ".metadata").write_bytes(pickle.dumps(metadata))
         with pytest.raises(UserError, match=rf"{ACTIONS}: its chunk at \[0, 0\] holds torch.float16 \[(4, 3|3, 4)\]"):
             read_tensors(sparse, [ACTIONS])
+        with pytest.raises(UserError, match=rf"the chunk of {ACTIONS} at \[0, 0\] holds torch.float16 \[(4, 3\]|3, 4\] "
+                                            r"with strides \[0, 0\])"):
+            read_rows(sparse, ACTIONS, torch.tensor([1]))
 
 
 def test_a_truncated_or_garbled_metadata_file_is_unreadable(checkpoint, tmp_path):
@@ -179,3 +182,39 @@ def test_a_truncated_or_garbled_metadata_file_is_unreadable(checkpoint, tmp_path
     metadata.write_bytes(b"\x80\x04\x8e" + (1 << 33).to_bytes(8, "little") + b"x")  # claims 8 GiB of bytes
     with pytest.raises(UserError, match=r"\.metadata is unreadable: pickle data was truncated"):
         read_tensors(sparse)
+
+
+def test_rows_are_read_in_any_order_with_repeats_from_every_ranks_chunk(checkpoint):
+    rows = torch.tensor([9, 0, 4, 4, 5, 1, 9])  # both halves of a two-rank table, out of order, repeated
+    got = read_rows(checkpoint, ITEMS, rows)
+    assert got.dtype == torch.float16 and torch.equal(got, items()[rows])
+    assert torch.equal(read_rows(checkpoint, ITEMS, torch.arange(10)), items())
+    assert torch.equal(read_rows(checkpoint, ACTIONS, torch.tensor([2])), actions()[2:])
+    assert read_rows(checkpoint, ITEMS, torch.empty(0, dtype=torch.int64)).shape == (0, 4)
+
+
+def test_rows_outside_the_table_or_of_no_table_are_refused(checkpoint):
+    with pytest.raises(UserError, match=rf"{ITEMS} has 10 rows; row 10 is not one of them"):
+        read_rows(checkpoint, ITEMS, torch.tensor([3, 10]))
+    with pytest.raises(UserError, match=rf"{ITEMS} has 10 rows; row -1 is not one of them"):
+        read_rows(checkpoint, ITEMS, torch.tensor([-1]))
+    with pytest.raises(UserError, match="step is saved as pickled bytes, not a tensor"):
+        read_rows(checkpoint, "step", torch.tensor([0]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_rows_are_read_where_a_saved_view_keeps_them(tmp_path):
+    """DCP saves a view with its whole storage: the rows of a column slice lie a wider row apart from
+    an offset, and a transposed tensor's rows are not runs of values at all (refused, by name)."""
+    import torch.distributed.checkpoint as dcp
+
+    wide = torch.arange(80, dtype=torch.float32).reshape(10, 8)
+    dcp.save({"slice": wide[:, 2:6], "transposed": wide.t(), "flat": wide.reshape(-1)}, checkpoint_id=tmp_path,
+             no_dist=True)
+    rows = torch.tensor([9, 0, 3, 3])
+    assert torch.equal(read_rows(tmp_path, "slice", rows), wide[:, 2:6][rows])
+    with pytest.raises(UserError, match=r"the chunk of transposed at \[0, 0\] holds torch.float32 \[8, 10\] with "
+                                        r"strides \[1, 8\]"):
+        read_rows(tmp_path, "transposed", torch.tensor([1]))
+    with pytest.raises(UserError, match=r"flat is \[80\], not a table of rows"):
+        read_rows(tmp_path, "flat", torch.tensor([1]))

@@ -7,12 +7,16 @@ unpickled with only DCP's metadata records (as inert stand-ins that keep their f
 dtypes and layouts allowed; any other name refuses the file, naming it. Each tensor chunk is a
 `torch.save` archive at a recorded offset of a data file, read with `weights_only=True` and copied
 into the whole tensor at once, so a table is held once plus one chunk (once when it is one chunk).
+`read_rows` reads chosen rows of a table from where each chunk's archive stores them, without the
+table: a deployment serves some of a trainer's items, whose tables run to 10^9 rows.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
@@ -137,6 +141,27 @@ class _FileView(io.RawIOBase):
         return got
 
 
+def _entries(directory: Path) -> tuple[dict, dict]:
+    """The checkpoint's entries by name, and each chunk's storage record by (name, offsets)."""
+    metadata = read_metadata(directory)
+    entries = _field(metadata, "state_dict_metadata", str(directory))
+    storage = _field(metadata, "storage_data", str(directory))
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise UserError(f"{directory / METADATA_FILE} is unreadable: its entries are not tables")
+    where = {(_field(index, "fqn", str(directory)), tuple(_field(index, "offset", str(directory), optional=True) or ())): info
+             for index, info in storage.items()}
+    return entries, where
+
+
+def _tensor_entry(directory: Path, entries: dict, key: str) -> Any:
+    if key not in entries:
+        raise UserError(f"{directory}: the checkpoint has no {key}")
+    entry = entries[key]
+    if type(entry).__name__ != "TensorStorageMetadata":
+        raise UserError(f"{directory}: {key} is saved as pickled bytes, not a tensor")
+    return entry
+
+
 def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by name (every tensor entry, or `keys`), each assembled from its chunks.
 
@@ -145,27 +170,16 @@ def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str
     or short, a chunk that is not a tensor of its recorded shape and dtype, chunks that leave gaps
     or overlap.
     """
-    metadata = read_metadata(directory)
-    entries = _field(metadata, "state_dict_metadata", str(directory))
-    storage = _field(metadata, "storage_data", str(directory))
-    if not isinstance(entries, dict) or not isinstance(storage, dict):
-        raise UserError(f"{directory / METADATA_FILE} is unreadable: its entries are not tables")
-    where = {(_field(index, "fqn", str(directory)), tuple(_field(index, "offset", str(directory), optional=True) or ())): info
-             for index, info in storage.items()}
+    entries, where = _entries(directory)
     wanted = ([key for key, entry in entries.items() if type(entry).__name__ == "TensorStorageMetadata"]
               if keys is None else list(keys))
-    tensors = {}
-    for key in wanted:
-        if key not in entries:
-            raise UserError(f"{directory}: the checkpoint has no {key}")
-        entry = entries[key]
-        if type(entry).__name__ != "TensorStorageMetadata":
-            raise UserError(f"{directory}: {key} is saved as pickled bytes, not a tensor")
-        tensors[key] = _read_tensor(directory, key, entry, where)
-    return tensors
+    return {key: _read_tensor(directory, key, _tensor_entry(directory, entries, key), where) for key in wanted}
 
 
-def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Tensor:
+def _layout_of(directory: Path, key: str, entry: Any, where: dict):
+    """(size, dtype, [(offsets, lengths, place)]) of a tensor entry: its chunks tile it, and each
+    chunk's place in its data file is checked before anything is allocated, so that a few bytes of
+    metadata cannot make the reader allocate more than the data files hold."""
     try:
         size = tuple(int(n) for n in _field(entry, "size", key))
         dtype = _properties(_field(entry, "properties", key), key)
@@ -178,12 +192,15 @@ def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Te
     problem = tiling_problem(size, chunks, "chunk")
     if problem:
         raise UserError(f"{directory}: {key}: {problem}")
-    # Every chunk's place in its data file, checked before the table is allocated: a few bytes of
-    # metadata cannot make it allocate more than its data files hold.
-    places = [_chunk_place(directory, key, where.get((key, offsets)), offsets,
-                           torch.Size(lengths).numel() * dtype.itemsize) for offsets, lengths in chunks]
+    return size, dtype, [(offsets, lengths, _chunk_place(directory, key, where.get((key, offsets)), offsets,
+                                                         torch.Size(lengths).numel() * dtype.itemsize))
+                         for offsets, lengths in chunks]
+
+
+def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Tensor:
+    size, dtype, chunks = _layout_of(directory, key, entry, where)
     whole = None
-    for (offsets, lengths), place in zip(chunks, places):
+    for offsets, lengths, place in chunks:
         chunk = _read_chunk(key, *place)
         if (tuple(chunk.shape) != lengths or chunk.dtype != dtype or chunk.layout != torch.strided or
                 chunk.untyped_storage().nbytes() < chunk.numel() * chunk.element_size()):
@@ -196,6 +213,104 @@ def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Te
             whole = torch.empty(size, dtype=dtype)
         whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))] = chunk
     return torch.empty(size, dtype=dtype) if whole is None else whole  # None: an empty tensor, no chunk
+
+
+def read_rows(directory: Path, key: str, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 [n], any order, repeats allowed) of the checkpoint's 2-D tensor `key`, as
+    [n, columns] in its dtype. Each row is read from its chunk's values in the data file, where the
+    chunk's archive stores them, so memory holds the rows asked for and never the table (an item
+    table of 10^9 rows is a terabyte). A chunk's archive is opened only as far as its tensor's
+    description (torch.load onto the meta device, weights_only=True) and its zip directory.
+
+    UserError naming the key: what read_tensors refuses, a tensor that is not 2-D, a row outside
+    it, a chunk whose archive is compressed, holds other than one storage, or stores its rows other
+    than as runs of values within that storage.
+    """
+    entries, where = _entries(directory)
+    size, dtype, chunks = _layout_of(directory, key, _tensor_entry(directory, entries, key), where)
+    if len(size) != 2:
+        raise UserError(f"{directory}: {key} is {list(size)}, not a table of rows")
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        raise TypeError(f"rows must be a 1-D int64 tensor, got {rows.dtype} {list(rows.shape)}")
+    outside = (rows < 0) | (rows >= size[0])
+    if bool(outside.any()):
+        raise UserError(f"{directory}: {key} has {size[0]} rows; row {int(rows[outside][0])} is not one of them")
+    wanted, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    got = torch.empty(wanted.shape[0], size[1], dtype=dtype)
+    for offsets, lengths, place in chunks:
+        first, last = (int(torch.searchsorted(wanted, offsets[0] + n)) for n in (0, lengths[0]))
+        if first < last and lengths[1] > 0:
+            _read_chunk_rows(key, *place, offsets, lengths, dtype, wanted[first:last], got[first:last])
+    return got if wanted.shape[0] == rows.shape[0] and bool((inverse[1:] > inverse[:-1]).all()) else got[inverse]
+
+
+def _read_chunk_rows(key: str, path: Path, offset: int, length: int, offsets: tuple[int, int],
+                     lengths: tuple[int, int], dtype: torch.dtype, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Reads rows (ascending, inside the chunk) of a chunk at `offsets` into out's columns of the chunk."""
+    with open(path, "rb") as file:
+        view = _FileView(file, offset, length)
+        start, described = _storage_of(key, path, view)
+        if (tuple(described.shape) != lengths or described.dtype != dtype or described.layout != torch.strided
+                or described.stride(1) != 1):
+            raise UserError(f"{path}: the chunk of {key} at {list(offsets)} holds {described.dtype} "
+                            f"{list(described.shape)} with strides {list(described.stride())}; the metadata says "
+                            f"{dtype} {list(lengths)} stored row by row")
+        itemsize, (row_stride, _) = dtype.itemsize, described.stride()
+        end = described.storage_offset() + (lengths[0] - 1) * row_stride + lengths[1]
+        if described.storage_offset() < 0 or row_stride < lengths[1] or end * itemsize > described.untyped_storage().nbytes():
+            raise UserError(f"{path}: the chunk of {key} at {list(offsets)} places its rows outside its storage")
+        # out's bytes as a numpy array: slicing it costs far less than slicing a tensor, once a row.
+        out_bytes = out.view(torch.uint8).numpy()
+        columns = slice(offsets[1] * itemsize, (offsets[1] + lengths[1]) * itemsize)
+        local = (rows - offsets[0]).tolist()
+        contiguous = row_stride == lengths[1] and out.shape[1] == lengths[1]
+        base = offset + start + described.storage_offset() * itemsize
+        i = 0
+        while i < len(local):
+            run = 1
+            if contiguous:  # consecutive rows: one read
+                while i + run < len(local) and local[i + run] == local[i] + run:
+                    run += 1
+            target = out_bytes[i:i + run] if contiguous else out_bytes[i, columns]
+            _read_exactly(file, base + local[i] * row_stride * itemsize, memoryview(target).cast("B"), key, path)
+            i += run
+
+
+def _storage_of(key: str, path: Path, view: _FileView) -> tuple[int, torch.Tensor]:
+    """A chunk archive's one storage: where its values start within the archive, and the tensor's
+    description (shape, dtype, strides, storage offset, storage size) on the meta device."""
+    try:
+        archive = zipfile.ZipFile(view)
+        storages = [info for info in archive.infolist() if info.filename.split("/")[-2:-1] == ["data"]]
+        orders = [info for info in archive.infolist() if info.filename.endswith("/byteorder")]
+        order = archive.read(orders[0]).decode() if orders else "little"
+        view.seek(0)
+        described = torch.load(io.BufferedReader(view), map_location="meta", weights_only=True)
+    except (zipfile.BadZipFile, pickle.UnpicklingError, RuntimeError, EOFError, OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc) or type(exc).__name__}") from None
+    if not isinstance(described, torch.Tensor):
+        raise UserError(f"{path}: the chunk of {key} is a {type(described).__name__}, not a tensor")
+    if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or order != "little":
+        raise UserError(f"{path}: the chunk of {key} is not one uncompressed little-endian storage; kvexport reads "
+                        "rows only from those")
+    info = storages[0]
+    view.seek(info.header_offset)
+    header = view.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise UserError(f"{path}: the chunk of {key} is unreadable: a broken zip entry")
+    start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    if info.file_size < described.untyped_storage().nbytes() or start + info.file_size > view.seek(0, io.SEEK_END):
+        raise UserError(f"{path}: the chunk of {key} is shorter than its tensor")
+    return start, described
+
+
+def _read_exactly(file: BinaryIO, at: int, buffer: memoryview, key: str, path: Path) -> None:
+    """Fills buffer from the file at `at` (one pread, no seek, unless the read comes short)."""
+    while buffer:
+        got = os.preadv(file.fileno(), [buffer], at)
+        if not got:
+            raise UserError(f"{path}: the chunk of {key} ends inside a row")
+        buffer, at = buffer[got:], at + got
 
 
 def _chunk_place(directory: Path, key: str, info: Any, offsets: tuple[int, ...], nbytes: int) -> tuple[Path, int, int]:
