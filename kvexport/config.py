@@ -49,6 +49,11 @@ MAX_ITEM_KEY = 2**63 - 1
 # checkpoint's context_keys hold (feature << CONTEXT_FEATURE_SHIFT) | key for every row but the last,
 # ascending, and a pair that is not among them reads the last row (docs/design.md §1.2).
 CONTEXT_IDS = ("rows", "keys")
+# How a history event becomes tokens (docs/design.md §1.2): an item token then an action token
+# ("pairs": kvexport's own, NVIDIA), or one token whose embedding is the item's row plus the
+# action's ("combined": Meta's DLRMv3 adds its action encoding to the item token). A combined
+# token's id is (item << action bits) | action, so the cache compares events whole.
+EVENT_TOKENS = ("pairs", "combined")
 CONTEXT_FEATURE_SHIFT = 56
 MAX_CONTEXT_KEY = 2**CONTEXT_FEATURE_SHIFT  # context keys lie in [0, 2^56)
 MAX_KEYED_CONTEXT_FEATURES = 2**(63 - CONTEXT_FEATURE_SHIFT)  # so that every pair is a non-negative int64
@@ -80,11 +85,24 @@ class ModelConfig:
     layer_output: str = "gated"
     item_ids: str = "rows"
     context_ids: str = "rows"
+    event_tokens: str = "pairs"
+
+    @property
+    def action_bits(self) -> int:
+        """Low bits of a combined event token that hold its action id."""
+        return (self.action_vocab_size - 1).bit_length()
+
+    @property
+    def tokens_per_event(self) -> int:
+        return 2 if self.event_tokens == "pairs" else 1
 
     @property
     def item_id_limit(self) -> int:
-        """Item ids of a request lie in [0, item_id_limit): the table's rows, or any key >= 0."""
-        return self.item_vocab_size if self.item_ids == "rows" else MAX_ITEM_KEY
+        """Item ids of a request lie in [0, item_id_limit): the table's rows, or any key >= 0 (below
+        2^(63 - action bits) with combined event tokens, which keep the action in the low bits)."""
+        if self.item_ids == "rows":
+            return self.item_vocab_size
+        return MAX_ITEM_KEY if self.event_tokens == "pairs" else min(MAX_ITEM_KEY, 1 << (63 - self.action_bits))
 
     @property
     def context_id_limit(self) -> int:
@@ -93,8 +111,12 @@ class ModelConfig:
 
     @property
     def max_prefix_length(self) -> int:
-        """Most cacheable tokens of one user: context plus an item and an action per event."""
-        return self.num_contextual_features + 2 * self.max_history_length
+        """Most cacheable tokens of one user: context plus each event's tokens."""
+        return self.prefix_length(self.max_history_length)
+
+    def prefix_length(self, num_events: int) -> int:
+        """Cacheable tokens of a user with num_events events."""
+        return self.num_contextual_features + self.tokens_per_event * num_events
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +213,8 @@ class Config:
                 "context_vocab_size": m.context_id_limit,
                 "item_vocab_size": m.item_id_limit,
                 "action_vocab_size": m.action_vocab_size,
+                # Only when combined: a package of pairs keeps the limits every build had before.
+                **({"combined_action_bits": m.action_bits} if m.event_tokens == "combined" else {}),
             },
             sort_keys=True,
         )
@@ -283,7 +307,8 @@ def _check(config: Config) -> None:
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
-                          ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS)):
+                          ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS),
+                          ("event_tokens", EVENT_TOKENS)):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
     if m.context_ids == "keys" and not 0 < m.num_contextual_features <= MAX_KEYED_CONTEXT_FEATURES:
@@ -292,6 +317,9 @@ def _check(config: Config) -> None:
     if m.item_ids == "keys" and m.item_vocab_size < 2:
         raise ConfigError(f"model.item_vocab_size must be >= 2 with model.item_ids: keys (the keyed rows, then "
                           f"the row of unknown ids), got {m.item_vocab_size}")
+    if m.event_tokens == "combined" and m.item_id_limit > 1 << (63 - m.action_bits):
+        raise ConfigError(f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for model.action_vocab_size "
+                          f"({m.action_vocab_size}) in a combined event token (items below 2^{63 - m.action_bits})")
     if not (math.isfinite(m.layer_norm_eps) and 0 < m.layer_norm_eps < 1):
         raise ConfigError(f"model.layer_norm_eps must be a number in (0, 1), got {m.layer_norm_eps}")
     _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)

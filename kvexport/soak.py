@@ -78,7 +78,7 @@ def eager_model_for(artifact: Artifact, checkpoint: Path | None) -> HSTURanker:
 def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
     """Most users per batch that always fit the device tier at the workload's longest history."""
     m, c = artifact.config.model, artifact.config.kv_cache
-    pages = c.pages_for(m.num_contextual_features + 2 * max_history)
+    pages = c.pages_for(m.prefix_length(max_history))
     return max(1, min(artifact.config.serving.max_batch_size, c.device_pages // pages))
 
 

@@ -48,23 +48,29 @@ def context_row(model, feature: int, context: int, context_ids: str) -> int:
     return rows.get((feature << 56) | context, model.context_embedding.weight.shape[0] - 1)
 
 
-def user_tokens(model, context, items, actions, item_ids: str = "rows", context_ids: str = "rows"):
-    """Embeddings [P, d] of one user's prefix: context, then item/action pairs, absolute positions."""
+def user_tokens(model, context, items, actions, item_ids: str = "rows", context_ids: str = "rows",
+                event_tokens: str = "pairs"):
+    """Embeddings [P, d] of one user's prefix: context, then each event's item and action tokens
+    ("pairs") or one token of the two rows' sum ("combined"), at absolute positions."""
     rows = [model.context_embedding.weight[context_row(model, f, c, context_ids)]
             for f, c in enumerate(context.tolist())]
     for item, action in zip(items.tolist(), actions.tolist()):
-        rows.append(model.item_embedding.weight[item_row(model, item, item_ids)])
-        rows.append(model.action_embedding.weight[action])
+        item_vector = model.item_embedding.weight[item_row(model, item, item_ids)]
+        if event_tokens == "combined":
+            rows.append(item_vector + model.action_embedding.weight[action])
+        else:
+            rows.append(item_vector)
+            rows.append(model.action_embedding.weight[action])
     tokens = torch.stack(rows) * math.sqrt(model.item_embedding.embedding_dim)
     return tokens + model.position_embedding.weight[: len(rows)]
 
 
 def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
                       silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows",
-                      context_ids: str = "rows") -> torch.Tensor:
+                      context_ids: str = "rows", event_tokens: str = "pairs") -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
-    semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids and
-    context_ids, given by the caller."""
+    semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids,
+    context_ids and event_tokens, given by the caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -73,7 +79,7 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         actions = batch.action_ids[history_start:history_start + h]
         candidates = batch.candidate_ids[candidate_start:candidate_start + t]
         history_start, candidate_start = history_start + h, candidate_start + t
-        prefix = user_tokens(model, batch.context_ids[b], items, actions, item_ids, context_ids)
+        prefix = user_tokens(model, batch.context_ids[b], items, actions, item_ids, context_ids, event_tokens)
         p = prefix.shape[0]
         scale = math.sqrt(model.item_embedding.embedding_dim)
         candidate_rows = [item_row(model, c, item_ids) for c in candidates.tolist()]

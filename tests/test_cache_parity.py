@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 import yaml
 
@@ -14,18 +16,20 @@ from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.conftest import TINY
 
 
-def small_cache_config():
-    """The tiny model with room for ~3 users on the device tier and ~6 on the host tier."""
+def small_cache_config(event_tokens: str = "pairs"):
+    """The tiny model with room for ~3 users on the device tier and ~6 on the host tier (pairs)."""
     raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
-    raw["name"] = "parity"
+    raw["name"] = f"parity-{event_tokens}"
+    raw["model"]["event_tokens"] = event_tokens
     raw["model"]["max_history_length"] = 48  # <= 99 tokens = 7 pages per user
     raw["kv_cache"].update(device_pages=21, host_pages=42)
     raw["trace"]["max_trace_history_length"] = 48
     return config_from_dict(raw)
 
 
-def test_cached_equals_recompute_under_eviction():
-    config = small_cache_config()
+@pytest.mark.parametrize("event_tokens", ["pairs", "combined"])
+def test_cached_equals_recompute_under_eviction(event_tokens):
+    config = small_cache_config(event_tokens)
     model = build_model(config, seed=1)
     cache = KVCacheManager(config)
     cache.reset()
@@ -53,3 +57,30 @@ def test_cached_equals_recompute_under_eviction():
     assert stats["onboards"] > 0
     assert stats["prefix_truncations"] > 0
     assert workload.events["edit"] + workload.events["delete"] + workload.events["context"] > 0
+
+
+def test_a_combined_event_whose_action_changed_is_recomputed():
+    """With one token an event, an event whose action alone changed is a new token: the cache keeps
+    the events before it and recomputes from it, and the output is the full recompute's."""
+    config = small_cache_config("combined")
+    model = build_model(config, seed=1)
+    cache = KVCacheManager(config)
+    cache.reset()
+    batch = Workload(config.model, WorkloadSpec(num_users=1, min_history_length=10, max_history_length=10,
+                                                max_new_events=1, num_candidates=3), seed=4).next_batch(1)
+    changed = batch.action_ids.clone()
+    changed[6] = (changed[6] + 1) % config.model.action_vocab_size
+    try:
+        with torch.no_grad():
+            model.forward_cached(batch)
+            before = cache.stats()
+            second = dataclasses.replace(batch, action_ids=changed)
+            cached, full = model.forward_cached(second), model(second)
+        after = cache.stats()
+    finally:
+        cache.close()
+    assert torch.allclose(cached, full, rtol=0, atol=1e-4)
+    assert (cached - model(batch)).abs().max() > 1e-6
+    history = int(batch.history_lengths[0])
+    assert after["hit_tokens"] - before["hit_tokens"] == config.model.num_contextual_features + 6
+    assert after["recomputed_tokens"] - before["recomputed_tokens"] == history - 6

@@ -219,6 +219,27 @@ def test_check_request_lays_out_the_models_prefix_tokens(runtime):
     assert kv.last_error(runtime) == ("ok", "")
 
 
+COMBINED_LIMITS = json.dumps({**json.loads(LIMITS), "action_vocab_size": 5, "combined_action_bits": 3})
+
+
+def test_check_request_lays_out_combined_event_tokens(runtime):
+    """model.event_tokens combined: one token (item << bits) | action an event, C + h tokens a user,
+    the model's layout; an action id the bits cannot hold is refused like any other."""
+    from kvexport.model.hstu import prefix_tokens
+
+    request = list(layout_request())
+    request[3] = torch.tensor([0, 4, 1, 3, 2])
+    got = kv.check_request(runtime, COMBINED_LIMITS, *request)
+    expected = prefix_tokens(request[1], request[2], request[3], request[4], action_bits=3)
+    assert got[2].tolist() == expected.token_ids.tolist()
+    assert got[2][:5].tolist() == [0, 1, 100 << 3, (101 << 3) | 4, (102 << 3) | 1]
+    assert got[1].tolist() == expected.token_lengths.tolist() == [5, 2, 4]
+    torch.library.opcheck(torch.ops.kvexport.check_request.default, (runtime, COMBINED_LIMITS, *request))
+    request[3] = torch.tensor([0, 4, 1, 5, 2])
+    with pytest.raises(ValueError, match=r"^action_ids has 5, outside the action vocabulary \[0, 4\]"):
+        kv.check_request(runtime, COMBINED_LIMITS, *request)
+
+
 @pytest.mark.parametrize("item,action,expected", [
     (-1, 0, r"^item_ids has -1, outside the item vocabulary \[0, 299\]"),
     (300, 0, r"^item_ids has 300, outside the item vocabulary \[0, 299\]"),

@@ -27,7 +27,7 @@ def tiny_with(**model_fields) -> dict:
 
 
 SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
-            "item_ids": "keys", "context_ids": "keys"}
+            "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined"}
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -38,6 +38,7 @@ SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "
     ("layer_norm_eps", "small", "model.layer_norm_eps must be float, got 'small'"),
     ("item_ids", "hashed", "model.item_ids must be one of rows, keys, got 'hashed'"),
     ("context_ids", "hashed", "model.context_ids must be one of rows, keys, got 'hashed'"),
+    ("event_tokens", "triples", "model.event_tokens must be one of pairs, combined, got 'triples'"),
 ])
 def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
@@ -75,16 +76,16 @@ def test_each_switch_matches_the_reference_and_changes_the_output(tiny_model, ti
 
 @pytest.mark.slow
 def test_a_package_with_every_switch_off_its_default_verifies(tmp_path, tiny_artifact, tiny_checkpoint):
-    """Built from the checkpoint tiny_artifact was built from (relu, eps, silu_on, the concat
-    output's wider projection, the item and context keys seeded anew; the trace draws keys and
-    unknown ids): verify checks the package, the eager cached path and
+    """Built from the checkpoint tiny_artifact was built from (relu, eps, silu_on; the concat
+    output's wider projection, combined events' shorter position table, the item and context keys
+    seeded anew; the trace draws keys and unknown ids): verify checks the package, the eager cached path and
     the eager full recompute against the float32 reference, step by step."""
     config = tmp_path / "hstu-tiny-switched.yaml"
     config.write_text(yaml.safe_dump(tiny_with(**SWITCHES)))
     checkpoint = tmp_path / "switched.pt"
     state = torch.load(tiny_checkpoint, weights_only=True)
     wider = build_model(config_from_dict(tiny_with(**SWITCHES)), seed=1).state_dict()
-    torch.save({**{k: wider[k] if k.endswith("output.weight") else v for k, v in state.items()},
+    torch.save({**{k: wider[k] if wider[k].shape != v.shape else v for k, v in state.items()},
                 "item_keys": wider["item_keys"], "context_keys": wider["context_keys"]}, checkpoint)
     out = tmp_path / "switched"
     built = CliRunner().invoke(main, ["build", str(config), "-o", str(out), "--checkpoint", str(checkpoint)])

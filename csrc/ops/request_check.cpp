@@ -30,6 +30,10 @@ struct RequestLimits {
   int64_t context_vocab_size = 0;
   int64_t item_vocab_size = 0;
   int64_t action_vocab_size = 0;
+  // model.event_tokens: combined lays out one token per event, (item << bits) | action; -1 (pairs)
+  // lays out an item token and an action token.
+  int64_t combined_action_bits = -1;
+  int64_t tokens_per_event() const { return combined_action_bits < 0 ? 2 : 1; }
 };
 
 RequestLimits parse_limits(const std::string& json) {
@@ -42,6 +46,12 @@ RequestLimits parse_limits(const std::string& json) {
   l.context_vocab_size = j.at("context_vocab_size").get<int64_t>();
   l.item_vocab_size = j.at("item_vocab_size").get<int64_t>();
   l.action_vocab_size = j.at("action_vocab_size").get<int64_t>();
+  l.combined_action_bits = j.value("combined_action_bits", int64_t{-1});
+  if (l.combined_action_bits > 62 ||
+      (l.combined_action_bits >= 0 && l.action_vocab_size > (int64_t{1} << l.combined_action_bits))) {
+    throw std::invalid_argument("kvexport: request limits combine " + std::to_string(l.action_vocab_size) +
+                                " actions into " + std::to_string(l.combined_action_bits) + " bits");
+  }
   return l;
 }
 
@@ -118,15 +128,16 @@ void check_distinct(const at::Tensor& user_ids) {
   if (dup != sorted.end()) refuse("user_ids repeat a user (" + std::to_string(*dup) + ") within one batch");
 }
 
-// Each user's context ids, then item and action ids interleaved, users one after another; nullopt
-// (nothing to use) when an item or action id lies outside [0, vocab): the caller names it. The
-// range test is branch-free, so each user's copy stays one vectorisable pass over its events;
-// a request of many events lays its users out on several threads (runtime::kParallelTokens).
+// Each user's context ids, then its events' tokens (an item and an action token each, or one token
+// (item << bits) | action with combined_action_bits), users one after another; nullopt (nothing to
+// use) when an item or action id lies outside [0, vocab): the caller names it. The range test is
+// branch-free, so each user's copy stays one vectorisable pass over its events; a request of many
+// events lays its users out on several threads (runtime::kParallelTokens).
 std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const at::Tensor& items,
-                                        const at::Tensor& actions, const at::Tensor& context, int64_t item_vocab,
-                                        int64_t action_vocab) {
-  const int64_t num_users = context.size(0), num_context = context.size(1);
-  auto tokens = at::empty({num_users * num_context + 2 * items.size(0)}, at::kLong);
+                                        const at::Tensor& actions, const at::Tensor& context,
+                                        const RequestLimits& l) {
+  const int64_t num_users = context.size(0), num_context = context.size(1), per_event = l.tokens_per_event();
+  auto tokens = at::empty({num_users * num_context + per_event * items.size(0)}, at::kLong);
   int64_t* out = tokens.data_ptr<int64_t>();
   const int64_t* length = history_lengths.const_data_ptr<int64_t>();
   const int64_t *item = items.const_data_ptr<int64_t>(), *action = actions.const_data_ptr<int64_t>();
@@ -134,22 +145,35 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
   std::vector<int64_t> first_event(num_users + 1, 0);  // of each user in items and actions
   for (int64_t b = 0; b < num_users; ++b) first_event[b + 1] = first_event[b] + length[b];
   // Unsigned comparison: a negative id wraps to a huge value and fails `< vocab` too.
-  const auto item_limit = static_cast<uint64_t>(item_vocab), action_limit = static_cast<uint64_t>(action_vocab);
+  const auto item_limit = static_cast<uint64_t>(l.item_vocab_size);
+  const auto action_limit = static_cast<uint64_t>(l.action_vocab_size);
   std::vector<char> bad(num_users, 0);
   const auto lay_out = [&](int64_t b) {
     int64_t* user_out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context,
-                                  out + b * num_context + 2 * first_event[b]);
+                                  out + b * num_context + per_event * first_event[b]);
     const int64_t *user_item = item + first_event[b], *user_action = action + first_event[b];
     bool user_bad = false;
-    for (int64_t e = 0; e < length[b]; ++e) {
-      user_bad |= static_cast<uint64_t>(user_item[e]) >= item_limit;
-      user_bad |= static_cast<uint64_t>(user_action[e]) >= action_limit;
-      user_out[2 * e] = user_item[e];
-      user_out[2 * e + 1] = user_action[e];
+    if (per_event == 2) {
+      for (int64_t e = 0; e < length[b]; ++e) {
+        user_bad |= static_cast<uint64_t>(user_item[e]) >= item_limit;
+        user_bad |= static_cast<uint64_t>(user_action[e]) >= action_limit;
+        user_out[2 * e] = user_item[e];
+        user_out[2 * e + 1] = user_action[e];
+      }
+    } else {
+      // The item limit leaves the top bits free (model.item_id_limit): a valid id cannot overflow.
+      const auto bits = static_cast<uint64_t>(l.combined_action_bits);
+      for (int64_t e = 0; e < length[b]; ++e) {
+        const auto item_id = static_cast<uint64_t>(user_item[e]), action_id = static_cast<uint64_t>(user_action[e]);
+        user_bad |= item_id >= item_limit;
+        user_bad |= action_id >= action_limit;
+        user_out[e] = static_cast<int64_t>((item_id << bits) | action_id);
+      }
     }
     bad[b] = user_bad;
   };
-  const bool parallel = 2 * first_event[num_users] >= runtime::kParallelTokens && !at::in_parallel_region();
+  const bool parallel =
+      per_event * first_event[num_users] >= runtime::kParallelTokens && !at::in_parallel_region();
   runtime::for_each_item(num_users, parallel ? at::get_num_threads() : 1, lay_out);
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) return std::nullopt;
   return tokens;
@@ -234,7 +258,7 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   // The events are the request's bulk: their ranges are tested while they are laid out, in one
   // pass; when one is bad, the ordered checks name the first bad value, in the same order as
   // always (items, candidates, actions, context), whatever the layout met first.
-  auto tokens = layout_tokens(history, items, actions, context, l.item_vocab_size, l.action_vocab_size);
+  auto tokens = layout_tokens(history, items, actions, context, l);
   if (!tokens) check_range("item_ids", items, 0, l.item_vocab_size, "the item vocabulary");
   check_range("candidate_ids", candidates, 0, l.item_vocab_size, "the item vocabulary");
   if (!tokens) check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
@@ -243,7 +267,9 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   auto token_lengths = at::empty({num_users}, at::kLong);
   const auto* length = history.const_data_ptr<int64_t>();
   auto* token_length = token_lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < num_users; ++b) token_length[b] = l.num_contextual_features + 2 * length[b];
+  for (int64_t b = 0; b < num_users; ++b) {
+    token_length[b] = l.num_contextual_features + l.tokens_per_event() * length[b];
+  }
   // Copies of the small tensors for the rest of the graph (contiguous() may have returned the input).
   return {users.clone(), std::move(token_lengths), std::move(*tokens), counts.clone(), candidates.clone()};
 }

@@ -2,7 +2,9 @@
 KV-cached path that computes only each user's uncached suffix plus its candidates.
 
 Token order of one user: [ctx_1..ctx_C][i_1, a_1, ..., i_h, a_h][cand_1..cand_T]. The first
-C + 2h tokens are the user's *prefix* (cacheable); candidates all share position C + 2h.
+C + 2h tokens are the user's *prefix* (cacheable); candidates all share position C + 2h. With
+model.event_tokens: combined an event is one token e_k (its item's row plus its action's), so the
+prefix is [ctx_1..ctx_C][e_1..e_h], C + h tokens.
 """
 
 from __future__ import annotations
@@ -22,29 +24,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class PrefixTokens(NamedTuple):
-    """Each user's prefix as one jagged token sequence. Token ids are the raw ids; a token's kind
-    (context, item, action) follows from its position."""
+    """Each user's prefix as one jagged token sequence. Token ids are the raw ids (a combined event
+    token's id holds its item and action); a token's kind (context, item, action, event) follows
+    from its position."""
 
     token_ids: torch.Tensor      # [sum(P)]
     positions: torch.Tensor      # [sum(P)] absolute, from 0 per user
-    token_lengths: torch.Tensor  # [B] P = C + 2h
+    token_lengths: torch.Tensor  # [B] P = C + 2h (pairs) or C + h (combined)
     token_user: torch.Tensor     # [sum(P)] batch index of each token
 
 
 def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
-                  context_ids: torch.Tensor) -> PrefixTokens:
-    """Lays out each user's context and interleaved history as one jagged token sequence."""
+                  context_ids: torch.Tensor, action_bits: int | None = None) -> PrefixTokens:
+    """Lays out each user's context and history as one jagged token sequence: events as item/action
+    pairs, or (action_bits given: model.event_tokens combined) one token (item << action_bits) | action
+    each."""
     num_users, num_context = context_ids.shape
     # One batch size for all per-user inputs (lets export unify their symbols up front).
     torch._check(history_lengths.shape[0] == num_users, lambda: "history_lengths and context_ids disagree on B")
-    num_history_tokens = 2 * item_ids.shape[0]
-    token_lengths = num_context + 2 * history_lengths  # [B]
+    per_event = 2 if action_bits is None else 1
+    num_history_tokens = per_event * item_ids.shape[0]
+    token_lengths = num_context + per_event * history_lengths  # [B]
     offsets = jagged.lengths_to_offsets(token_lengths)  # [B + 1]
-    history = torch.stack([item_ids, action_ids], dim=1).reshape(-1)  # [2 sum(h)] i_1 a_1 i_2 a_2 ...
+    if action_bits is None:
+        history = torch.stack([item_ids, action_ids], dim=1).reshape(-1)  # [2 sum(h)] i_1 a_1 i_2 a_2 ...
+    else:
+        history = (item_ids << action_bits) | action_ids  # [sum(h)]
     history_user = torch.repeat_interleave(
-        torch.arange(num_users, device=item_ids.device), 2 * history_lengths, output_size=num_history_tokens
+        torch.arange(num_users, device=item_ids.device), per_event * history_lengths, output_size=num_history_tokens
     )
-    history_offsets = jagged.lengths_to_offsets(2 * history_lengths)
+    history_offsets = jagged.lengths_to_offsets(per_event * history_lengths)
     history_local = torch.arange(num_history_tokens, device=item_ids.device) - history_offsets[history_user]
     history_dest = offsets[history_user] + num_context + history_local
     context_local = torch.arange(num_context, device=item_ids.device).unsqueeze(0)  # [1, C]
@@ -133,6 +142,7 @@ class HSTURanker(nn.Module):
         self.alpha = 1.0 / math.sqrt(m.head_dim)
         self.scaling_seqlen = m.scaling_seqlen
         self.max_prefix_length = m.max_prefix_length
+        self.action_bits = m.action_bits if m.event_tokens == "combined" else None
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
@@ -176,10 +186,16 @@ class HSTURanker(nn.Module):
     def embed_prefix(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prefix tokens [N] at absolute positions [N] -> [N, d]."""
         is_context = positions < self.num_contextual_features
-        is_item = ~is_context & ((positions - self.num_contextual_features) % 2 == 0)
-        is_action = ~is_context & ~is_item
         context = self.context_embedding(self.context_rows(torch.where(is_context, token_ids, 0),
                                                            torch.where(is_context, positions, 0)))
+        if self.action_bits is not None:  # combined: each event token holds its item and action
+            event = torch.where(is_context, 0, token_ids)
+            item = self.item_embedding(self.item_rows(event >> self.action_bits))
+            events = item + self.action_embedding(event & ((1 << self.action_bits) - 1))
+            tokens = torch.where(is_context.unsqueeze(1), context, events)
+            return tokens * self.embedding_scale + self.position_embedding(positions)
+        is_item = ~is_context & ((positions - self.num_contextual_features) % 2 == 0)
+        is_action = ~is_context & ~is_item
         item = self.item_embedding(self.item_rows(torch.where(is_item, token_ids, 0)))
         action = self.action_embedding(torch.where(is_action, token_ids, 0))
         tokens = torch.where(is_context.unsqueeze(1), context, torch.where(is_item.unsqueeze(1), item, action))
@@ -202,7 +218,7 @@ class HSTURanker(nn.Module):
     def forward(self, batch: Batch) -> torch.Tensor:
         """Full recompute: every token of every user, no cache."""
         token_ids, positions, token_lengths, _ = prefix_tokens(
-            batch.history_lengths, batch.item_ids, batch.action_ids, batch.context_ids
+            batch.history_lengths, batch.item_ids, batch.action_ids, batch.context_ids, self.action_bits
         )
         num_candidates = batch.num_candidates
         prefix = self.embed_prefix(token_ids, positions)
