@@ -54,6 +54,11 @@ CONTEXT_IDS = ("rows", "keys")
 # action's ("combined": Meta's DLRMv3 adds its action encoding to the item token). A combined
 # token's id is (item << action bits) | action, so the cache compares events whole.
 EVENT_TOKENS = ("pairs", "combined")
+# Which position row a user's candidates read (docs/design.md §1.2): the row of the prefix's length
+# ("after_prefix": kvexport, NVIDIA), or the table's last row, which only candidates read
+# ("shared_row": a trainer whose candidates share one position whatever the history's length, as
+# Meta's DLRMv3 puts every candidate at the position just past the contextual tokens).
+CANDIDATE_POSITIONS = ("after_prefix", "shared_row")
 CONTEXT_FEATURE_SHIFT = 56
 MAX_CONTEXT_KEY = 2**CONTEXT_FEATURE_SHIFT  # context keys lie in [0, 2^56)
 MAX_KEYED_CONTEXT_FEATURES = 2**(63 - CONTEXT_FEATURE_SHIFT)  # so that every pair is a non-negative int64
@@ -86,6 +91,7 @@ class ModelConfig:
     item_ids: str = "rows"
     context_ids: str = "rows"
     event_tokens: str = "pairs"
+    candidate_position: str = "after_prefix"
 
     @property
     def action_bits(self) -> int:
@@ -308,7 +314,7 @@ def _check(config: Config) -> None:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
                           ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS),
-                          ("event_tokens", EVENT_TOKENS)):
+                          ("event_tokens", EVENT_TOKENS), ("candidate_position", CANDIDATE_POSITIONS)):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
     if m.context_ids == "keys" and not 0 < m.num_contextual_features <= MAX_KEYED_CONTEXT_FEATURES:

@@ -67,10 +67,11 @@ def user_tokens(model, context, items, actions, item_ids: str = "rows", context_
 
 def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
                       silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows",
-                      context_ids: str = "rows", event_tokens: str = "pairs") -> torch.Tensor:
+                      context_ids: str = "rows", event_tokens: str = "pairs",
+                      candidate_position: str = "after_prefix") -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
     semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids,
-    context_ids and event_tokens, given by the caller."""
+    context_ids, event_tokens and candidate_position, given by the caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -83,7 +84,8 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         p = prefix.shape[0]
         scale = math.sqrt(model.item_embedding.embedding_dim)
         candidate_rows = [item_row(model, c, item_ids) for c in candidates.tolist()]
-        cand = model.item_embedding.weight[candidate_rows] * scale + model.position_embedding.weight[p]
+        slot = p if candidate_position == "after_prefix" else model.position_embedding.weight.shape[0] - 1
+        cand = model.item_embedding.weight[candidate_rows] * scale + model.position_embedding.weight[slot]
         x = torch.cat([prefix, cand])
         for layer in model.layers:
             x = reference_layer(layer, x, p, model.scaling_seqlen, layer_norm_eps, silu_on, layer_output)

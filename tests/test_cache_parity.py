@@ -16,20 +16,22 @@ from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.conftest import TINY
 
 
-def small_cache_config(event_tokens: str = "pairs"):
-    """The tiny model with room for ~3 users on the device tier and ~6 on the host tier (pairs)."""
+def small_cache_config(**switches):
+    """The tiny model with room for ~3 users on the device tier and ~6 on the host tier (pairs), under
+    the given model switches."""
     raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
-    raw["name"] = f"parity-{event_tokens}"
-    raw["model"]["event_tokens"] = event_tokens
+    raw["name"] = "parity"
+    raw["model"].update(switches)
     raw["model"]["max_history_length"] = 48  # <= 99 tokens = 7 pages per user
     raw["kv_cache"].update(device_pages=21, host_pages=42)
     raw["trace"]["max_trace_history_length"] = 48
     return config_from_dict(raw)
 
 
-@pytest.mark.parametrize("event_tokens", ["pairs", "combined"])
-def test_cached_equals_recompute_under_eviction(event_tokens):
-    config = small_cache_config(event_tokens)
+@pytest.mark.parametrize("switches", [{}, {"event_tokens": "combined", "candidate_position": "shared_row"}],
+                         ids=["default", "combined-shared-row"])
+def test_cached_equals_recompute_under_eviction(switches):
+    config = small_cache_config(**switches)
     model = build_model(config, seed=1)
     cache = KVCacheManager(config)
     cache.reset()
@@ -62,7 +64,7 @@ def test_cached_equals_recompute_under_eviction(event_tokens):
 def test_a_combined_event_whose_action_changed_is_recomputed():
     """With one token an event, an event whose action alone changed is a new token: the cache keeps
     the events before it and recomputes from it, and the output is the full recompute's."""
-    config = small_cache_config("combined")
+    config = small_cache_config(event_tokens="combined")
     model = build_model(config, seed=1)
     cache = KVCacheManager(config)
     cache.reset()

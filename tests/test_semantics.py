@@ -27,7 +27,7 @@ def tiny_with(**model_fields) -> dict:
 
 
 SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
-            "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined"}
+            "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined", "candidate_position": "shared_row"}
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -39,6 +39,7 @@ SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "
     ("item_ids", "hashed", "model.item_ids must be one of rows, keys, got 'hashed'"),
     ("context_ids", "hashed", "model.context_ids must be one of rows, keys, got 'hashed'"),
     ("event_tokens", "triples", "model.event_tokens must be one of pairs, combined, got 'triples'"),
+    ("candidate_position", "first", "model.candidate_position must be one of after_prefix, shared_row, got 'first'"),
 ])
 def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):

@@ -143,6 +143,7 @@ class HSTURanker(nn.Module):
         self.scaling_seqlen = m.scaling_seqlen
         self.max_prefix_length = m.max_prefix_length
         self.action_bits = m.action_bits if m.event_tokens == "combined" else None
+        self.shared_candidate_row = m.candidate_position == "shared_row"
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
@@ -208,8 +209,12 @@ class HSTURanker(nn.Module):
         return self.embed_candidates_at(candidate_ids, positions)
 
     def embed_candidates_at(self, candidate_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Candidates [T] at their users' prefix lengths [T] -> [T, d]."""
-        return self.item_embedding(self.item_rows(candidate_ids)) * self.embedding_scale + self.position_embedding(positions)
+        """Candidates [T] at their users' prefix lengths [T] -> [T, d]; with model.candidate_position
+        shared_row every candidate reads the position table's last row, which no prefix token reads."""
+        rows = self.item_embedding(self.item_rows(candidate_ids)) * self.embedding_scale
+        if self.shared_candidate_row:
+            return rows + self.position_embedding.weight[-1]
+        return rows + self.position_embedding(positions)
 
     def score(self, candidate_states: torch.Tensor) -> torch.Tensor:
         """Final candidate states [T, d] -> float32 logits [T, num_tasks]."""
