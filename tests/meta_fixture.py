@@ -15,14 +15,17 @@ metric state dicts of tensors); their exact inner names upstream are unverified.
 
 Upstream fixes some sizes in DlrmHSTU.__init__ that its config cannot change: 8192 position rows,
 2049 time rows (2048 buckets), 512-wide item tower and prediction head, 8-wide action rows. Here
-they are POSITION_ROWS, TIME_ROWS, MLP_WIDTH and ACTION_DIM (kept at 8), small enough that the
-tests reach the position and time caps. The user_active_degree feature is gated at a merged
-length of 6, as movielens and streaming gate theirs at 20 (kuairand gates none).
+they are Sizes' POSITION_ROWS, TIME_ROWS, MLP_WIDTH and ACTION_DIM (kept at 8), in DEFAULT_SIZES
+small enough that the tests reach the position and time caps. dense_state, tables and
+synthetic_state take other sizes as `sizes` (benchmarks/meta_rules.py); write_checkpoint always
+writes DEFAULT_SIZES. The user_active_degree feature is gated at a merged length of 6, as
+movielens and streaming gate theirs at 20 (kuairand gates none).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import subprocess
 import sys
@@ -32,13 +35,45 @@ import torch
 
 from tests.meta_reference import HEAD, POS, POST, PRE, STU, Features
 
-D, E, HIDDEN, HEADS, DQK, DV, LAYERS = 8, 6, 10, 2, 3, 4, 2  # dqk != dv, so a swapped split shows
-POSITION_ROWS, TIME_ROWS, MLP_WIDTH, ACTION_DIM = 16, 33, 12, 8
-ACTION_WEIGHTS = [1, 2, 4]
-TASKS = 2
-TABLE_ROWS = {"video_id": 40, "user_id": 10, "user_active_degree": 5}
-FEATURES = Features(num_heads=HEADS, item_table="video_id", contextual_tables=("user_id", "user_active_degree"),
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes of a synthetic DlrmHSTU: D model width, E table width, HIDDEN the input MLPs'
+    hidden width, HEADS x (DQK, DV) attention, LAYERS STU layers, POSITION_ROWS and TIME_ROWS the
+    position and time tables, MLP_WIDTH the item tower's and prediction head's width, ACTION_DIM
+    an action row's width, ACTION_WEIGHTS the action bits, TASKS the logits a candidate, and
+    TABLE_ROWS the rows of each embedding table (item_table and contextual_tables of FEATURES)."""
+
+    D: int
+    E: int
+    HIDDEN: int
+    HEADS: int
+    DQK: int
+    DV: int
+    LAYERS: int
+    POSITION_ROWS: int
+    TIME_ROWS: int
+    MLP_WIDTH: int
+    ACTION_DIM: int
+    ACTION_WEIGHTS: tuple[int, ...]
+    TASKS: int
+    TABLE_ROWS: dict[str, int]
+
+
+DEFAULT_SIZES = Sizes(D=8, E=6, HIDDEN=10, HEADS=2, DQK=3, DV=4, LAYERS=2,  # dqk != dv, so a swapped split shows
+                      POSITION_ROWS=16, TIME_ROWS=33, MLP_WIDTH=12, ACTION_DIM=8, ACTION_WEIGHTS=(1, 2, 4), TASKS=2,
+                      TABLE_ROWS={"video_id": 40, "user_id": 10, "user_active_degree": 5})
+
+
+def features_for(sizes: Sizes = DEFAULT_SIZES) -> Features:
+    """The Features that weights at `sizes` are read with (only num_heads follows the sizes)."""
+    return Features(num_heads=sizes.HEADS, item_table="video_id", contextual_tables=("user_id", "user_active_degree"),
                     contextual_min_uih_lengths=(0, 6))
+
+
+FEATURES = features_for()
+# DEFAULT_SIZES' entries that tests/test_meta_reference.py imports by name
+POSITION_ROWS, TIME_ROWS, TABLE_ROWS = DEFAULT_SIZES.POSITION_ROWS, DEFAULT_SIZES.TIME_ROWS, DEFAULT_SIZES.TABLE_ROWS
 BATCH = 4000  # the trainer's batch index: the checkpoint's directory name
 TABLE_FQN = "_embedding_collection.embeddings.{}.weight"
 SPARSE_KEY = "sparse_dict." + TABLE_FQN
@@ -46,9 +81,11 @@ BUFFERS = (PRE + "_action_encoder._combined_action_weights", POST + "_period_uni
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def dense_state(seed: int = 0) -> dict[str, torch.Tensor]:
+def dense_state(seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES) -> dict[str, torch.Tensor]:
     """dense_dict: a bare DlrmHSTU's parameters and persistent buffers, in its registration order."""
     g = torch.Generator().manual_seed(seed)
+    D, E, HIDDEN, HEADS, DQK, DV = sizes.D, sizes.E, sizes.HIDDEN, sizes.HEADS, sizes.DQK, sizes.DV
+    MLP_WIDTH, ACTION_DIM, ACTION_WEIGHTS = sizes.MLP_WIDTH, sizes.ACTION_DIM, sizes.ACTION_WEIGHTS
 
     def r(*shape):
         return torch.randn(*shape, generator=g) * 0.3
@@ -62,9 +99,9 @@ def dense_state(seed: int = 0) -> dict[str, torch.Tensor]:
     contextual = len(FEATURES.contextual_tables)
     state = {HEAD + "0.weight": r(MLP_WIDTH, D), HEAD + "0.bias": r(MLP_WIDTH),
              HEAD + "1.weight": 1 + r(MLP_WIDTH), HEAD + "1.bias": r(MLP_WIDTH),
-             HEAD + "2.weight": r(TASKS, MLP_WIDTH), HEAD + "2.bias": r(TASKS)}
+             HEAD + "2.weight": r(sizes.TASKS, MLP_WIDTH), HEAD + "2.bias": r(sizes.TASKS)}
     uvqk = (2 * DV + 2 * DQK) * HEADS
-    for i in range(LAYERS):
+    for i in range(sizes.LAYERS):
         p = f"{STU}{i}."
         state.update({p + "_uvqk_weight": r(D, uvqk), p + "_uvqk_beta": r(uvqk),
                       p + "_input_norm_weight": 1 + r(D), p + "_input_norm_bias": r(D),
@@ -82,21 +119,22 @@ def dense_state(seed: int = 0) -> dict[str, torch.Tensor]:
     state[POST + "_units_per_period"] = torch.tensor([[24.0, 7.0]])
     state.update({POST + "_layer_norm.weight": 1 + r(D), POST + "_layer_norm.bias": r(D),
                   POST + "_time_feature_combiner.weight": r(D, D + 4), POST + "_time_feature_combiner.bias": r(D)})
-    state[POS + "_position_embeddings_weight"] = r(POSITION_ROWS, D)
-    state[POS + "_timestamp_embeddings_weight"] = r(TIME_ROWS, D)
+    state[POS + "_position_embeddings_weight"] = r(sizes.POSITION_ROWS, D)
+    state[POS + "_timestamp_embeddings_weight"] = r(sizes.TIME_ROWS, D)
     state.update(mlp("_item_embedding_mlp.", E, MLP_WIDTH, D))
     return state
 
 
-def tables(seed: int = 0) -> dict[str, torch.Tensor]:
+def tables(seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES) -> dict[str, torch.Tensor]:
     """Table name -> rows [rows, E], float16 as every DLRMv3 table is."""
     g = torch.Generator().manual_seed(seed + 100)
-    return {name: (torch.randn(rows, E, generator=g) * 0.5).half() for name, rows in TABLE_ROWS.items()}
+    return {name: (torch.randn(rows, sizes.E, generator=g) * 0.5).half() for name, rows in sizes.TABLE_ROWS.items()}
 
 
-def synthetic_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(dense_dict, tables): what write_checkpoint writes for this seed."""
-    return dense_state(seed), tables(seed)
+def synthetic_state(seed: int = 0, *,
+                    sizes: Sizes = DEFAULT_SIZES) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(dense_dict, tables) at `sizes`; at DEFAULT_SIZES, what write_checkpoint writes for this seed."""
+    return dense_state(seed, sizes=sizes), tables(seed, sizes=sizes)
 
 
 def _trainer_extras(dense: dict[str, torch.Tensor], batch: int) -> dict:
@@ -154,8 +192,9 @@ def _write_sparse_rank(rank: int, world: int, sparse: str, port: str, seed: int)
     for name, whole in tables(seed).items():
         rows = whole.shape[0]
         first, last = rows * rank // world, rows * (rank + 1) // world
-        shard = Shard(whole[first:last].clone(), ShardMetadata([first, 0], [last - first, E], f"rank:{rank}/cpu"))
-        state[TABLE_FQN.format(name)] = init_from_local_shards([shard], [rows, E])
+        width = whole.shape[1]
+        shard = Shard(whole[first:last].clone(), ShardMetadata([first, 0], [last - first, width], f"rank:{rank}/cpu"))
+        state[TABLE_FQN.format(name)] = init_from_local_shards([shard], [rows, width])
     dist.barrier()
     dcp.save({"sparse_dict": _SparseState(state)}, storage_writer=dcp.FileSystemWriter(sparse))
     dist.barrier()
