@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
-from kvexport.errors import UserError
+from kvexport.importers import CheckpointImportError
 from kvexport.importers.nvidia import read_dynamic_table, read_gin
 from kvexport.importers.sharded import ShardedValue, assemble, load_trainer_file
 
@@ -53,10 +53,6 @@ GIN_REQUIRED = ("NetworkArgs.num_layers", "NetworkArgs.num_attention_heads", "Ne
                 "NetworkArgs.kv_channels", "DatasetArgs.max_history_seqlen", "DatasetArgs.max_num_candidates",
                 "RankingArgs.prediction_head_arch", "RankingArgs.num_tasks")
 DTYPES = ("bfloat16", "float16", "float32")  # NetworkArgs.dtype_str values kvexport's config takes
-
-
-class CheckpointImportError(UserError):
-    """The trainer's checkpoint cannot be imported exactly; the message names what and why."""
 
 
 @dataclasses.dataclass(frozen=True)
