@@ -17,7 +17,7 @@ from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model.hstu import HSTULayer, jagged_attention
 from tests.conftest import TINY
 from tests.meta_fixture import DEFAULT_SIZES, FEATURES, dense_state, synthetic_state
-from tests.meta_reference import PRE, STU, contextual_tokens, event_tokens, stu_layer
+from tests.meta_reference import PRE, STU, Rules, contextual_tokens, event_tokens, layer_inputs, stu_layer
 
 USER = {"contextual": [3, 4], "history": [5, 17, 2, 39], "actions": [0, 7, 2, 5], "timestamps": [1, 2, 3, 4],
         "candidates": [8, 17, 30], "query_time": 10}
@@ -50,6 +50,30 @@ def test_folded_context_rows_are_the_contextual_tokens(state):
     # A merged length past every gate: the gate is the reference's, not a folded row's.
     torch.testing.assert_close(folded, contextual_tokens(dense, tables, FEATURES, USER["contextual"], 99),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("times", ["zero", "none"])
+def test_folded_tables_give_the_references_layer_inputs_under_the_per_user_rules(state, times):
+    """kvexport's first-layer inputs from the folded tables (event_tokens combined, candidate_position
+    shared_row: token row x sqrt(D) + its position row) equal the reference's under the rules the
+    position table folds: positions from the config's max history, a constant history time row.
+    The query time is a day past the epoch's first (time rows)^2 minutes, so contextual tokens' age
+    is capped as the fold assumes."""
+    dense, tables = state
+    max_history, contextual = 6, len(FEATURES.contextual_tables)
+    user = {**USER, "query_time": 86_400 + 60 * DEFAULT_SIZES.TIME_ROWS ** 2}
+    rows = meta.position_rows(dense, contextual, max_history, 0 if times == "zero" else None)
+    assert rows.shape == (contextual + max_history + 1, DEFAULT_SIZES.D)
+    items, actions = meta.item_rows(dense, tables["video_id"].float()), meta.action_rows(dense)
+    context = torch.stack([meta.context_rows(dense, c, tables[table][user["contextual"][c]][None])[0]
+                           for c, table in enumerate(FEATURES.contextual_tables)])
+    tokens = torch.cat([context, items[torch.tensor(user["history"])] + actions[torch.tensor(user["actions"])],
+                        items[torch.tensor(user["candidates"])]])
+    slots = [*range(contextual + len(user["history"]))] + [rows.shape[0] - 1] * len(user["candidates"])
+    got = tokens * math.sqrt(DEFAULT_SIZES.D) + rows[slots]
+    expected = layer_inputs(dense, tables, FEATURES, user, Rules(positions="from_max", times=times,
+                                                                 max_history=max_history))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_action_values_fold_for_any_weights():
@@ -101,7 +125,8 @@ def test_layers_of_other_qk_width_and_missing_or_misshapen_tensors_are_refused_b
         meta.layer_state(dense, 1, EQUAL_WIDTHS.HEADS)
     dense = dense_state()
     dense[PRE + "_content_embedding_mlp.1.weight"] = torch.ones(3)
-    with pytest.raises(CheckpointImportError, match=r"_content_embedding_mlp\.1\.weight has shape \[3\], expected \[10\]"):
+    with pytest.raises(CheckpointImportError,
+                       match=r"_content_embedding_mlp\.1\.weight has shape \[3\], expected \[10\]"):
         meta.item_rows(dense, torch.zeros(2, DEFAULT_SIZES.E))
     dense = dense_state()
     del dense[meta.ACTION_WEIGHTS]

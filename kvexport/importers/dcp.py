@@ -257,7 +257,8 @@ def _read_chunk_rows(key: str, path: Path, offset: int, length: int, offsets: tu
                             f"{dtype} {list(lengths)} stored row by row")
         itemsize, (row_stride, _) = dtype.itemsize, described.stride()
         end = described.storage_offset() + (lengths[0] - 1) * row_stride + lengths[1]
-        if described.storage_offset() < 0 or row_stride < lengths[1] or end * itemsize > described.untyped_storage().nbytes():
+        storage_bytes = described.untyped_storage().nbytes()
+        if described.storage_offset() < 0 or row_stride < lengths[1] or end * itemsize > storage_bytes:
             raise UserError(f"{path}: the chunk of {key} at {list(offsets)} places its rows outside its storage")
         # out's bytes as a numpy array: slicing it costs far less than slicing a tensor, once a row.
         out_bytes = out.view(torch.uint8).numpy()

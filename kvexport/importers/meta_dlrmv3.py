@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -33,6 +35,8 @@ TARGET_ROW = PRE + "_action_encoder._target_action_embedding_table"
 CONTEXT_WEIGHTS = PRE + "_batched_contextual_linear_weights"
 CONTEXT_BIAS = PRE + "_batched_contextual_linear_bias"
 CONTENT_MLP = PRE + "_content_embedding_mlp."
+POSITIONS = "_hstu_transducer._positional_encoder._position_embeddings_weight"
+TIMES = "_hstu_transducer._positional_encoder._timestamp_embeddings_weight"
 ACTION_MLP = PRE + "_action_embedding_mlp."
 MLP_EPS = 1e-5  # DlrmHSTU's embedding MLPs, postprocessor and head norms
 LAYER_EPS = 1e-6  # its STU layers' norms
@@ -59,8 +63,8 @@ def tensor(dense: dict[str, Any], key: str, shape: tuple[int, ...] | None = None
 
 def _layer_norm(dense: dict[str, Any], prefix: str, x: torch.Tensor, eps: float) -> torch.Tensor:
     width = x.shape[-1]
-    return F.layer_norm(x, (width,), tensor(dense, prefix + "weight", (width,)), tensor(dense, prefix + "bias", (width,)),
-                        eps)
+    weight, bias = tensor(dense, prefix + "weight", (width,)), tensor(dense, prefix + "bias", (width,))
+    return F.layer_norm(x, (width,), weight, bias, eps)
 
 
 def mlp(dense: dict[str, Any], prefix: str, x: torch.Tensor) -> torch.Tensor:
@@ -168,3 +172,31 @@ def layer_state(dense: dict[str, Any], index: int, num_heads: int) -> dict[str, 
         "output.weight": tensor(dense, p + "_output_weight", (3 * value_width, hidden)).t().contiguous(),
         "output.bias": torch.zeros(hidden),  # DlrmHSTU's output projection has none
     }
+
+
+def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
+                  history_time_row: int | None = 0) -> torch.Tensor:
+    """kvexport's position table [C + M + 1, D] for event_tokens combined and candidate_position
+    shared_row, under the per-user rules of docs/importers.md:
+    - contextual token c: DlrmHSTU's position row c plus its last time row (a contextual token's
+      time is 0, so its age at any query time past (time rows)^2 minutes after the epoch is capped);
+    - event k (from 1, kvexport's row C + k - 1): DlrmHSTU's row C + M - k + 1, as upstream counts
+      back from the newest event when a history holds M events, plus time row `history_time_row`
+      (None: none) in place of the bucket of its age at the query time, which no cache can follow;
+    - the candidates' shared row: DlrmHSTU's row C and time row 0 (a candidate's age is zero), plus
+      sqrt(D) times their shared action vector (kvexport scales the item row alone).
+    Positions past DlrmHSTU's last row read its last row, as upstream caps them."""
+    positions, times = tensor(dense, POSITIONS), tensor(dense, TIMES)
+    if positions.dim() != 2 or times.dim() != 2 or positions.shape[1] != times.shape[1]:
+        _refuse(f"{POSITIONS} {list(positions.shape)} and {TIMES} {list(times.shape)} are not tables of one width")
+    if num_contextual > positions.shape[0]:
+        _refuse(f"{POSITIONS} has {positions.shape[0]} rows, fewer than the {num_contextual} contextual features")
+    last = positions.shape[0] - 1
+    events = torch.arange(1, max_history + 1)
+    history = positions[(num_contextual + max_history - events + 1).clamp(max=last)]
+    if history_time_row is not None:
+        history = history + times[history_time_row]
+    context = positions[:num_contextual] + times[-1]
+    shared_action = math.sqrt(positions.shape[1]) * candidate_action(dense)
+    candidates = positions[min(num_contextual, last)] + times[0] + shared_action
+    return torch.cat([context, history, candidates[None]])
