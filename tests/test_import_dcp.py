@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,43 @@ def test_rows_are_read_where_a_saved_view_keeps_them(tmp_path):
         read_rows(tmp_path, "transposed", torch.tensor([1]))
     with pytest.raises(UserError, match=r"flat is \[80\], not a table of rows"):
         read_rows(tmp_path, "flat", torch.tensor([1]))
+
+
+def _rezip(blob: bytes, edit) -> bytes:
+    """A torch.save archive rewritten entry by entry; edit(name, data) -> (name, data, compression)."""
+    source, out = zipfile.ZipFile(io.BytesIO(blob)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            name, data, compression = edit(info.filename, source.read(info))
+            target.writestr(name, data, compress_type=compression)
+    return out.getvalue()
+
+
+def test_rows_are_read_only_from_one_stored_storage_that_the_tensor_names(checkpoint, tmp_path):
+    """A chunk archive whose byteorder entry is compressed (a zip bomb would inflate it), or whose
+    one storage entry is not the one its pickle names, is refused before any row is read; the same
+    tensor archived plainly is read."""
+    sparse = copy_of(checkpoint, tmp_path)
+    metadata = pickle.loads((sparse / ".metadata").read_bytes())
+    (_, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == ACTIONS]
+    data = sparse / info.relative_path
+    blob = io.BytesIO()
+    torch.save(actions().clone(), blob)
+    variants = {  # edit, what the refusal says
+        "is unreadable: its byteorder entry is compressed": lambda name, body: (
+            name, body, zipfile.ZIP_DEFLATED if name.endswith("/byteorder") else zipfile.ZIP_STORED),
+        "is unreadable: .*data/0": lambda name, body: (name.replace("/data/0", "/data/1"), body, zipfile.ZIP_STORED),
+    }
+    for refusal, edit in variants.items():
+        archive = _rezip(blob.getvalue(), edit)
+        info.offset, info.length = data.stat().st_size, len(archive)
+        with data.open("ab") as out:
+            out.write(archive)
+        (sparse / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(UserError, match=f"the chunk of {ACTIONS} {refusal}"):
+            read_rows(sparse, ACTIONS, torch.tensor([1]))
+    info.offset, info.length = data.stat().st_size, len(blob.getvalue())
+    with data.open("ab") as out:
+        out.write(blob.getvalue())
+    (sparse / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert torch.equal(read_rows(sparse, ACTIONS, torch.tensor([1])), actions()[1:2])

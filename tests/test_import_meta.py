@@ -129,6 +129,11 @@ def test_layers_of_other_qk_width_and_missing_or_misshapen_tensors_are_refused_b
                        match=r"_content_embedding_mlp\.1\.weight has shape \[3\], expected \[10\]"):
         meta.item_rows(dense, torch.zeros(2, DEFAULT_SIZES.E))
     dense = dense_state()
+    dense[meta.ACTION_WEIGHTS] = torch.tensor([True, False])
+    with pytest.raises(CheckpointImportError, match="must be a 1-D integer tensor"):
+        meta.action_rows(dense)
+    with pytest.raises(CheckpointImportError, match="time row 99 is not one of"):
+        meta.position_rows(dense_state(), 2, 6, history_time_row=99)
     del dense[meta.ACTION_WEIGHTS]
     with pytest.raises(CheckpointImportError, match="a DlrmHSTU without actions"):
         meta.action_rows(dense)

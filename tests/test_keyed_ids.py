@@ -163,3 +163,17 @@ def test_a_checkpoint_with_bad_keys_is_refused_in_one_line(tmp_path, keys, messa
     torch.save({**model.state_dict(), message.split()[0]: keys}, path)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(path, model)
+
+
+def test_an_item_key_past_what_combined_event_tokens_carry_is_refused(tmp_path):
+    """With event_tokens combined the action's bits leave items below 2^(63 - bits): a checkpoint
+    key above that is a row no request could reach, refused by name."""
+    raw = yaml.safe_load(TINY.read_text())
+    raw["model"].update(item_ids="keys", item_vocab_size=4, event_tokens="combined")
+    model = build_model(config_from_dict(raw))
+    limit = model.config.model.item_id_limit
+    path = tmp_path / "keys.pt"
+    torch.save({**model.state_dict(), "item_keys": torch.tensor([1, 2, limit])}, path)
+    with pytest.raises(CheckpointError, match=rf"item_keys holds {limit}, past the item ids this config's requests "
+                                              rf"may carry \(below {limit}\)$"):
+        load_checkpoint(path, model)

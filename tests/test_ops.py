@@ -238,6 +238,10 @@ def test_check_request_lays_out_combined_event_tokens(runtime):
     request[3] = torch.tensor([0, 4, 1, 5, 2])
     with pytest.raises(ValueError, match=r"^action_ids has 5, outside the action vocabulary \[0, 4\]"):
         kv.check_request(runtime, COMBINED_LIMITS, *request)
+    # Limits whose items would overflow the shift are refused, whoever wrote them.
+    overflowing = json.dumps({**json.loads(COMBINED_LIMITS), "item_vocab_size": 2**61})
+    with pytest.raises(RuntimeError, match="items do not fit a token of combined_action_bits 3"):
+        kv.check_request(runtime, overflowing, *request)
 
 
 @pytest.mark.parametrize("item,action,expected", [

@@ -302,7 +302,7 @@ TORCH_LIBRARY(kvexport, m) {
   // The first op of every request: checks it (on the host, where every request's tensors are)
   // against the package's limits and returns the host tensors the rest of the graph reads (so
   // nothing indexes with an unchecked id): user_ids, token_lengths, the prefix tokens laid out
-  // (context ids, then item and action ids interleaved, users one after another), num_candidates,
+  // (context ids, then each event's tokens, users one after another), num_candidates,
   // candidate_ids.
   m.def("check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
         "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "

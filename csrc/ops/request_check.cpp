@@ -47,10 +47,12 @@ RequestLimits parse_limits(const std::string& json) {
   l.item_vocab_size = j.at("item_vocab_size").get<int64_t>();
   l.action_vocab_size = j.at("action_vocab_size").get<int64_t>();
   l.combined_action_bits = j.value("combined_action_bits", int64_t{-1});
-  if (l.combined_action_bits > 62 ||
-      (l.combined_action_bits >= 0 && l.action_vocab_size > (int64_t{1} << l.combined_action_bits))) {
-    throw std::invalid_argument("kvexport: request limits combine " + std::to_string(l.action_vocab_size) +
-                                " actions into " + std::to_string(l.combined_action_bits) + " bits");
+  const int64_t bits = l.combined_action_bits;
+  if (bits < -1 || bits > 62 ||
+      (bits >= 0 && (l.action_vocab_size > (int64_t{1} << bits) || l.item_vocab_size > (int64_t{1} << (63 - bits))))) {
+    throw std::invalid_argument("kvexport: request limits: " + std::to_string(l.action_vocab_size) + " actions and " +
+                                std::to_string(l.item_vocab_size) + " items do not fit a token of combined_action_bits " +
+                                std::to_string(bits));
   }
   return l;
 }

@@ -41,19 +41,20 @@ class KernelShape:
     contextual: int
     cached_events: int
     scaling_seqlen: int
+    tokens_per_event: int = 2  # model.event_tokens: pairs 2, combined 1
 
     @classmethod
     def of(cls, config: Config, cached_events: int) -> KernelShape:
         m = config.model
         return cls(m.num_heads, m.head_dim, config.kv_cache.page_size, m.num_contextual_features, cached_events,
-                   m.scaling_seqlen)
+                   m.scaling_seqlen, m.tokens_per_event)
 
 
 def attention_inputs(shape: KernelShape, seed: int = 0) -> tuple:
     """hstu_paged_attention's tensors for the request; the user's pages in shuffled order."""
     g = torch.Generator().manual_seed(seed)
-    cached_keys = shape.contextual + 2 * shape.cached_events
-    new_rows = 2 * NEW_EVENTS
+    cached_keys = shape.contextual + shape.tokens_per_event * shape.cached_events
+    new_rows = shape.tokens_per_event * NEW_EVENTS
     num_keys = cached_keys + new_rows  # the new rows' k/v are in the cache when attention runs
     pages = -(-num_keys // shape.page_size)
     cache = torch.randn(pages, 2, shape.page_size, shape.heads, shape.head_dim, generator=g)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
@@ -283,17 +284,20 @@ def _storage_of(key: str, path: Path, view: _FileView) -> tuple[int, torch.Tenso
     try:
         archive = zipfile.ZipFile(view)
         storages = [info for info in archive.infolist() if info.filename.split("/")[-2:-1] == ["data"]]
-        orders = [info for info in archive.infolist() if info.filename.endswith("/byteorder")]
-        order = archive.read(orders[0]).decode() if orders else "little"
+        small = {name: _small_entry(archive, name) for name in ("byteorder", "data.pkl")}
+        named = _storage_key(small["data.pkl"])
         view.seek(0)
         described = torch.load(io.BufferedReader(view), map_location="meta", weights_only=True)
-    except (zipfile.BadZipFile, pickle.UnpicklingError, RuntimeError, EOFError, OSError, UnicodeDecodeError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, pickle.UnpicklingError, RuntimeError, EOFError, OSError,
+            NotImplementedError, ValueError) as exc:
         raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc) or type(exc).__name__}") from None
     if not isinstance(described, torch.Tensor):
         raise UserError(f"{path}: the chunk of {key} is a {type(described).__name__}, not a tensor")
-    if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or order != "little":
-        raise UserError(f"{path}: the chunk of {key} is not one uncompressed little-endian storage; kvexport reads "
-                        "rows only from those")
+    order = small["byteorder"]
+    if (len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or order not in (None, b"little")
+            or storages[0].filename.rsplit("/", 1)[1] != named):
+        raise UserError(f"{path}: the chunk of {key} is not one uncompressed little-endian storage that its tensor "
+                        "names; kvexport reads rows only from those")
     info = storages[0]
     view.seek(info.header_offset)
     header = view.read(30)
@@ -303,6 +307,33 @@ def _storage_of(key: str, path: Path, view: _FileView) -> tuple[int, torch.Tenso
     if info.file_size < described.untyped_storage().nbytes() or start + info.file_size > view.seek(0, io.SEEK_END):
         raise UserError(f"{path}: the chunk of {key} is shorter than its tensor")
     return start, described
+
+
+def _small_entry(archive: zipfile.ZipFile, suffix: str, limit: int = 1 << 16) -> bytes | None:
+    """An archive's entry ending in /suffix, stored and at most `limit` bytes (a compressed or
+    oversized one raises ValueError before anything is inflated or allocated); None if absent."""
+    entries = [info for info in archive.infolist() if info.filename.endswith("/" + suffix)]
+    if not entries:
+        return None
+    info = entries[0]
+    if len(entries) > 1 or info.compress_type != zipfile.ZIP_STORED or info.file_size > limit:
+        raise ValueError(f"its {suffix} entry is compressed, repeated or over {limit} bytes")
+    return archive.read(info)
+
+
+def _storage_key(data_pkl: bytes | None) -> str | None:
+    """The storage key the archive's tensor names: the one persistent id of its pickle, read from the
+    opcodes (nothing is unpickled): ('storage', <type>, key, location, numel). None unless exactly one."""
+    if data_pkl is None:
+        return None
+    ops = list(pickletools.genops(data_pkl))
+    ids = [i for i, (op, _, _) in enumerate(ops) if op.name == "BINPERSID"]
+    if len(ids) != 1:
+        return None
+    marks = [i for i, (op, _, _) in enumerate(ops[:ids[0]]) if op.name == "MARK"]
+    strings = [arg for op, arg, _ in ops[marks[-1] + 1 if marks else 0:ids[0]]
+               if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8")]
+    return strings[1] if len(strings) >= 2 and strings[0] == "storage" else None
 
 
 def _read_exactly(file: BinaryIO, at: int, buffer: memoryview, key: str, path: Path) -> None:

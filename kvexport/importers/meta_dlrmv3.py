@@ -91,7 +91,7 @@ def action_weights(dense: dict[str, Any]) -> list[int]:
     if ACTION_WEIGHTS not in dense:
         _refuse(f"checkpoint lacks {ACTION_WEIGHTS} (a DlrmHSTU without actions, which kvexport does not import)")
     weights = dense[ACTION_WEIGHTS]
-    if not isinstance(weights, torch.Tensor) or weights.dim() != 1 or weights.dtype.is_floating_point:
+    if not isinstance(weights, torch.Tensor) or weights.dim() != 1 or weights.dtype not in (torch.int32, torch.int64):
         _refuse(f"{ACTION_WEIGHTS} must be a 1-D integer tensor")
     values = weights.tolist()
     if not values or min(values) <= 0 or max(values).bit_length() > MAX_ACTION_BITS:
@@ -189,8 +189,11 @@ def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
     positions, times = tensor(dense, POSITIONS), tensor(dense, TIMES)
     if positions.dim() != 2 or times.dim() != 2 or positions.shape[1] != times.shape[1]:
         _refuse(f"{POSITIONS} {list(positions.shape)} and {TIMES} {list(times.shape)} are not tables of one width")
-    if num_contextual > positions.shape[0]:
-        _refuse(f"{POSITIONS} has {positions.shape[0]} rows, fewer than the {num_contextual} contextual features")
+    if num_contextual >= positions.shape[0] or times.shape[0] == 0:
+        _refuse(f"{POSITIONS} has {positions.shape[0]} rows and {TIMES} {times.shape[0]}: no position past the "
+                f"{num_contextual} contextual features, or no time row")
+    if history_time_row is not None and not 0 <= history_time_row < times.shape[0]:
+        _refuse(f"time row {history_time_row} is not one of {TIMES}'s {times.shape[0]} rows")
     last = positions.shape[0] - 1
     events = torch.arange(1, max_history + 1)
     history = positions[(num_contextual + max_history - events + 1).clamp(max=last)]

@@ -38,6 +38,11 @@ def check_state_dict(state_dict: object, model: HSTURanker, path: Path) -> dict[
     for name in ("item_keys", "context_keys"):
         if name in state_dict:
             _check_keys(state_dict[name], name, path)
+    keys, limit = state_dict.get("item_keys"), model.config.model.item_id_limit
+    if keys is not None and keys.numel() and int(keys[-1]) >= limit:
+        # With combined event tokens the action's bits lower the limit: a larger key's row no request reaches.
+        raise CheckpointError(f"checkpoint {path} item_keys holds {int(keys[-1])}, past the item ids this config's "
+                              f"requests may carry (below {limit})")
     return state_dict
 
 

@@ -2,7 +2,8 @@
 KV-cached path that computes only each user's uncached suffix plus its candidates.
 
 Token order of one user: [ctx_1..ctx_C][i_1, a_1, ..., i_h, a_h][cand_1..cand_T]. The first
-C + 2h tokens are the user's *prefix* (cacheable); candidates all share position C + 2h. With
+C + 2h tokens are the user's *prefix* (cacheable); candidates all share position C + 2h (or,
+with model.candidate_position shared_row, the position table's last row). With
 model.event_tokens: combined an event is one token e_k (its item's row plus its action's), so the
 prefix is [ctx_1..ctx_C][e_1..e_h], C + h tokens.
 """

@@ -35,7 +35,8 @@ def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, histor
     Returns, on the host, what the rest of the graph reads, so no kernel sees an unchecked id:
     (user_ids, token_lengths, token_ids, num_candidates, candidate_ids). token_lengths [B] are the
     users' prefix lengths C + 2h and token_ids [sum(P)] their prefix tokens, users one after another:
-    context ids, then item and action ids interleaved (i_1 a_1 i_2 a_2 ...), as
+    context ids, then item and action ids interleaved (i_1 a_1 i_2 a_2 ...), or with model.event_tokens
+    combined C + h and one token (item << bits) | action an event, as
     kvexport.model.hstu.prefix_tokens lays them out for the full recompute. A tensor on a GPU is
     refused. A refused request raises ValueError and records ("invalid_request", message) for
     last_error(runtime); every request starts by clearing it.
