@@ -242,7 +242,8 @@ def read_rows(directory: Path, key: str, rows: torch.Tensor) -> torch.Tensor:
         first, last = (int(torch.searchsorted(wanted, offsets[0] + n)) for n in (0, lengths[0]))
         if first < last and lengths[1] > 0:
             _read_chunk_rows(key, *place, offsets, lengths, dtype, wanted[first:last], got[first:last])
-    return got if wanted.shape[0] == rows.shape[0] and bool((inverse[1:] > inverse[:-1]).all()) else got[inverse]
+    # Rows asked for ascending without repeats are the unique rows themselves: no second copy.
+    return got if bool((inverse[1:] > inverse[:-1]).all()) else got[inverse]
 
 
 def _read_chunk_rows(key: str, path: Path, offset: int, length: int, offsets: tuple[int, int],
