@@ -362,47 +362,85 @@ class TableRows(click.ParamType):
 
 @main.command("import-checkpoint")
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--from", "trainer", type=click.Choice(["nvidia"]), required=True,
-              help="The trainer that wrote SOURCE: NVIDIA recsys-examples (examples/hstu ranking).")
+@click.option("--from", "trainer", type=click.Choice(["nvidia", "meta"]), required=True,
+              help="The trainer that wrote SOURCE: NVIDIA recsys-examples (examples/hstu ranking) or Meta "
+                   "generative-recommenders (DLRMv3 DlrmHSTU).")
 @click.option("-o", "--output", type=WritablePath(), required=True, help="kvexport checkpoint to write.")
 @click.option("--config-out", type=WritablePath(),
               help="kvexport config to write (default: OUTPUT with the suffix .yaml).")
-@click.option("--trainer-config", type=click.Path(path_type=Path), required=True,
-              help="The trainer's gin file (NetworkArgs, DatasetArgs, RankingArgs bindings).")
+@click.option("--trainer-config", type=click.Path(path_type=Path),
+              help="nvidia: the trainer's gin file (NetworkArgs, DatasetArgs, RankingArgs bindings); required.")
 @click.option("--table-rows", type=TableRows(), multiple=True,
-              help="Rows of a data-parallel table (repeatable); the checkpoint does not hold them.")
+              help="nvidia: rows of a data-parallel table (repeatable); the checkpoint does not hold them.")
 @click.option("--item-table", default="video_id", show_default=True, help="The item feature's table.")
-@click.option("--action-table", default="action_weights", show_default=True, help="The action feature's table.")
+@click.option("--action-table", default="action_weights", show_default=True,
+              help="nvidia: the action feature's table.")
 @click.option("--contextual-features", "contextual", metavar="NAME,...", default="",
-              help="The contextual features' tables in token order (recsys-examples' preprocessor order).")
+              help="The contextual features' tables in token order (the trainer's preprocessor order).")
 @click.option("--no-contextual-features", "skip_contextual", is_flag=True,
-              help="Leave the contextual features' tables out (recsys-examples' disable_contextual_features).")
-@click.option("--iteration", type=click.IntRange(min=0), help="Which iter<N> of SOURCE (default: the newest).")
+              help="nvidia: leave the contextual features' tables out (recsys-examples' disable_contextual_features).")
+@click.option("--iteration", type=click.IntRange(min=0), help="nvidia: which iter<N> of SOURCE (default: the newest).")
+@click.option("--num-heads", type=click.IntRange(min=1), help="meta: attention heads (hstu_num_heads); required.")
+@click.option("--max-history-length", type=click.IntRange(min=1),
+              help="meta: the most history events a request carries; required.")
+@click.option("--max-candidates", type=click.IntRange(min=1), help="meta: the most candidates a request carries; "
+                                                                   "required.")
+@click.option("--items", "items_file", type=click.Path(path_type=Path),
+              help="meta: a text file of the item ids served, one per line; only their rows are read "
+                   "(default: the whole item table, ids as rows).")
+@click.option("--batch", "batch_index", type=click.IntRange(min=0),
+              help="meta: which <batch> directory of SOURCE (default: the newest).")
 @click.option("--name", help="The model's name in the config (default: the output's stem).")
 @_handle_errors
-def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path,
+def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path | None,
                       table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str,
-                      contextual: str, skip_contextual: bool, iteration: int | None, name: str | None) -> None:
+                      contextual: str, skip_contextual: bool, iteration: int | None, num_heads: int | None,
+                      max_history_length: int | None, max_candidates: int | None, items_file: Path | None,
+                      batch_index: int | None, name: str | None) -> None:
     """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
 
     Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
-    --trainer-config and the options. Anything that cannot be mapped exactly is refused in one line
-    (exit 2) and nothing is written. docs/checkpoint.md, *Importing*, says what is supported.
+    the options (and, for nvidia, --trainer-config). Anything that cannot be mapped is refused in
+    one line (exit 2) and nothing is written. docs/checkpoint.md, *Importing*, says what is
+    supported, and for meta which of DlrmHSTU's rules are replaced by per-user ones.
     """
     import torch
     import yaml
 
     from kvexport.config import config_from_dict
-    from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
     from kvexport.io import write_atomically
     from kvexport.model.checkpoint import check_state_dict
     from kvexport.model.hstu import HSTURanker
 
     config_out = config_out or output.with_suffix(".yaml")
     features = tuple(f.strip() for f in contextual.split(",") if f.strip())
-    options = ImportOptions(item_table=item_table, action_table=action_table, table_rows=dict(table_rows),
-                            contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
-    imported = import_nvidia(source, trainer_config, options, name or output.stem)
+    given = {"--trainer-config": trainer_config, "--table-rows": table_rows or None,
+             "--no-contextual-features": skip_contextual or None, "--iteration": iteration,
+             "--num-heads": num_heads, "--max-history-length": max_history_length,
+             "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index}
+    own = {"nvidia": ("--trainer-config", "--table-rows", "--no-contextual-features", "--iteration"),
+           "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch")}
+    stray = [flag for flag, value in given.items() if value is not None and flag not in own[trainer]]
+    if stray:
+        raise click.UsageError(f"{stray[0]} does not apply to --from {trainer}")
+    required = {"nvidia": ("--trainer-config",), "meta": ("--num-heads", "--max-history-length", "--max-candidates")}
+    missing = [flag for flag in required[trainer] if given[flag] is None]
+    if missing:
+        raise click.UsageError(f"--from {trainer} needs {missing[0]}")
+    if trainer == "nvidia":
+        from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
+
+        options = ImportOptions(item_table=item_table, action_table=action_table, table_rows=dict(table_rows),
+                                contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
+        imported = import_nvidia(source, trainer_config, options, name or output.stem)
+    else:
+        from kvexport.importers.meta_dlrmv3 import MetaOptions, import_meta, read_item_ids
+
+        options = MetaOptions(num_heads=num_heads, max_history_length=max_history_length,
+                              max_num_candidates=max_candidates, item_table=item_table,
+                              contextual_features=features,
+                              items=None if items_file is None else read_item_ids(items_file), batch=batch_index)
+        imported = import_meta(source, options, name or output.stem)
     config = config_from_dict(imported.config)  # the written config must load as it is
     with torch.device("meta"):  # the model's shapes only, without allocating its tables
         check_state_dict(imported.state_dict, HSTURanker(config), output)

@@ -59,6 +59,15 @@ EVENT_TOKENS = ("pairs", "combined")
 # ("shared_row": a trainer whose candidates share one position whatever the history's length, as
 # Meta's DLRMv3 puts every candidate at the position just past the contextual tokens).
 CANDIDATE_POSITIONS = ("after_prefix", "shared_row")
+# The prediction head (docs/design.md §1.5): "mlp" (kvexport, NVIDIA) L2-normalises the candidate's
+# state and runs Linear, activation, Linear; "item_tower" (Meta's DLRMv3) combines the state with
+# features of the request's query time, multiplies it by the candidate's row of a second item table
+# (the item tower) and runs Linear, SwishLayerNorm, Linear. With item_tower a request's context_ids
+# carry one more column, its query time in seconds, and model.query_time_periods say which
+# calendar features of it the head reads.
+HEADS = ("mlp", "item_tower")
+# Most distinct query-time codes an item_tower head reads (the product of the periods' units).
+MAX_TIME_CODES = 1 << 16
 CONTEXT_FEATURE_SHIFT = 56
 MAX_CONTEXT_KEY = 2**CONTEXT_FEATURE_SHIFT  # context keys lie in [0, 2^56)
 MAX_KEYED_CONTEXT_FEATURES = 2**(63 - CONTEXT_FEATURE_SHIFT)  # so that every pair is a non-negative int64
@@ -92,6 +101,10 @@ class ModelConfig:
     context_ids: str = "rows"
     event_tokens: str = "pairs"
     candidate_position: str = "after_prefix"
+    head: str = "mlp"
+    # [seconds per unit, units per cycle] of each calendar feature an item_tower head reads from the
+    # query time: [[3600, 24], [86400, 7]] is the hour of the day and the day of the week.
+    query_time_periods: tuple = ()
 
     @property
     def action_bits(self) -> int:
@@ -103,12 +116,29 @@ class ModelConfig:
         return 2 if self.event_tokens == "pairs" else 1
 
     @property
+    def num_time_codes(self) -> int:
+        """Distinct calendar codes of a query time (item_tower head): the product of the periods' units."""
+        return math.prod(units for _, units in self.query_time_periods)
+
+    @property
+    def time_code_bits(self) -> int:
+        """Low bits of a checked candidate id that hold its query time's code (0 without item_tower)."""
+        return (self.num_time_codes - 1).bit_length() if self.head == "item_tower" else 0
+
+    @property
+    def context_width(self) -> int:
+        """Columns of a request's context_ids: the contextual features, then (item_tower) the query time."""
+        return self.num_contextual_features + (self.head == "item_tower")
+
+    @property
     def item_id_limit(self) -> int:
-        """Item ids of a request lie in [0, item_id_limit): the table's rows, or any key >= 0 (below
-        2^(63 - action bits) with combined event tokens, which keep the action in the low bits)."""
+        """Item ids of a request lie in [0, item_id_limit): the table's rows, or any key >= 0 below
+        2^(63 - b), b the low bits a combined event token keeps for the action or a checked
+        candidate for its query time's code."""
         if self.item_ids == "rows":
             return self.item_vocab_size
-        return MAX_ITEM_KEY if self.event_tokens == "pairs" else min(MAX_ITEM_KEY, 1 << (63 - self.action_bits))
+        low_bits = max(self.action_bits if self.event_tokens == "combined" else 0, self.time_code_bits)
+        return min(MAX_ITEM_KEY, 1 << (63 - low_bits))
 
     @property
     def context_id_limit(self) -> int:
@@ -186,7 +216,8 @@ class Config:
     tolerance: ToleranceConfig = ToleranceConfig()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values (lists, not tuples), as YAML and JSON write them."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def runtime_json(self) -> str:
         """The cache runtime's config, as the C++ op library reads it."""
@@ -221,6 +252,7 @@ class Config:
                 "action_vocab_size": m.action_vocab_size,
                 # Only when combined: a package of pairs keeps the limits every build had before.
                 **({"combined_action_bits": m.action_bits} if m.event_tokens == "combined" else {}),
+                **({"query_time_periods": [list(p) for p in m.query_time_periods]} if m.head == "item_tower" else {}),
             },
             sort_keys=True,
         )
@@ -259,6 +291,9 @@ def _build(cls: type, raw: Any, where: str) -> Any:
                 raise ConfigError(f"missing key {key}")
             continue
         value = raw[name]
+        if field.type == "tuple":
+            values[name] = _int_pairs(key, value)
+            continue
         if field.type == "float" and isinstance(value, str):
             value = _yaml_float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string
         expected = {"int": int, "str": str, "float": (int, float)}[field.type]
@@ -266,6 +301,15 @@ def _build(cls: type, raw: Any, where: str) -> Any:
             raise ConfigError(f"{key} must be {field.type}, got {value!r}")
         values[name] = value
     return cls(**values)
+
+
+def _int_pairs(key: str, value: Any) -> tuple:
+    """A YAML list of [int, int] pairs as a tuple of tuples."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) for pair in value):
+        raise ConfigError(f"{key} must be a list of [int, int] pairs, got {value!r}")
+    return tuple(tuple(pair) for pair in value)
 
 
 def _positive(where: str, **fields: int) -> None:
@@ -281,6 +325,26 @@ def _check_tolerance(tol: ToleranceConfig) -> None:
         value = getattr(tol, name)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"tolerance.{name} must be a finite number >= 0, got {value}")
+
+
+def _check_head(m: ModelConfig) -> None:
+    if m.head == "mlp":
+        if m.query_time_periods:
+            raise ConfigError("model.query_time_periods is read only by model.head: item_tower")
+        return
+    if m.head_activation != "silu":
+        raise ConfigError("model.head_activation applies to model.head: mlp (item_tower's is SwishLayerNorm)")
+    if not m.query_time_periods:
+        raise ConfigError("model.query_time_periods must name at least one [seconds, units] period with "
+                          "model.head: item_tower")
+    for seconds, units in m.query_time_periods:
+        if seconds <= 0 or units <= 0 or seconds >= 1 << 24:
+            raise ConfigError(f"model.query_time_periods: [{seconds}, {units}] must be positive, seconds below 2^24")
+    if m.num_time_codes > MAX_TIME_CODES:
+        raise ConfigError(f"model.query_time_periods make {m.num_time_codes} codes, more than {MAX_TIME_CODES}")
+    if m.item_ids == "rows" and m.item_vocab_size > 1 << (63 - m.time_code_bits):
+        raise ConfigError(f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for the query time's "
+                          f"{m.time_code_bits}-bit code in a checked candidate id")
 
 
 def _check(config: Config) -> None:
@@ -314,7 +378,8 @@ def _check(config: Config) -> None:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
                           ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS),
-                          ("event_tokens", EVENT_TOKENS), ("candidate_position", CANDIDATE_POSITIONS)):
+                          ("event_tokens", EVENT_TOKENS), ("candidate_position", CANDIDATE_POSITIONS),
+                          ("head", HEADS)):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
     if m.context_ids == "keys" and not 0 < m.num_contextual_features <= MAX_KEYED_CONTEXT_FEATURES:
@@ -326,6 +391,7 @@ def _check(config: Config) -> None:
     if m.event_tokens == "combined" and m.item_id_limit > 1 << (63 - m.action_bits):
         raise ConfigError(f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for model.action_vocab_size "
                           f"({m.action_vocab_size}) in a combined event token (items below 2^{63 - m.action_bits})")
+    _check_head(m)
     if not (math.isfinite(m.layer_norm_eps) and 0 < m.layer_norm_eps < 1):
         raise ConfigError(f"model.layer_norm_eps must be a number in (0, 1), got {m.layer_norm_eps}")
     _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)

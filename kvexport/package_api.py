@@ -214,7 +214,8 @@ class Package:
         """Scores several users in one request; returns each user's logits [T, num_tasks], in input order.
 
         Each request is a dict: user_id (int, or a one-element integer tensor), item_ids [h],
-        action_ids [h], context_ids [num_contextual_features], candidate_ids [T] (int64 tensors; a
+        action_ids [h], context_ids [num_contextual_features, then the query time with an item_tower
+        head], candidate_ids [T] (int64 tensors; a
         UserRequest also does). Users must be distinct, 1 to max_batch_size of them, or RequestError.
         The returned tensors are views of the batch's logits.
         """

@@ -65,6 +65,11 @@ DEFAULT_SIZES = Sizes(D=8, E=6, HIDDEN=10, HEADS=2, DQK=3, DV=4, LAYERS=2,  # dq
                       TABLE_ROWS={"video_id": 40, "user_id": 10, "user_active_degree": 5})
 
 
+# What kvexport imports: q/k heads as wide as u/v's (its cache holds k and v of one width), the
+# tables as DEFAULT_SIZES' (so write_checkpoint's sparse/ writer, which always writes those, fits).
+IMPORTABLE_SIZES = dataclasses.replace(DEFAULT_SIZES, DQK=DEFAULT_SIZES.DV)
+
+
 def features_for(sizes: Sizes = DEFAULT_SIZES) -> Features:
     """The Features that weights at `sizes` are read with (only num_heads follows the sizes)."""
     return Features(num_heads=sizes.HEADS, item_table="video_id", contextual_tables=("user_id", "user_active_degree"),
@@ -153,12 +158,16 @@ def _trainer_extras(dense: dict[str, torch.Tensor], batch: int) -> dict:
     }
 
 
-def write_checkpoint(out: Path, world: int, port: str, batch: int = BATCH, seed: int = 0) -> Path:
+def write_checkpoint(out: Path, world: int, port: str, batch: int = BATCH, seed: int = 0,
+                     sizes: Sizes = DEFAULT_SIZES) -> Path:
     """Writes <out>/<batch>/ (non_sparse.ckpt here, sparse/ from `world` gloo processes in a
-    subprocess, listening on `port`); returns that directory."""
+    subprocess, listening on `port`); returns that directory. sizes: the dense state's (the tables
+    are always DEFAULT_SIZES')."""
+    if (sizes.E, sizes.TABLE_ROWS) != (DEFAULT_SIZES.E, DEFAULT_SIZES.TABLE_ROWS):
+        raise ValueError("write_checkpoint writes DEFAULT_SIZES' tables")
     root = out / str(batch)
     (root / "sparse").mkdir(parents=True)
-    dense = dense_state(seed)
+    dense = dense_state(seed, sizes=sizes)
     torch.save({"dense_dict": dense, **_trainer_extras(dense, batch)}, root / "non_sparse.ckpt")
     command = [sys.executable, "-m", "tests.meta_fixture", str(root / "sparse"), str(world), port, str(seed)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -68,10 +68,11 @@ def user_tokens(model, context, items, actions, item_ids: str = "rows", context_
 def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
                       silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows",
                       context_ids: str = "rows", event_tokens: str = "pairs",
-                      candidate_position: str = "after_prefix") -> torch.Tensor:
+                      candidate_position: str = "after_prefix", head: str = "mlp",
+                      query_time_periods: tuple = ()) -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
     semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids,
-    context_ids, event_tokens and candidate_position, given by the caller."""
+    context_ids, event_tokens, candidate_position, head and query_time_periods, given by the caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -80,7 +81,10 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         actions = batch.action_ids[history_start:history_start + h]
         candidates = batch.candidate_ids[candidate_start:candidate_start + t]
         history_start, candidate_start = history_start + h, candidate_start + t
-        prefix = user_tokens(model, batch.context_ids[b], items, actions, item_ids, context_ids, event_tokens)
+        context = batch.context_ids[b]
+        if head == "item_tower":  # the last column is the query time
+            context, query_time = context[:-1], int(context[-1])
+        prefix = user_tokens(model, context, items, actions, item_ids, context_ids, event_tokens)
         p = prefix.shape[0]
         scale = math.sqrt(model.item_embedding.embedding_dim)
         candidate_rows = [item_row(model, c, item_ids) for c in candidates.tolist()]
@@ -89,7 +93,11 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         x = torch.cat([prefix, cand])
         for layer in model.layers:
             x = reference_layer(layer, x, p, model.scaling_seqlen, layer_norm_eps, silu_on, layer_output)
-        outputs.append(reference_head(model.head, x[p:], head_activation))
+        if head == "item_tower":
+            code = time_code(query_time, query_time_periods)
+            outputs.append(reference_item_tower(model.head, x[p:], candidate_rows, code))
+        else:
+            outputs.append(reference_head(model.head, x[p:], head_activation))
     return torch.cat(outputs)
 
 
@@ -116,3 +124,28 @@ def reference_head(head, states, activation: str):
     hidden = F.linear(states, head[0].weight, head[0].bias)
     hidden = F.silu(hidden) if activation == "silu" else hidden.clamp_min(0.0)
     return F.linear(hidden, head[2].weight, head[2].bias).float()
+
+
+def time_code(query_time: int, periods) -> int:
+    """The calendar code of a query time in numpy's float32 arithmetic: each period's
+    floor(t / seconds) mod units, mixed radix, the first period most significant (numpy's own
+    float32 floor division, not torch's)."""
+    import numpy as np  # only here: the serve extra brings it, and only item_tower tests need it
+
+    seconds, code = np.float32(query_time), 0
+    for unit, units in periods:
+        index = np.remainder(np.floor_divide(seconds, np.float32(unit)), np.float32(units))
+        code = code * units + int(index)
+    return code
+
+
+def reference_item_tower(head, states, candidate_rows: list[int], code: int):
+    """model.head item_tower: LN(states W_c + time[code]) times the candidates' tower rows, then
+    Linear, x * sigmoid(LN(x)), Linear, as float32 logits."""
+    width = states.shape[1]
+    combined = F.linear(states, head.combiner.weight) + head.time_embedding.weight[code]
+    user = F.layer_norm(combined, (width,), head.user_norm.weight, head.user_norm.bias, 1e-5)
+    hidden = F.linear(user * head.tower_embedding.weight[candidate_rows], head.mlp[0].weight, head.mlp[0].bias)
+    swish = head.mlp[1].norm
+    hidden = hidden * torch.sigmoid(F.layer_norm(hidden, (hidden.shape[1],), swish.weight, swish.bias, 1e-5))
+    return F.linear(hidden, head.mlp[2].weight, head.mlp[2].bias).float()

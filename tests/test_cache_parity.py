@@ -28,8 +28,13 @@ def small_cache_config(**switches):
     return config_from_dict(raw)
 
 
-@pytest.mark.parametrize("switches", [{}, {"event_tokens": "combined", "candidate_position": "shared_row"}],
-                         ids=["default", "combined-shared-row"])
+DLRM_SWITCHES = {"event_tokens": "combined", "candidate_position": "shared_row", "head": "item_tower",
+                 "query_time_periods": [[3600, 24], [86400, 7]], "silu_on": "u", "layer_output": "concat"}
+
+
+@pytest.mark.parametrize("switches", [{}, {"event_tokens": "combined", "candidate_position": "shared_row"},
+                                      DLRM_SWITCHES],
+                         ids=["default", "combined-shared-row", "dlrm-item-tower"])
 def test_cached_equals_recompute_under_eviction(switches):
     config = small_cache_config(**switches)
     model = build_model(config, seed=1)

@@ -46,7 +46,7 @@ def test_folded_item_and_action_rows_are_the_events_tokens(state):
 def test_folded_context_rows_are_the_contextual_tokens(state):
     dense, tables = state
     folded = torch.stack([meta.context_rows(dense, c, tables[table][USER["contextual"][c]][None])[0]
-                          for c, table in enumerate(FEATURES.contextual_tables)])
+                          for c, table in enumerate(FEATURES.contextual_tables)]) + meta.context_bias(dense)
     # A merged length past every gate: the gate is the reference's, not a folded row's.
     torch.testing.assert_close(folded, contextual_tokens(dense, tables, FEATURES, USER["contextual"], 99),
                                rtol=1e-5, atol=1e-5)

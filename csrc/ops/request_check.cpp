@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -33,8 +35,44 @@ struct RequestLimits {
   // model.event_tokens: combined lays out one token per event, (item << bits) | action; -1 (pairs)
   // lays out an item token and an action token.
   int64_t combined_action_bits = -1;
+  // model.head: item_tower: context_ids' last column is the query time, and each checked candidate
+  // id carries its calendar code in its low time_code_bits bits, (item << bits) | code.
+  std::vector<std::pair<int64_t, int64_t>> query_time_periods;  // [seconds per unit, units per cycle]
+  int64_t time_code_bits = 0;
   int64_t tokens_per_event() const { return combined_action_bits < 0 ? 2 : 1; }
+  bool reads_query_time() const { return !query_time_periods.empty(); }
+  int64_t context_width() const { return num_contextual_features + (reads_query_time() ? 1 : 0); }
 };
+
+// Upstream's float32 arithmetic, as torch computes it (c10::div_floor_floating, then remainder), so
+// the code of a query time lands on the side of an hour boundary the trainer's model put it.
+float div_floor(float a, float b) {
+  const float mod = std::fmod(a, b);
+  float div = (a - mod) / b;
+  if (mod != 0 && (b < 0) != (mod < 0)) div -= 1;
+  if (div == 0) return std::copysign(0.0f, a / b);
+  float floored = std::floor(div);
+  if (div - floored > 0.5f) floored += 1;
+  return floored;
+}
+
+float remainder(float a, float b) {
+  float mod = std::fmod(a, b);
+  if (mod != 0 && (b < 0) != (mod < 0)) mod += b;
+  return mod;
+}
+
+// The calendar code of a query time: each period's unit index within its cycle, mixed radix, the
+// first period most significant (Python: kvexport.model.hstu.time_codes).
+int64_t time_code(const RequestLimits& l, int64_t query_time) {
+  const float seconds = static_cast<float>(query_time);
+  int64_t code = 0;
+  for (const auto& [unit, units] : l.query_time_periods) {
+    const float index = remainder(div_floor(seconds, static_cast<float>(unit)), static_cast<float>(units));
+    code = code * units + std::clamp<int64_t>(static_cast<int64_t>(index), 0, units - 1);
+  }
+  return code;
+}
 
 RequestLimits parse_limits(const std::string& json) {
   const auto j = nlohmann::json::parse(json);
@@ -47,6 +85,22 @@ RequestLimits parse_limits(const std::string& json) {
   l.item_vocab_size = j.at("item_vocab_size").get<int64_t>();
   l.action_vocab_size = j.at("action_vocab_size").get<int64_t>();
   l.combined_action_bits = j.value("combined_action_bits", int64_t{-1});
+  int64_t num_codes = 1;
+  for (const auto& period : j.value("query_time_periods", nlohmann::json::array())) {
+    const auto unit = period.at(0).get<int64_t>(), units = period.at(1).get<int64_t>();
+    if (unit <= 0 || unit >= (int64_t{1} << 24) || units <= 0 || units > (int64_t{1} << 16) / num_codes) {
+      throw std::invalid_argument("kvexport: request limits: query time period [" + std::to_string(unit) + ", " +
+                                  std::to_string(units) + "] is not one the model can read");
+    }
+    l.query_time_periods.emplace_back(unit, units);
+    num_codes *= units;
+  }
+  while (l.reads_query_time() && (int64_t{1} << l.time_code_bits) < num_codes) ++l.time_code_bits;
+  if (l.reads_query_time() && l.item_vocab_size > (int64_t{1} << (63 - l.time_code_bits))) {
+    throw std::invalid_argument("kvexport: request limits: " + std::to_string(l.item_vocab_size) +
+                                " items leave no room for a " + std::to_string(l.time_code_bits) +
+                                "-bit query time code");
+  }
   const int64_t bits = l.combined_action_bits;
   if (bits < -1 || bits > 62 ||
       (bits >= 0 && (l.action_vocab_size > (int64_t{1} << bits) || l.item_vocab_size > (int64_t{1} << (63 - bits))))) {
@@ -101,6 +155,13 @@ void check_range(const char* name, const at::Tensor& values, int64_t low, int64_
   }
 }
 
+// The first `columns` columns of a 2-D tensor, row by row; the first bad value is named.
+void check_columns(const char* name, const at::Tensor& values, int64_t columns, int64_t low, int64_t high,
+                   const char* what) {
+  if (columns == values.size(1)) return check_range(name, values, low, high, what);
+  check_range(name, values.narrow(1, 0, columns).contiguous(), low, high, what);
+}
+
 int64_t sum_of(const at::Tensor& values) {
   const auto* data = values.const_data_ptr<int64_t>();
   int64_t total = 0;
@@ -138,7 +199,8 @@ void check_distinct(const at::Tensor& user_ids) {
 std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const at::Tensor& items,
                                         const at::Tensor& actions, const at::Tensor& context,
                                         const RequestLimits& l) {
-  const int64_t num_users = context.size(0), num_context = context.size(1), per_event = l.tokens_per_event();
+  const int64_t num_users = context.size(0), num_context = l.num_contextual_features, width = context.size(1);
+  const int64_t per_event = l.tokens_per_event();
   auto tokens = at::empty({num_users * num_context + per_event * items.size(0)}, at::kLong);
   int64_t* out = tokens.data_ptr<int64_t>();
   const int64_t* length = history_lengths.const_data_ptr<int64_t>();
@@ -151,7 +213,7 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
   const auto action_limit = static_cast<uint64_t>(l.action_vocab_size);
   std::vector<char> bad(num_users, 0);
   const auto lay_out = [&](int64_t b) {
-    int64_t* user_out = std::copy(ctx + b * num_context, ctx + (b + 1) * num_context,
+    int64_t* user_out = std::copy(ctx + b * width, ctx + b * width + num_context,
                                   out + b * num_context + per_event * first_event[b]);
     const int64_t *user_item = item + first_event[b], *user_action = action + first_event[b];
     bool user_bad = false;
@@ -179,6 +241,26 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
   runtime::for_each_item(num_users, parallel ? at::get_num_threads() : 1, lay_out);
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) return std::nullopt;
   return tokens;
+}
+
+// A copy of the candidate ids; with a query time, each (item << time_code_bits) | its user's code
+// (the item limit leaves the top bits free, so a checked id cannot overflow).
+at::Tensor checked_candidates(const at::Tensor& candidates, const at::Tensor& counts, const at::Tensor& context,
+                              const RequestLimits& l) {
+  if (!l.reads_query_time()) return candidates.clone();
+  auto out = at::empty_like(candidates);
+  auto* id = out.data_ptr<int64_t>();
+  const auto* item = candidates.const_data_ptr<int64_t>();
+  const auto* count = counts.const_data_ptr<int64_t>();
+  const auto* ctx = context.const_data_ptr<int64_t>();
+  const int64_t width = context.size(1);
+  for (int64_t b = 0, t = 0; b < context.size(0); ++b) {
+    const int64_t code = time_code(l, ctx[b * width + l.num_contextual_features]);
+    for (int64_t end = t + count[b]; t < end; ++t) {
+      id[t] = static_cast<int64_t>((static_cast<uint64_t>(item[t]) << l.time_code_bits) | static_cast<uint64_t>(code));
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -245,9 +327,10 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   check_rows("history_lengths", history, num_users);
   check_rows("num_candidates", counts, num_users);
   check_rows("context_ids", context, num_users);
-  if (context.size(1) != l.num_contextual_features) {
-    refuse("context_ids has " + std::to_string(context.size(1)) + " features, the model has " +
-           std::to_string(l.num_contextual_features));
+  if (context.size(1) != l.context_width()) {
+    refuse("context_ids has " + std::to_string(context.size(1)) + " columns, the model reads " +
+           std::to_string(l.num_contextual_features) + " contextual features" +
+           (l.reads_query_time() ? " and the query time" : ""));
   }
   check_distinct(users);
   check_range("history_lengths", history, 0, l.max_history_length + 1, "events");
@@ -264,7 +347,11 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   if (!tokens) check_range("item_ids", items, 0, l.item_vocab_size, "the item vocabulary");
   check_range("candidate_ids", candidates, 0, l.item_vocab_size, "the item vocabulary");
   if (!tokens) check_range("action_ids", actions, 0, l.action_vocab_size, "the action vocabulary");
-  check_range("context_ids", context, 0, l.context_vocab_size, "the context vocabulary");
+  check_columns("context_ids", context, l.num_contextual_features, 0, l.context_vocab_size, "the context vocabulary");
+  if (l.reads_query_time()) {
+    check_range("context_ids' query time", context.narrow(1, l.num_contextual_features, 1).contiguous(), 0,
+                std::numeric_limits<int64_t>::max(), "seconds since the epoch");
+  }
   if (!tokens) throw std::logic_error("kvexport bug: the layout refused ids the range checks accept");
   auto token_lengths = at::empty({num_users}, at::kLong);
   const auto* length = history.const_data_ptr<int64_t>();
@@ -273,7 +360,8 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
     token_length[b] = l.num_contextual_features + l.tokens_per_event() * length[b];
   }
   // Copies of the small tensors for the rest of the graph (contiguous() may have returned the input).
-  return {users.clone(), std::move(token_lengths), std::move(*tokens), counts.clone(), candidates.clone()};
+  return {users.clone(), std::move(token_lengths), std::move(*tokens), counts.clone(),
+          checked_candidates(candidates, counts, context, l)};
 }
 
 }  // namespace kvexport::ops

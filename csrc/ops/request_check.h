@@ -15,7 +15,9 @@ using RequestTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor
 
 // Validates one request (host tensors) against limits_json (Config.request_limits_json) and
 // returns, on the host, what the rest of the graph reads, so no kernel can index with an unchecked
-// id: copies of user_ids, num_candidates and candidate_ids, each user's prefix length
+// id: copies of user_ids, num_candidates and candidate_ids (with a query time, request limits'
+// query_time_periods, each candidate id becomes (item << code bits) | the calendar code of its
+// user's query time, context_ids' last column), each user's prefix length
 // (token_lengths: C + 2h, or C + h with combined event tokens) and its prefix tokens laid out
 // (token_ids, users one after another: its context ids, then item and action ids interleaved,
 // i_1 a_1 i_2 a_2 ..., or one (item << bits) | action per event; the host counterpart of

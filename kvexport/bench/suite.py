@@ -20,7 +20,7 @@ from kvexport.bench.timing import paired, timed_ms
 from kvexport.config import Config
 from kvexport.errors import UserError
 from kvexport.model import Batch
-from kvexport.model.batch import UserRequest, check_batch
+from kvexport.model.batch import UserRequest, check_batch, random_context
 from kvexport.model.hstu import DTYPES, HSTURanker
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
@@ -79,7 +79,7 @@ class SweepRequests:
         self.users = [
             UserRequest(first_user + b, torch.randint(0, m.item_vocab_size, (n,), generator=g),
                         torch.randint(0, m.action_vocab_size, (n,), generator=g),
-                        torch.randint(0, m.context_vocab_size, (m.num_contextual_features,), generator=g),
+                        random_context(m, g),
                         torch.randint(0, m.item_vocab_size, (candidates,), generator=g))
             for b in range(batch_size)
         ]

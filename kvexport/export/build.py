@@ -73,7 +73,7 @@ def signature(config: Config, device: str) -> dict:
     package's device; the logits come back on the package's device."""
     m, b = config.model, "B"
     shapes = {"user_ids": [b], "history_lengths": [b], "item_ids": ["sum(history_lengths)"],
-              "action_ids": ["sum(history_lengths)"], "context_ids": [b, m.num_contextual_features],
+              "action_ids": ["sum(history_lengths)"], "context_ids": [b, m.context_width],
               "num_candidates": [b], "candidate_ids": ["sum(num_candidates)"]}
     return {"inputs": [{"name": n, "dtype": "int64", "shape": shapes[n], "device": "cpu"} for n in SIGNATURE],
             "output": {"name": "logits", "dtype": "float32", "shape": ["sum(num_candidates)", m.num_tasks],
@@ -88,7 +88,9 @@ def dims(config: Config) -> dict[str, int | str]:
             "max_num_candidates": m.max_num_candidates, "num_contextual_features": m.num_contextual_features,
             "context_vocab_size": m.context_vocab_size, "context_ids": m.context_ids,
             "item_vocab_size": m.item_vocab_size,
-            "item_ids": m.item_ids, "action_vocab_size": m.action_vocab_size, "num_tasks": m.num_tasks}
+            "item_ids": m.item_ids, "action_vocab_size": m.action_vocab_size, "num_tasks": m.num_tasks,
+            **({"head": m.head, "query_time_periods": [list(p) for p in m.query_time_periods]}
+               if m.head == "item_tower" else {})}
 
 
 class _Stages:

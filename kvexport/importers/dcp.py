@@ -154,6 +154,19 @@ def _entries(directory: Path) -> tuple[dict, dict]:
     return entries, where
 
 
+def tensor_sizes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor entry's size, from the metadata alone (no data file is read)."""
+    entries, _ = _entries(directory)
+    sizes = {}
+    for key, entry in entries.items():
+        if type(entry).__name__ == "TensorStorageMetadata":
+            try:
+                sizes[key] = tuple(int(n) for n in _field(entry, "size", key))
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"{directory}: {key}: its metadata is malformed ({first_line(exc)})") from None
+    return sizes
+
+
 def _tensor_entry(directory: Path, entries: dict, key: str) -> Any:
     if key not in entries:
         raise UserError(f"{directory}: the checkpoint has no {key}")

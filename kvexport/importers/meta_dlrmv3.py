@@ -18,14 +18,17 @@ is missing, of another shape or not floating point is refused in one line naming
 
 from __future__ import annotations
 
-from typing import Any
-
+import dataclasses
 import math
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch.nn import functional as F
 
-from kvexport.importers import CheckpointImportError
+from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_KEYED_CONTEXT_FEATURES
+from kvexport.importers import CheckpointImportError, Imported, dcp, kv_cache_section
+from kvexport.importers.sharded import load_trainer_file
 
 STU = "_hstu_transducer._stu_module._stu_layers."
 PRE = "_hstu_transducer._input_preprocessor."
@@ -130,15 +133,23 @@ def candidate_action(dense: dict[str, Any]) -> torch.Tensor:
     return mlp(dense, ACTION_MLP, target)[0]
 
 
-def context_rows(dense: dict[str, Any], feature: int, rows: torch.Tensor) -> torch.Tensor:
-    """kvexport context-table rows [n, D] of contextual feature `feature`'s table rows [n, E]."""
+def context_bias(dense: dict[str, Any]) -> torch.Tensor:
+    """[C, D]: each contextual feature's bias, which position_rows folds into its position row."""
     weights, bias = tensor(dense, CONTEXT_WEIGHTS), tensor(dense, CONTEXT_BIAS)
+    if weights.dim() != 3 or tuple(bias.shape) != (weights.shape[0], weights.shape[2]):
+        _refuse(f"{CONTEXT_BIAS} has shape {list(bias.shape)}, not [C, D] of {CONTEXT_WEIGHTS} {list(weights.shape)}")
+    return bias
+
+
+def context_rows(dense: dict[str, Any], feature: int, rows: torch.Tensor) -> torch.Tensor:
+    """kvexport context-table rows [n, D] of contextual feature `feature`'s table rows [n, E]: their
+    map without its bias (the bias is the feature's, so it lives in the feature's position row, and
+    an id the table lacks reads a zero row: the token DlrmHSTU makes of a missing feature)."""
+    weights = tensor(dense, CONTEXT_WEIGHTS)
     if weights.dim() != 3 or not 0 <= feature < weights.shape[0] or rows.shape[1] != weights.shape[1]:
         _refuse(f"{CONTEXT_WEIGHTS} has shape {list(weights.shape)}: no map of {rows.shape[1]} values for "
                 f"contextual feature {feature}")
-    if tuple(bias.shape) != (weights.shape[0], weights.shape[2]):
-        _refuse(f"{CONTEXT_BIAS} has shape {list(bias.shape)}, expected {[weights.shape[0], weights.shape[2]]}")
-    return rows.float() @ weights[feature] + bias[feature]
+    return rows.float() @ weights[feature]
 
 
 def num_layers(dense: dict[str, Any]) -> int:
@@ -179,7 +190,8 @@ def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
     """kvexport's position table [C + M + 1, D] for event_tokens combined and candidate_position
     shared_row, under the per-user rules of docs/importers.md:
     - contextual token c: DlrmHSTU's position row c plus its last time row (a contextual token's
-      time is 0, so its age at any query time past (time rows)^2 minutes after the epoch is capped);
+      time is 0, so its age at any query time past (time rows)^2 minutes after the epoch is capped),
+      plus sqrt(D) times the feature's bias (context_rows leaves it out);
     - event k (from 1, kvexport's row C + k - 1): DlrmHSTU's row C + M - k + 1, as upstream counts
       back from the newest event when a history holds M events, plus time row `history_time_row`
       (None: none) in place of the bucket of its age at the query time, which no cache can follow;
@@ -200,6 +212,271 @@ def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
     if history_time_row is not None:
         history = history + times[history_time_row]
     context = positions[:num_contextual] + times[-1]
+    if num_contextual:
+        context = context + math.sqrt(positions.shape[1]) * context_bias(dense)[:num_contextual]
     shared_action = math.sqrt(positions.shape[1]) * candidate_action(dense)
     candidates = positions[min(num_contextual, last)] + times[0] + shared_action
     return torch.cat([context, history, candidates[None]])
+
+
+POST = "_hstu_transducer._output_postprocessor."
+PERIOD_UNITS = POST + "_period_units"
+UNITS_PER_PERIOD = POST + "_units_per_period"
+COMBINER = POST + "_time_feature_combiner."
+TOWER_MLP = "_item_embedding_mlp."
+PREDICTION = "_multitask_module._prediction_module."
+ADDITIONAL_MLP = PRE + "_additional_embedding_mlp."
+TABLE = "_embedding_collection.embeddings.{}.weight"
+SPARSE_TABLE = "sparse_dict." + TABLE
+
+
+def query_time_periods(dense: dict[str, Any]) -> list[list[int]]:
+    """The postprocessor's [seconds per unit, units per cycle] periods (its float buffers [1, P]),
+    refused unless whole numbers kvexport's head reads."""
+    units, cycles = dense.get(PERIOD_UNITS), dense.get(UNITS_PER_PERIOD)
+    for key, value in ((PERIOD_UNITS, units), (UNITS_PER_PERIOD, cycles)):
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != 1:
+            _refuse(f"checkpoint lacks {key} as a [1, periods] tensor")
+    if units.shape != cycles.shape:
+        _refuse(f"{PERIOD_UNITS} {list(units.shape)} and {UNITS_PER_PERIOD} {list(cycles.shape)} disagree")
+    periods = [[float(u), float(n)] for u, n in zip(units[0].tolist(), cycles[0].tolist())]
+    if not periods or any(not (v.is_integer() and 0 < v < 1 << 24) for pair in periods for v in pair):
+        _refuse(f"{PERIOD_UNITS} {units[0].tolist()} and {UNITS_PER_PERIOD} {cycles[0].tolist()}: kvexport's head "
+                "reads whole positive periods below 2^24")
+    return [[int(u), int(n)] for u, n in periods]
+
+
+def time_rows(dense: dict[str, Any], hidden: int) -> torch.Tensor:
+    """kvexport's head.time_embedding [codes, D]: for each calendar code (mixed radix, the first
+    period most significant), the combining layer's calendar columns times the cos and sin of each
+    period's angle (DlrmHSTU's float32 steps: (index / units) * 2 * 3.14), plus the layer's bias."""
+    periods = query_time_periods(dense)
+    combiner = tensor(dense, COMBINER + "weight", (hidden, hidden + 2 * len(periods)))
+    bias = tensor(dense, COMBINER + "bias", (hidden,))
+    cycles = [units for _, units in periods]
+    codes = torch.arange(math.prod(cycles))
+    features = []
+    for p, units in enumerate(cycles):
+        index = codes // math.prod(cycles[p + 1:]) % units
+        angle = index.float() / torch.tensor(float(units)) * 2 * 3.14
+        features += [angle.cos(), angle.sin()]
+    return F.linear(torch.stack(features, dim=1), combiner[:, hidden:], bias)
+
+
+def head_state(dense: dict[str, Any], hidden: int, tower_rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """kvexport's item_tower head (head.*) from DlrmHSTU's postprocessor, item tower (its MLP of the
+    item rows `tower_rows` [n, E], computed here) and prediction module."""
+    first = tensor(dense, PREDICTION + "0.weight")
+    width = first.shape[0]
+    tasks = tensor(dense, PREDICTION + "2.weight").shape[0]
+    return {
+        "head.combiner.weight": tensor(dense, COMBINER + "weight")[:, :hidden].contiguous(),
+        "head.time_embedding.weight": time_rows(dense, hidden),
+        "head.user_norm.weight": tensor(dense, POST + "_layer_norm.weight", (hidden,)),
+        "head.user_norm.bias": tensor(dense, POST + "_layer_norm.bias", (hidden,)),
+        "head.tower_embedding.weight": mlp(dense, TOWER_MLP, tower_rows.float()),
+        "head.mlp.0.weight": tensor(dense, PREDICTION + "0.weight", (width, hidden)),
+        "head.mlp.0.bias": tensor(dense, PREDICTION + "0.bias", (width,)),
+        "head.mlp.1.norm.weight": tensor(dense, PREDICTION + "1.weight", (width,)),
+        "head.mlp.1.norm.bias": tensor(dense, PREDICTION + "1.bias", (width,)),
+        "head.mlp.2.weight": tensor(dense, PREDICTION + "2.weight", (tasks, width)),
+        "head.mlp.2.bias": tensor(dense, PREDICTION + "2.bias", (tasks,)),
+    }
+
+
+class _Reads(dict):
+    """dense_dict, recording which keys the import reads, so that one it never reads is refused."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaOptions:
+    num_heads: int                      # not in the checkpoint: DLRMv3's config (hstu_num_heads)
+    max_history_length: int             # the longest history served (kvexport's positions count from it)
+    max_num_candidates: int
+    item_table: str = "video_id"
+    contextual_features: tuple[str, ...] = ()  # tables in the trainer's contextual feature order
+    items: tuple[int, ...] | None = None  # the item ids served; None: the whole table, ids as rows
+    batch: int | None = None             # the <batch> directory (default: the newest)
+
+
+def checkpoint_directory(source: Path, batch: int | None) -> Path:
+    """SOURCE itself when it holds non_sparse.ckpt, else its <batch> directory (default the newest)."""
+    if (source / "non_sparse.ckpt").is_file() and batch is None:
+        return source
+    if not source.is_dir():
+        _refuse(f"{source} is not a directory")
+    batches = sorted(int(p.name) for p in source.iterdir() if p.name.isdigit() and (p / "non_sparse.ckpt").is_file())
+    if not batches:
+        _refuse(f"{source} holds no <batch>/non_sparse.ckpt (a DLRMv3 checkpoint directory)")
+    if batch is not None and batch not in batches:
+        _refuse(f"{source} has no batch {batch} (batches: {', '.join(map(str, batches))})")
+    return source / str(batch if batch is not None else batches[-1])
+
+
+# Reads a sparse/ table: (key, None) the whole table, (key, rows) those rows.
+SparseReader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
+
+
+def _table(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader, name: str,
+           rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Table `name`'s rows (all, or `rows`), from sparse/ (model-parallel) or dense_dict (data-parallel)."""
+    sparse, local = SPARSE_TABLE.format(name), TABLE.format(name)
+    if sparse in sizes:
+        return read_sparse(sparse, rows)
+    if local in dense:
+        table = dense[local]
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            _refuse(f"{local} is not a 2-D table")
+        if rows is not None and rows.numel() and (int(rows.max()) >= table.shape[0] or int(rows.min()) < 0):
+            _refuse(f"table {name} has {table.shape[0]} rows; item id {int(rows.max())} lies outside it")
+        return table if rows is None else table[rows]
+    _refuse(f"table {name}: neither {sparse} in sparse/ nor {local} in dense_dict")
+
+
+def import_meta(source: Path, options: MetaOptions, name: str) -> Imported:
+    """Maps a DLRMv3 DlrmHSTU checkpoint onto kvexport's model under the per-user rules of
+    docs/checkpoint.md (positions counted from the maximum history, history events at time row 0,
+    the attention normaliser fixed at C + max history + max candidates)."""
+    directory = checkpoint_directory(source, options.batch)
+    saved = load_trainer_file(directory / "non_sparse.ckpt", "DLRMv3 dense state", part="dense_dict")
+    dense = saved.get("dense_dict") if isinstance(saved, dict) else None
+    if not isinstance(dense, dict):
+        _refuse(f"{directory / 'non_sparse.ckpt'} holds no dense_dict (DlrmHSTU's dense state)")
+    sparse = directory / "sparse"
+    sizes = dcp.tensor_sizes(sparse) if sparse.is_dir() else {}
+
+    def read_sparse(key: str, rows: torch.Tensor | None) -> torch.Tensor:
+        return dcp.read_tensors(sparse, [key])[key] if rows is None else dcp.read_rows(sparse, key, rows)
+
+    imported = fold(dense, sizes, read_sparse, options, name)
+    return Imported(imported.config, imported.state_dict, [f"read {directory}", *imported.notes])
+
+
+def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader,
+         options: MetaOptions, name: str) -> Imported:
+    """import_meta on a checkpoint's dense_dict and its sparse/ tables (their sizes by key, and a
+    reader of their rows)."""
+    dense = _Reads(dense_dict)
+    notes = []
+    positions = tensor(dense, POSITIONS)
+    if positions.dim() != 2:
+        _refuse(f"{POSITIONS} has shape {list(positions.shape)}, not [rows, D]")
+    hidden = positions.shape[1]
+    layers = num_layers(dense)
+    if layers == 0:
+        _refuse(f"checkpoint has no STU layer ({STU}0._uvqk_weight)")
+    out: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        out.update({f"layers.{i}.{key}": value for key, value in layer_state(dense, i, options.num_heads).items()})
+    head_dim = out["layers.0.attention_norm.weight"].shape[0] // options.num_heads
+    if hidden != options.num_heads * head_dim:
+        _refuse(f"model width {hidden} is not {options.num_heads} heads x {head_dim} values: kvexport's layers "
+                "need them equal")
+    extra = dense.get(ADDITIONAL_MLP + "0.weight")
+    if isinstance(extra, torch.Tensor) and extra.dim() == 2 and extra.shape[1]:
+        _refuse(f"{ADDITIONAL_MLP}0.weight reads {extra.shape[1]} values of extra per-event features, "
+                "which kvexport's requests do not carry")
+    dense.read.update(key for key in dense if key.startswith(ADDITIONAL_MLP))  # built even without features
+    context_weights = tensor(dense, CONTEXT_WEIGHTS)
+    num_context = len(options.contextual_features)
+    if context_weights.dim() != 3 or context_weights.shape[0] != num_context:
+        _refuse(f"{CONTEXT_WEIGHTS} maps {context_weights.shape[0] if context_weights.dim() == 3 else '?'} "
+                f"contextual features; {num_context} named (--contextual-features, in the trainer's order)")
+    if num_context > MAX_KEYED_CONTEXT_FEATURES:
+        _refuse(f"{num_context} contextual features: kvexport keys at most {MAX_KEYED_CONTEXT_FEATURES}")
+    named = {SPARSE_TABLE.format(t) for t in (options.item_table, *options.contextual_features)}
+    others = sorted(key for key in sizes if key not in named)
+    if others:
+        _refuse(f"sparse/ holds {others[0]}, neither the item table ({options.item_table}) nor a contextual "
+                "feature named (--contextual-features, in the trainer's order)")
+    rows, keys = [], []
+    for feature, table_name in enumerate(options.contextual_features):
+        table = _table(dense, sizes, read_sparse, table_name)
+        rows.append(context_rows(dense, feature, table))
+        keys.append((feature << CONTEXT_FEATURE_SHIFT) | torch.arange(table.shape[0]))
+    # A pair no table has reads zeros: DlrmHSTU's token of a missing feature (the bias is the position row's).
+    out["context_embedding.weight"] = torch.cat([*rows, torch.zeros(1, hidden)])
+    if num_context:
+        out["context_keys"] = torch.cat(keys)
+    if options.items is None:
+        item_source = _table(dense, sizes, read_sparse, options.item_table)
+        item_ids, note = "rows", f"item table {options.item_table}: all {item_source.shape[0]} rows, ids as rows"
+    else:
+        served = torch.tensor(sorted(set(options.items)), dtype=torch.int64)
+        item_source = _table(dense, sizes, read_sparse, options.item_table, served)
+        item_ids = "keys"
+        note = (f"item table {options.item_table}: {served.numel()} served ids read; any other id reads a zero "
+                "item row and a zero tower row")
+    notes.append(note)
+    items = item_rows(dense, item_source)
+    head = head_state(dense, hidden, item_source)
+    if item_ids == "keys":
+        items = torch.cat([items, torch.zeros(1, hidden)])
+        head["head.tower_embedding.weight"] = torch.cat([head["head.tower_embedding.weight"], torch.zeros(1, hidden)])
+        out["item_keys"] = served
+    out["item_embedding.weight"] = items
+    out.update(head)
+    out["action_embedding.weight"] = action_rows(dense)
+    out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length, 0)
+    unread = sorted(key for key in dense if key not in dense.read)
+    if unread:
+        _refuse(f"checkpoint tensor {unread[0]} has no counterpart in kvexport's model (unknown key)")
+    scaling = num_context + options.max_history_length + options.max_num_candidates
+    notes.append(f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
+                 f"{scaling} (C + max history + max candidates), positions counted back from "
+                 f"{options.max_history_length} events, every history event at time row 0 (docs/checkpoint.md)")
+    longest = num_context + options.max_history_length
+    config = {
+        "name": name,
+        "model": {
+            "num_layers": layers, "hidden_size": hidden, "num_heads": options.num_heads, "head_dim": head_dim,
+            "num_contextual_features": num_context, "max_history_length": options.max_history_length,
+            "max_num_candidates": options.max_num_candidates, "scaling_seqlen": scaling,
+            "num_tasks": head["head.mlp.2.weight"].shape[0], "dtype": "float32",
+            "context_vocab_size": out["context_embedding.weight"].shape[0],
+            "item_vocab_size": items.shape[0], "action_vocab_size": out["action_embedding.weight"].shape[0],
+            "mlp_hidden_size": head["head.mlp.0.weight"].shape[0], "layer_norm_eps": LAYER_EPS,
+            "silu_on": "u", "layer_output": "concat", "item_ids": item_ids,
+            "context_ids": "keys" if num_context else "rows", "event_tokens": "combined",
+            "candidate_position": "shared_row", "head": "item_tower",
+            "query_time_periods": query_time_periods(dense),
+        },
+        "kv_cache": kv_cache_section(longest),
+        "serving": {"max_batch_size": 8, "device": "cpu"},
+        "trace": {"seed": 0, "num_users": 8, "min_history_length": min(16, options.max_history_length),
+                  "max_trace_history_length": min(256, options.max_history_length),
+                  "max_new_events": min(8, options.max_history_length),
+                  "num_candidates": min(16, options.max_num_candidates)},
+    }
+    return Imported(config, out, notes)
+
+
+def read_item_ids(path: Path) -> tuple[int, ...]:
+    """The item ids of a text file, one per line (blank lines skipped), each an integer >= 0."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        _refuse(f"cannot read item ids from {path}: {getattr(exc, 'strerror', None) or exc}")
+    ids = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        if not text.isdigit():
+            _refuse(f"{path} line {number}: {text[:40]!r} is not an item id (an integer >= 0)")
+        ids.append(int(text))
+    if not ids:
+        _refuse(f"{path} holds no item ids")
+    return tuple(ids)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
-from kvexport.importers import CheckpointImportError
+from kvexport.importers import CheckpointImportError, Imported, kv_cache_section
 from kvexport.importers.nvidia import read_dynamic_table, read_gin
 from kvexport.importers.sharded import ShardedValue, assemble, load_trainer_file
 
@@ -67,13 +67,6 @@ class ImportOptions:
     # own inference runs with disable_contextual_features; without either option such tables are refused.
     skip_contextual: bool = False
     iteration: int | None = None      # the iter<N> directory (default: the newest)
-
-
-@dataclasses.dataclass(frozen=True)
-class Imported:
-    config: dict[str, Any]           # a kvexport config file's mapping
-    state_dict: dict[str, torch.Tensor]
-    notes: list[str]                 # one line each: what was derived and from where
 
 
 def _refuse(message: str) -> None:
@@ -336,7 +329,6 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
         notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
                      "unknown ids read a zero row")
     _unmapped(state, used)
-    pages = -(-longest // 32)
     config = {
         "name": name,
         "model": {
@@ -350,7 +342,7 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
             "silu_on": "uvqk", "layer_output": "gated", "item_ids": item_ids,
             "context_ids": "keys" if num_context else "rows",
         },
-        "kv_cache": {"page_size": 32, "device_pages": 8 * pages, "host_pages": 32 * pages},
+        "kv_cache": kv_cache_section(longest),
         "serving": {"max_batch_size": 8, "device": "cpu"},
         "trace": {"seed": 0, "num_users": 8, "min_history_length": min(16, max_history),
                   "max_trace_history_length": min(256, max_history), "max_new_events": min(8, max_history),

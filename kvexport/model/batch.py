@@ -15,10 +15,14 @@ SIGNATURE = (
     "history_lengths",   # [B] events per user
     "item_ids",          # [sum(history_lengths)]
     "action_ids",        # [sum(history_lengths)]
-    "context_ids",       # [B, num_contextual_features]
+    "context_ids",       # [B, num_contextual_features], then (model.head: item_tower) the query time
     "num_candidates",    # [B]
     "candidate_ids",     # [sum(num_candidates)]
 )
+
+# Query times (seconds since the epoch) of random requests to a model whose head reads one: 2020-09
+# to 2023-11, so that every hour of the day and day of the week occurs.
+QUERY_TIMES = (1_600_000_000, 1_700_000_000)
 
 # Elements per alignment unit of Batch.to's single upload: 16 int64 = 128 bytes.
 _ALIGN = 16
@@ -90,6 +94,16 @@ class UserRequest:
     candidate_ids: torch.Tensor
 
 
+def random_context(model_config, generator: torch.Generator) -> torch.Tensor:
+    """A user's random context ids [context_width]: one per contextual feature, then (a head that
+    reads one) a query time."""
+    m = model_config
+    context_ids = torch.randint(0, m.context_vocab_size, (m.num_contextual_features,), generator=generator)
+    if m.head == "item_tower":
+        context_ids = torch.cat([context_ids, torch.randint(*QUERY_TIMES, (1,), generator=generator)])
+    return context_ids
+
+
 def random_user(model_config, generator: torch.Generator, user_id: int, num_events: int,
                 num_candidates: int) -> UserRequest:
     """A user with random ids inside the config's vocabularies."""
@@ -102,7 +116,7 @@ def random_user(model_config, generator: torch.Generator, user_id: int, num_even
         user_id=user_id,
         item_ids=ids(m.item_vocab_size, num_events),
         action_ids=ids(m.action_vocab_size, num_events),
-        context_ids=ids(m.context_vocab_size, m.num_contextual_features),
+        context_ids=random_context(m, generator),
         candidate_ids=ids(m.item_vocab_size, num_candidates),
     )
 
@@ -203,7 +217,8 @@ def check_user_request(raw: object, config, index: int) -> UserRequest:
     if len(t["item_ids"]) != len(t["action_ids"]):
         raise RequestError(f"{where}item_ids has {len(t['item_ids'])} events but action_ids has "
                            f"{len(t['action_ids'])}; each event is one item and one action")
-    width = config.model.num_contextual_features
+    width = config.model.context_width
     if len(t["context_ids"]) != width:
-        raise RequestError(f"{where}context_ids has {len(t['context_ids'])} entries, the model takes {width}")
+        what = " (its contextual features, then the query time)" if config.model.head == "item_tower" else ""
+        raise RequestError(f"{where}context_ids has {len(t['context_ids'])} entries, the model takes {width}{what}")
     return UserRequest(user_id, t["item_ids"], t["action_ids"], t["context_ids"], t["candidate_ids"])

@@ -6,6 +6,10 @@ C + 2h tokens are the user's *prefix* (cacheable); candidates all share position
 with model.candidate_position shared_row, the position table's last row). With
 model.event_tokens: combined an event is one token e_k (its item's row plus its action's), so the
 prefix is [ctx_1..ctx_C][e_1..e_h], C + h tokens.
+
+With model.head: item_tower a request's context_ids carry its query time as a last column, which
+is no token: the head reads its calendar code, which travels in the low bits of each checked
+candidate id, (item << time_code_bits) | code (kvexport::check_request, time_codes below).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from kvexport.ops import jagged
 from kvexport.ops import wrappers as kv
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The item_tower head's norms (DLRMv3's postprocessor and prediction MLP use LayerNorm's default).
+HEAD_EPS = 1e-5
 
 
 class PrefixTokens(NamedTuple):
@@ -69,6 +75,52 @@ def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_
     )
     positions = torch.arange(total, device=item_ids.device) - offsets[token_user]
     return PrefixTokens(token_ids, positions, token_lengths, token_user)
+
+
+def time_codes(query_times: torch.Tensor, periods: tuple) -> torch.Tensor:
+    """[B] calendar codes of query times [B] (seconds): for each [seconds per unit, units per cycle]
+    period, floor(t / seconds) mod units, mixed radix with the first period most significant. In
+    float32, as DLRMv3 computes its time features (t taken to float32 first, torch's floor division
+    and remainder); kvexport::check_request computes the same in C++."""
+    seconds = query_times.float()
+    code = torch.zeros_like(query_times)
+    for unit, units in periods:
+        index = torch.remainder(torch.div(seconds, torch.tensor(float(unit), device=seconds.device),
+                                          rounding_mode="floor"),
+                                torch.tensor(float(units), device=seconds.device))
+        code = code * units + index.long().clamp(0, units - 1)
+    return code
+
+
+class SwishLayerNorm(nn.Module):
+    """x * sigmoid(LN(x)), the LN with its own affine."""
+
+    def __init__(self, size: int, eps: float = HEAD_EPS):
+        super().__init__()
+        self.norm = nn.LayerNorm(size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.norm(x))
+
+
+class ItemTowerHead(nn.Module):
+    """model.head: item_tower (docs/design.md §1.5): the candidate's state combined with its query
+    time's calendar features, LN(state W_c + time[code]) (time[code] holds the features' part of
+    the combining layer and its bias), times the candidate's row of the item tower table, then
+    Linear, SwishLayerNorm, Linear."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.combiner = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
+        self.time_embedding = nn.Embedding(m.num_time_codes, m.hidden_size)
+        self.user_norm = nn.LayerNorm(m.hidden_size, eps=HEAD_EPS)
+        self.tower_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(m.hidden_size, m.mlp_hidden_size), SwishLayerNorm(m.mlp_hidden_size),
+                                 nn.Linear(m.mlp_hidden_size, m.num_tasks))
+
+    def forward(self, states: torch.Tensor, item_rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        user = self.user_norm(self.combiner(states) + self.time_embedding(codes))
+        return self.mlp(user * self.tower_embedding(item_rows))
 
 
 class HSTULayer(nn.Module):
@@ -145,6 +197,9 @@ class HSTURanker(nn.Module):
         self.max_prefix_length = m.max_prefix_length
         self.action_bits = m.action_bits if m.event_tokens == "combined" else None
         self.shared_candidate_row = m.candidate_position == "shared_row"
+        # model.head: item_tower: checked candidate ids carry a query-time code in these low bits.
+        self.query_time_periods = m.query_time_periods if m.head == "item_tower" else None
+        self.time_code_bits = m.time_code_bits
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
@@ -165,10 +220,13 @@ class HSTURanker(nn.Module):
         self.layers = nn.ModuleList(
             HSTULayer(m) for _ in range(m.num_layers)
         )
-        activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
-        self.head = nn.Sequential(
-            nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
-        )
+        if m.head == "item_tower":
+            self.head = ItemTowerHead(m)
+        else:
+            activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
+            self.head = nn.Sequential(
+                nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
+            )
 
     def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
         """The item table's rows of a request's item ids: the ids themselves, or (model.item_ids:
@@ -209,26 +267,45 @@ class HSTURanker(nn.Module):
         positions = torch.repeat_interleave(token_lengths, num_candidates, output_size=candidate_ids.shape[0])
         return self.embed_candidates_at(candidate_ids, positions)
 
+    def candidate_items(self, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """The item ids of checked candidate ids (which carry a query-time code with an item_tower head)."""
+        return candidate_ids >> self.time_code_bits if self.query_time_periods is not None else candidate_ids
+
+    def checked_candidates(self, batch: Batch) -> torch.Tensor:
+        """A batch's candidate ids as kvexport::check_request returns them: with an item_tower head
+        each (item << time_code_bits) | the code of its user's query time (context_ids' last column)."""
+        if self.query_time_periods is None:
+            return batch.candidate_ids
+        codes = time_codes(batch.context_ids[:, self.num_contextual_features], self.query_time_periods)
+        codes = torch.repeat_interleave(codes, batch.num_candidates, output_size=batch.candidate_ids.shape[0])
+        return (batch.candidate_ids << self.time_code_bits) | codes
+
     def embed_candidates_at(self, candidate_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Candidates [T] at their users' prefix lengths [T] -> [T, d]; with model.candidate_position
-        shared_row every candidate reads the position table's last row, which no prefix token reads."""
-        rows = self.item_embedding(self.item_rows(candidate_ids)) * self.embedding_scale
+        """Checked candidates [T] at their users' prefix lengths [T] -> [T, d]; with
+        model.candidate_position shared_row every candidate reads the position table's last row,
+        which no prefix token reads."""
+        rows = self.item_embedding(self.item_rows(self.candidate_items(candidate_ids))) * self.embedding_scale
         if self.shared_candidate_row:
             return rows + self.position_embedding.weight[-1]
         return rows + self.position_embedding(positions)
 
-    def score(self, candidate_states: torch.Tensor) -> torch.Tensor:
-        """Final candidate states [T, d] -> float32 logits [T, num_tasks]."""
-        return self.head(nn.functional.normalize(candidate_states, dim=-1)).float()
+    def score(self, candidate_states: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """Final candidate states [T, d] of checked candidate ids [T] -> float32 logits [T, num_tasks]."""
+        if self.query_time_periods is None:
+            return self.head(nn.functional.normalize(candidate_states, dim=-1)).float()
+        codes = candidate_ids & ((1 << self.time_code_bits) - 1)
+        return self.head(candidate_states, self.item_rows(self.candidate_items(candidate_ids)), codes).float()
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Full recompute: every token of every user, no cache."""
         token_ids, positions, token_lengths, _ = prefix_tokens(
-            batch.history_lengths, batch.item_ids, batch.action_ids, batch.context_ids, self.action_bits
+            batch.history_lengths, batch.item_ids, batch.action_ids,
+            batch.context_ids[:, :self.num_contextual_features], self.action_bits
         )
         num_candidates = batch.num_candidates
+        candidate_ids = self.checked_candidates(batch)
         prefix = self.embed_prefix(token_ids, positions)
-        candidates = self.embed_candidates(batch.candidate_ids, token_lengths, num_candidates)
+        candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         rows, offsets = _user_major_rows(token_lengths, num_candidates)
         x = torch.cat([prefix, candidates])[rows]  # [N, d] user-major: prefix_b, candidates_b
         for layer in self.layers:
@@ -237,7 +314,7 @@ class HSTURanker(nn.Module):
             x = layer.finish(x, u, o)
         candidate_rows = torch.empty_like(rows)
         candidate_rows[rows] = torch.arange(rows.shape[0], device=rows.device)
-        return self.score(x[candidate_rows[prefix.shape[0]:]])
+        return self.score(x[candidate_rows[prefix.shape[0]:]], candidate_ids)
 
 
     def forward_cached(self, batch: Batch, runtime: str | None = None) -> torch.Tensor:
@@ -284,7 +361,7 @@ class HSTURanker(nn.Module):
             u, v, q, k = layer.project(x)
             o = kv.paged_attention(runtime, i, q, k, v, self.alpha, 1.0 / self.scaling_seqlen)
             x = layer.finish(x, u, o)
-        logits = self.score(x[: candidate_ids.shape[0]])
+        logits = self.score(x[: candidate_ids.shape[0]], candidate_ids)
         kv.end_batch(runtime, user_ids, logits)
         return logits
 
@@ -301,7 +378,7 @@ class HSTURanker(nn.Module):
             o = kv.paged_attention_step(runtime, i, q, k, v, plan, self.max_prefix_length, self.alpha,
                                         1.0 / self.scaling_seqlen)
             x = layer.finish(x, u, o)
-        return self.score(x[: inputs.candidate_ids.shape[0]])
+        return self.score(x[: inputs.candidate_ids.shape[0]], inputs.candidate_ids)
 
 
 def _keyed_rows(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,10 @@ def _check_request(runtime, limits, user_ids, history_lengths, item_ids, action_
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must match user_ids")
     torch._check(context_ids.shape[0] == user_ids.shape[0], lambda: "context_ids must match user_ids")
     torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
-    per_event = 1 if json.loads(limits).get("combined_action_bits", -1) >= 0 else 2  # model.event_tokens
-    token_ids = item_ids.new_empty(context_ids.shape[0] * context_ids.shape[1] + per_event * item_ids.shape[0])
+    limits = json.loads(limits)
+    per_event = 1 if limits.get("combined_action_bits", -1) >= 0 else 2  # model.event_tokens
+    num_context = context_ids.shape[1] - (1 if limits.get("query_time_periods") else 0)  # the query time's column
+    token_ids = item_ids.new_empty(context_ids.shape[0] * num_context + per_event * item_ids.shape[0])
     return (torch.empty_like(user_ids), torch.empty_like(history_lengths), token_ids,
             torch.empty_like(num_candidates), torch.empty_like(candidate_ids))
 

@@ -78,11 +78,11 @@ def _tensor_config(spec: dict, is_input: bool) -> str:
             f'{" allow_ragged_batch: true" if ragged else ""} }}')
 
 
-def model_config(name: str, max_batch_size: int, num_contextual_features: int, num_tasks: int, device: str,
+def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: int, device: str,
                  instances: int, parameters: dict[str, str] | None = None, batching: bool = True) -> str:
     """config.pbtxt of the repository's model (Triton's text protobuf); without batching, one user
     per model execution (max_batch_size 1, no dynamic batcher)."""
-    signature = serving_signature(name, num_contextual_features, num_tasks)
+    signature = serving_signature(name, context_width, num_tasks)
     inputs = ",\n".join(_tensor_config(spec, True) for spec in signature["inputs"])
     kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
     lines = [
@@ -137,7 +137,7 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
         (model / "1").mkdir(parents=True)
         device = artifact.manifest.get("device", config.serving.device)
         (model / "config.pbtxt").write_text(model_config(
-            name, config.serving.max_batch_size, config.model.num_contextual_features, config.model.num_tasks,
+            name, config.serving.max_batch_size, config.model.context_width, config.model.num_tasks,
             device, instances, parameters, batching))
         shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
         if copy_artifact:

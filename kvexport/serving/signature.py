@@ -16,9 +16,9 @@ LOGITS = "logits"
 INPUT_NAMES = (USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)
 
 
-def serving_signature(name: str, num_contextual_features: int, num_tasks: int) -> dict:
+def serving_signature(name: str, context_width: int, num_tasks: int) -> dict:
     """{"model", "inputs": [{"name", "datatype", "shape"}], "output": {...}} of `kvexport serve`."""
-    shapes = {USER_ID: [1, 1], ITEM_IDS: [1, "h"], ACTION_IDS: [1, "h"], CONTEXT_IDS: [1, num_contextual_features],
+    shapes = {USER_ID: [1, 1], ITEM_IDS: [1, "h"], ACTION_IDS: [1, "h"], CONTEXT_IDS: [1, context_width],
               CANDIDATE_IDS: [1, "T"]}
     return {"model": name,
             "inputs": [{"name": n, "datatype": "INT64", "shape": shapes[n]} for n in INPUT_NAMES],

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 
 from kvexport.config import CONTEXT_FEATURE_SHIFT, ModelConfig
-from kvexport.model.batch import Batch, UserRequest
+from kvexport.model.batch import QUERY_TIMES, Batch, UserRequest
 
 REWRITES = ("edit", "delete", "context")
 # With keys, the share of drawn ids that are keys (the rest: any id, mostly unknown ones).
@@ -145,9 +145,11 @@ class Workload:
         return user
 
     def request(self, user: UserHistory, num_candidates: int | None = None) -> UserRequest:
+        """The user's request now; a model whose head reads a query time gets a random one."""
         t = num_candidates or self.rng.randint(1, self.spec.num_candidates)
+        query_time = [self.rng.randrange(*QUERY_TIMES)] if self.model.head == "item_tower" else []
         return UserRequest(user.user_id, _int64(user.item_ids), _int64(user.action_ids),
-                           _int64(user.context_ids), _int64(self._items(t)))
+                           _int64(user.context_ids + query_time), _int64(self._items(t)))
 
     def next_batch(self, batch_size: int) -> Batch:
         """A batch of distinct users drawn from the population, each advanced one step."""

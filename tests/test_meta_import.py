@@ -1,0 +1,215 @@
+"""`kvexport import-checkpoint --from meta` end to end: a DLRMv3 checkpoint in its trainer's layout
+(tests/meta_fixture.py, sparse/ from 1 and 2 ranks) imported, then the eager model (full
+recompute and cached), the built package (verify) and the C++ replay agree with the independent
+DlrmHSTU reference (tests/meta_reference.py) under the per-user rules the import states."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvexport.artifact import TRACE_KEYS
+from kvexport.cli import main
+from kvexport.config import load_config
+from kvexport.model import build_model
+from kvexport.importers import meta_dlrmv3 as meta
+from kvexport.model.batch import SIGNATURE, Batch, random_batch
+from kvexport.ops.manager import KVCacheManager
+from kvexport.trace.workload import Workload, WorkloadSpec
+from tests.meta_fixture import FEATURES, IMPORTABLE_SIZES, TABLE_ROWS, dense_state, tables, write_checkpoint
+from tests.meta_reference import Rules, dlrm_hstu_forward
+from tests.test_importers import free_port
+
+SEED = 7
+MAX_HISTORY, MAX_CANDIDATES = 12, 4
+# The checkpoint does not hold contextual gates (a trainer config's contextual_feature_to_min_uih_length);
+# kvexport imports none, so the reference runs without the fixture's.
+UNGATED = dataclasses.replace(FEATURES, contextual_min_uih_lengths=())
+# The per-user rules the import states: positions counted from the maximum history, history events at
+# time row 0, the normaliser C + max history + max candidates.
+RULES = Rules(positions="from_max", times="zero", normaliser="fixed", max_history=MAX_HISTORY,
+              max_candidates=MAX_CANDIDATES)
+TOLERANCE = 2e-5
+
+
+def import_args(source, output, *extra) -> list[str]:
+    return ["import-checkpoint", "--from", "meta", str(source), "-o", str(output), "--num-heads",
+            str(IMPORTABLE_SIZES.HEADS), "--max-history-length", str(MAX_HISTORY), "--max-candidates",
+            str(MAX_CANDIDATES), "--contextual-features", ",".join(FEATURES.contextual_tables), *extra]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def imported(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"meta-import-world{request.param}")
+    write_checkpoint(out / "trainer", request.param, free_port(), seed=SEED, sizes=IMPORTABLE_SIZES)
+    result = CliRunner().invoke(main, import_args(out / "trainer", out / "dlrm.pt"))
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def reference(batch: Batch, config) -> torch.Tensor:
+    """DlrmHSTU's logits of a kvexport batch under RULES; a context id past its table is a missing feature."""
+    num_context = config.model.num_contextual_features
+    users, event, candidate = [], 0, 0
+    for b in range(batch.batch_size):
+        h, t = int(batch.history_lengths[b]), int(batch.num_candidates[b])
+        ids = batch.context_ids[b].tolist()
+        users.append({
+            "contextual": [c if c < TABLE_ROWS[table] else None
+                           for c, table in zip(ids[:num_context], FEATURES.contextual_tables)],
+            "history": batch.item_ids[event:event + h].tolist(), "actions": batch.action_ids[event:event + h].tolist(),
+            "timestamps": [0] * h, "candidates": batch.candidate_ids[candidate:candidate + t].tolist(),
+            "query_time": ids[num_context]})
+        event, candidate = event + h, candidate + t
+    return dlrm_hstu_forward(dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED), users, UNGATED, rules=RULES)
+
+
+def test_the_import_states_its_rules_and_writes_a_loadable_config(imported):
+    out, output = imported
+    assert "per-user rules" in output and f"attention normaliser {2 + MAX_HISTORY + MAX_CANDIDATES}" in output
+    config = load_config(out / "dlrm.yaml")
+    m = config.model
+    assert (m.head, m.event_tokens, m.candidate_position, m.silu_on, m.layer_output) == (
+        "item_tower", "combined", "shared_row", "u", "concat")
+    assert m.query_time_periods == ((3600, 24), (86400, 7)) and m.layer_norm_eps == 1e-6
+    assert m.item_vocab_size == TABLE_ROWS["video_id"] and m.item_ids == "rows"
+
+
+def test_eager_full_and_cached_match_the_reference(imported):
+    out, _ = imported
+    config = load_config(out / "dlrm.yaml")
+    model = build_model(config, out / "dlrm.pt")
+    spec = WorkloadSpec(num_users=6, min_history_length=1, max_history_length=MAX_HISTORY, max_new_events=3,
+                        num_candidates=MAX_CANDIDATES, rewrite_fraction=0.2)
+    workload = Workload(config.model, spec, seed=1, context_keys=[list(range(TABLE_ROWS[t]))
+                                                                  for t in FEATURES.contextual_tables])
+    cache = KVCacheManager(config)
+    cache.reset()
+    try:
+        with torch.no_grad():
+            for step in range(12):
+                batch = workload.next_batch(1 + step % 3)
+                expected = reference(batch, config)
+                torch.testing.assert_close(model(batch), expected, rtol=0, atol=TOLERANCE)
+                torch.testing.assert_close(model.forward_cached(batch), expected, rtol=0, atol=TOLERANCE)
+        assert cache.stats()["hit_tokens"] > 0
+    finally:
+        cache.close()
+
+
+def test_every_upstream_tensor_moves_the_imported_logits(imported):
+    """Each dense tensor and table changed alone and folded again (meta_dlrmv3.fold, the import
+    without its reader): the logits move, so the import drops nothing."""
+    out, _ = imported
+    config = load_config(out / "dlrm.yaml")
+    batch = random_batch(config.model, seed=2, history_lengths=[MAX_HISTORY, 3], num_candidates=[2, 3])
+    context = batch.context_ids.clone()
+    context[:, :2] = torch.tensor([[3, 1], [9, 4]])  # known ids of both features
+    batch = Batch(**{**batch.to_dict(), "context_ids": context})
+    with torch.no_grad():
+        base = build_model(config, out / "dlrm.pt")(batch)
+    dense, by_name = dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED)
+    options = meta.MetaOptions(num_heads=IMPORTABLE_SIZES.HEADS, max_history_length=MAX_HISTORY,
+                               max_num_candidates=MAX_CANDIDATES, contextual_features=FEATURES.contextual_tables)
+    checked, unmoved = 0, []
+    for key in [*dense, *by_name]:
+        if key.startswith(meta.ADDITIONAL_MLP) or dense.get(key, torch.zeros(1)).dtype == torch.int64:
+            continue  # unread without extra features; the action bits, an integer buffer
+        if key in (meta.PERIOD_UNITS, meta.UNITS_PER_PERIOD):
+            continue  # whole periods, read into the config (test_the_import_states_its_rules...)
+        # Noise, not a constant: a constant added before a LayerNorm cancels.
+        noise = lambda t: t + 0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype)
+        changed_dense = {**dense, **({key: noise(dense[key])} if key in dense else {})}
+        sparse = {meta.SPARSE_TABLE.format(n): noise(t) if n == key else t for n, t in by_name.items()}
+        imported_state = meta.fold(changed_dense, {k: tuple(t.shape) for k, t in sparse.items()},
+                                   lambda k, rows: sparse[k] if rows is None else sparse[k][rows], options, "x")
+        model = build_model(config)
+        model.load_state_dict(imported_state.state_dict)
+        with torch.no_grad():
+            unmoved += [key] if (model(batch) - base).abs().max() < 1e-6 else []
+        checked += 1
+    assert not unmoved and checked > 40, "\n".join(unmoved)
+
+
+@pytest.mark.slow
+def test_package_verify_and_cpp_replay_agree_with_the_reference(imported, tmp_path):
+    """Built from the import: the trace's expected outputs (what verify and the C++ replay check the
+    package against) equal the reference's on every recorded request, and both pass."""
+    out, _ = imported
+    if "world2" in str(out):
+        pytest.skip("one world size builds a package; the import is the same (above)")
+    package = tmp_path / "package"
+    built = CliRunner().invoke(main, ["build", str(out / "dlrm.yaml"), "--checkpoint", str(out / "dlrm.pt"),
+                                      "-o", str(package)])
+    assert built.exit_code == 0, built.output
+    config = load_config(out / "dlrm.yaml")
+    manifest = json.loads((package / "manifest.json").read_text())
+    steps = 0
+    for step in manifest["trace"][TRACE_KEYS["steps"]]:
+        if TRACE_KEYS["expect_error"] in step:
+            continue
+        recorded = torch.load(package / step[TRACE_KEYS["file"]], weights_only=True)
+        batch = Batch(*(recorded[name] for name in SIGNATURE))
+        expected = reference(batch, config)
+        for key in ("expected_cached", "expected_full"):
+            torch.testing.assert_close(recorded[TRACE_KEYS[key]], expected, rtol=0, atol=TOLERANCE)
+        steps += 1
+    assert steps >= 10
+    for command in (["verify", str(package)], ["replay", str(package)]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 0, result.output
+
+
+def test_served_item_ids_import_only_their_rows(imported, tmp_path):
+    out, _ = imported
+    served = [39, 2, 17, 5, 17]
+    (tmp_path / "items.txt").write_text("\n".join(map(str, served)) + "\n")
+    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "served.pt", "--items",
+                                                  str(tmp_path / "items.txt")))
+    assert result.exit_code == 0, result.output
+    config = load_config(tmp_path / "served.yaml")
+    assert config.model.item_ids == "keys" and config.model.item_vocab_size == 5  # 4 ids and the unknown row
+    model = build_model(config, tmp_path / "served.pt")
+    users = Batch(user_ids=torch.tensor([1, 2]), history_lengths=torch.tensor([3, 2]),
+                  item_ids=torch.tensor([5, 17, 39, 2, 2]), action_ids=torch.tensor([1, 0, 7, 3, 4]),
+                  context_ids=torch.tensor([[3, 1, 1_650_000_000], [7, 2, 1_650_003_600]]),
+                  num_candidates=torch.tensor([2, 1]), candidate_ids=torch.tensor([17, 39, 5]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(users), reference(users, config), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--contextual-features", "user_id"], "maps 2 contextual features; 1 named"),
+    (["--item-table", "nope"], "sparse/ holds sparse_dict._embedding_collection.embeddings.video_id.weight"),
+    (["--batch", "5"], "has no batch 5"),
+    (["--num-heads", "3"], "not a multiple of 3 heads"),
+])
+def test_unusable_imports_are_refused_by_name_and_write_nothing(imported, tmp_path, extra, message):
+    out, _ = imported
+    args = import_args(out / "trainer", tmp_path / "x.pt")
+    for flag, value in zip(extra[::2], extra[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_dqk_unequal_to_dv_is_refused(tmp_path):
+    write_checkpoint(tmp_path / "trainer", 1, free_port(), seed=SEED)  # DEFAULT_SIZES: dqk 3, dv 4
+    result = CliRunner().invoke(main, import_args(tmp_path / "trainer", tmp_path / "x.pt"))
+    assert result.exit_code == 2 and "q/k heads of another width than u/v's" in result.output, result.output
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_options_of_the_other_trainer_are_refused(tmp_path):
+    result = CliRunner().invoke(main, import_args(tmp_path, tmp_path / "x.pt", "--iteration", "3"))
+    assert result.exit_code == 2 and "--iteration does not apply to --from meta" in result.output
+    result = CliRunner().invoke(main, ["import-checkpoint", "--from", "meta", str(tmp_path), "-o", str(tmp_path / "x.pt")])
+    assert result.exit_code == 2 and "--from meta needs --num-heads" in result.output
