@@ -113,7 +113,7 @@ def test_cached_path_matches_recompute_as_the_query_time_moves(tower_model, towe
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda c: c[:, :-1], "context_ids has 3 columns, the model reads 3 contextual features and the query time"),
+    (lambda c: c[:, :-1], "context_ids has 3 features, the model has 3 and the query time"),
     (lambda c: torch.cat([c[:, :-1], -c[:, -1:]], 1), "context_ids' query time has -"),
 ])
 def test_a_request_without_a_valid_query_time_is_refused(tower_config, change, message):

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
-from tests.meta_fixture import FEATURES, IMPORTABLE_SIZES, TABLE_ROWS, dense_state, tables, write_checkpoint
+from tests.meta_fixture import FEATURES, IMPORTABLE_SIZES, ROOT, TABLE_ROWS, dense_state, tables, write_checkpoint
 from tests.meta_reference import Rules, dlrm_hstu_forward
 from tests.test_importers import free_port
 
@@ -146,22 +150,49 @@ def test_package_verify_and_cpp_replay_agree_with_the_reference(imported, tmp_pa
     built = CliRunner().invoke(main, ["build", str(out / "dlrm.yaml"), "--checkpoint", str(out / "dlrm.pt"),
                                       "-o", str(package)])
     assert built.exit_code == 0, built.output
-    config = load_config(out / "dlrm.yaml")
+    assert check_trace_against_the_reference(package, load_config(out / "dlrm.yaml")) >= 10
+    for command in (["verify", str(package)], ["replay", str(package)]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 0, result.output
+
+
+def check_trace_against_the_reference(package: Path, config) -> int:
+    """Asserts the trace's expected outputs equal the reference's on every recorded request; the
+    number of steps checked."""
     manifest = json.loads((package / "manifest.json").read_text())
     steps = 0
     for step in manifest["trace"][TRACE_KEYS["steps"]]:
         if TRACE_KEYS["expect_error"] in step:
             continue
         recorded = torch.load(package / step[TRACE_KEYS["file"]], weights_only=True)
-        batch = Batch(*(recorded[name] for name in SIGNATURE))
-        expected = reference(batch, config)
+        expected = reference(Batch(*(recorded[name] for name in SIGNATURE)), config)
         for key in ("expected_cached", "expected_full"):
             torch.testing.assert_close(recorded[TRACE_KEYS[key]], expected, rtol=0, atol=TOLERANCE)
         steps += 1
-    assert steps >= 10
-    for command in (["verify", str(package)], ["replay", str(package)]):
-        result = CliRunner().invoke(main, command)
-        assert result.exit_code == 0, result.output
+    return steps
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_imported_model_on_the_gpu(imported, tmp_path):
+    """The import built for CUDA (its step program too): the trace, recorded on the GPU, equals the
+    reference; verify passes, and the C++ replay through the model and through CUDA graphs."""
+    from kvexport.export.build import build_artifact
+    from kvexport.replay import replay_command
+    from kvexport.trace.verify import verify_artifact
+
+    out, _ = imported
+    if "world2" in str(out):
+        pytest.skip("one world size builds a package")
+    package = build_artifact(out / "dlrm.yaml", tmp_path / "gpu", checkpoint=out / "dlrm.pt", device="cuda")
+    assert check_trace_against_the_reference(package, load_config(out / "dlrm.yaml")) >= 10
+    report = verify_artifact(package)
+    assert report.passed, [s for s in report.steps if not s.passed]
+    for route in ("model", "graphs"):
+        result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_served_item_ids_import_only_their_rows(imported, tmp_path):
@@ -213,3 +244,21 @@ def test_options_of_the_other_trainer_are_refused(tmp_path):
     assert result.exit_code == 2 and "--iteration does not apply to --from meta" in result.output
     result = CliRunner().invoke(main, ["import-checkpoint", "--from", "meta", str(tmp_path), "-o", str(tmp_path / "x.pt")])
     assert result.exit_code == 2 and "--from meta needs --num-heads" in result.output
+
+
+README_BLOCK = re.compile(r"<!-- example: tests/test_meta_import\.py[^>]*-->\n```sh\n(.*?)```", re.S)
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs(tmp_path):
+    """The README's import-and-build block, run as written with its paths moved to tmp_path."""
+    blocks = README_BLOCK.findall((ROOT / "README.md").read_text())
+    assert len(blocks) == 1, "README.md has no (or several) Meta import example blocks"
+    script = blocks[0].replace("/tmp/meta-sample", str(tmp_path / "sample")).replace(
+        ".venv/bin/", str(Path(sys.executable).parent) + "/")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "per-user rules" in done.stdout and (tmp_path / "sample" / "artifact" / "model.pt2").is_file()
+    verified = CliRunner().invoke(main, ["verify", str(tmp_path / "sample" / "artifact")])
+    assert verified.exit_code == 0, verified.output

@@ -328,9 +328,8 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   check_rows("num_candidates", counts, num_users);
   check_rows("context_ids", context, num_users);
   if (context.size(1) != l.context_width()) {
-    refuse("context_ids has " + std::to_string(context.size(1)) + " columns, the model reads " +
-           std::to_string(l.num_contextual_features) + " contextual features" +
-           (l.reads_query_time() ? " and the query time" : ""));
+    refuse("context_ids has " + std::to_string(context.size(1)) + " features, the model has " +
+           std::to_string(l.num_contextual_features) + (l.reads_query_time() ? " and the query time" : ""));
   }
   check_distinct(users);
   check_range("history_lengths", history, 0, l.max_history_length + 1, "events");
