@@ -59,6 +59,12 @@ EVENT_TOKENS = ("pairs", "combined")
 # ("shared_row": a trainer whose candidates share one position whatever the history's length, as
 # Meta's DLRMv3 puts every candidate at the position just past the contextual tokens).
 CANDIDATE_POSITIONS = ("after_prefix", "shared_row")
+# What a contextual token attends to (docs/design.md §1.4): the tokens before it and itself
+# ("causal": kvexport, every trainer's inference), or every token of the user's prefix
+# ("whole_prefix": NVIDIA recsys-examples' training default, without disable_contextual_mask).
+# With whole_prefix every cached state depends on the whole prefix, so a user's cache is reused
+# only when its prefix is unchanged (new candidates for the same history).
+CONTEXT_ATTENTION = ("causal", "whole_prefix")
 # The prediction head (docs/design.md §1.5): "mlp" (kvexport, NVIDIA) L2-normalises the candidate's
 # state and runs Linear, activation, Linear; "item_tower" (Meta's DLRMv3) combines the state with
 # features of the request's query time, multiplies it by the candidate's row of a second item table
@@ -102,6 +108,7 @@ class ModelConfig:
     event_tokens: str = "pairs"
     candidate_position: str = "after_prefix"
     head: str = "mlp"
+    context_attention: str = "causal"
     # [seconds per unit, units per cycle] of each calendar feature an item_tower head reads from the
     # query time: [[3600, 24], [86400, 7]] is the hour of the day and the day of the week.
     query_time_periods: tuple = ()
@@ -124,6 +131,12 @@ class ModelConfig:
     def time_code_bits(self) -> int:
         """Low bits of a checked candidate id that hold its query time's code (0 without item_tower)."""
         return (self.num_time_codes - 1).bit_length() if self.head == "item_tower" else 0
+
+    @property
+    def context_rows_see_prefix(self) -> int:
+        """A user's first rows that read its whole prefix: its contextual tokens under
+        context_attention whole_prefix, else none."""
+        return self.num_contextual_features if self.context_attention == "whole_prefix" else 0
 
     @property
     def context_width(self) -> int:
@@ -234,6 +247,8 @@ class Config:
                 "stall_timeout_ms": c.stall_timeout_ms,
                 "remote_read_budget_us": c.remote_read_budget_us,
                 "remote_ttl_s": c.remote_ttl_s,
+                # Only when set: a causal package keeps the runtime config every build had before.
+                **({"context_rows_see_prefix": m.context_rows_see_prefix} if m.context_rows_see_prefix else {}),
             },
             sort_keys=True,
         )
@@ -379,7 +394,7 @@ def _check(config: Config) -> None:
     for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
                           ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS),
                           ("event_tokens", EVENT_TOKENS), ("candidate_position", CANDIDATE_POSITIONS),
-                          ("head", HEADS)):
+                          ("head", HEADS), ("context_attention", CONTEXT_ATTENTION)):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
     if m.context_ids == "keys" and not 0 < m.num_contextual_features <= MAX_KEYED_CONTEXT_FEATURES:

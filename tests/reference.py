@@ -13,14 +13,17 @@ import torch
 from torch.nn import functional as F
 
 
-def reference_attention(q, k, v, prefix_length: int, alpha: float, scaling_seqlen: int):
-    """One user's sequence [n, H, dh] (prefix then candidates) -> [n, H, dh]."""
+def reference_attention(q, k, v, prefix_length: int, alpha: float, scaling_seqlen: int, context_rows: int = 0):
+    """One user's sequence [n, H, dh] (prefix then candidates) -> [n, H, dh]; the first
+    `context_rows` rows read the whole prefix."""
     n = q.shape[0]
     mask = torch.zeros(n, n, dtype=q.dtype)
     for i in range(n):
         for j in range(n):
             is_candidate = i >= prefix_length
-            if (not is_candidate and j <= i) or (is_candidate and (j < prefix_length or j == i)):
+            if i < context_rows and j < prefix_length:
+                mask[i, j] = 1.0
+            elif (not is_candidate and j <= i) or (is_candidate and (j < prefix_length or j == i)):
                 mask[i, j] = 1.0
     out = torch.zeros_like(q)
     for h in range(q.shape[1]):
@@ -69,10 +72,11 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
                       silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows",
                       context_ids: str = "rows", event_tokens: str = "pairs",
                       candidate_position: str = "after_prefix", head: str = "mlp",
-                      query_time_periods: tuple = ()) -> torch.Tensor:
+                      query_time_periods: tuple = (), context_attention: str = "causal") -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
-    semantics switches of the same names (docs/design.md §1.3, §1.5) and model.item_ids,
-    context_ids, event_tokens, candidate_position, head and query_time_periods, given by the caller."""
+    semantics switches of the same names (docs/design.md §1.3-1.5) and model.item_ids,
+    context_ids, event_tokens, candidate_position, head, query_time_periods and
+    context_attention, given by the caller."""
     outputs = []
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
@@ -92,7 +96,8 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
         cand = model.item_embedding.weight[candidate_rows] * scale + model.position_embedding.weight[slot]
         x = torch.cat([prefix, cand])
         for layer in model.layers:
-            x = reference_layer(layer, x, p, model.scaling_seqlen, layer_norm_eps, silu_on, layer_output)
+            context_rows = len(context) if context_attention == "whole_prefix" else 0
+            x = reference_layer(layer, x, p, model.scaling_seqlen, layer_norm_eps, silu_on, layer_output, context_rows)
         if head == "item_tower":
             code = time_code(query_time, query_time_periods)
             outputs.append(reference_item_tower(model.head, x[p:], candidate_rows, code))
@@ -102,7 +107,7 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
 
 
 def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int, eps: float = 1e-5, silu_on: str = "uvqk",
-                    layer_output: str = "gated"):
+                    layer_output: str = "gated", context_rows: int = 0):
     """docs/design.md §1 steps 1-4 for one user's sequence x [n, d]."""
     heads, head_dim = layer.num_heads, layer.head_dim
     size = heads * head_dim
@@ -111,7 +116,8 @@ def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int, eps: floa
     parts = [projected[:, i * size:(i + 1) * size] for i in range(4)]  # u, v, q, k
     parts = [F.silu(part) if i == 0 or silu_on == "uvqk" else part for i, part in enumerate(parts)]
     u, v, q, k = (part.reshape(-1, heads, head_dim) for part in parts)
-    o = reference_attention(q, k, v, prefix_length, 1.0 / math.sqrt(head_dim), scaling_seqlen).reshape(-1, size)
+    o = reference_attention(q, k, v, prefix_length, 1.0 / math.sqrt(head_dim), scaling_seqlen,
+                            context_rows).reshape(-1, size)
     u = u.reshape(-1, size)
     gated = u * F.layer_norm(o, (size,), layer.attention_norm.weight, layer.attention_norm.bias, eps)
     features = torch.cat([u, o, gated], dim=1) if layer_output == "concat" else gated

@@ -27,7 +27,8 @@ def tiny_with(**model_fields) -> dict:
 
 
 SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
-            "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined", "candidate_position": "shared_row"}
+            "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined", "candidate_position": "shared_row",
+            "context_attention": "whole_prefix"}
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -40,6 +41,7 @@ SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "
     ("context_ids", "hashed", "model.context_ids must be one of rows, keys, got 'hashed'"),
     ("event_tokens", "triples", "model.event_tokens must be one of pairs, combined, got 'triples'"),
     ("candidate_position", "first", "model.candidate_position must be one of after_prefix, shared_row, got 'first'"),
+    ("context_attention", "full", "model.context_attention must be one of causal, whole_prefix, got 'full'"),
 ])
 def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
@@ -64,8 +66,13 @@ def switched_model(tiny_model, tiny_config, **switches):
     return model
 
 
-@pytest.mark.parametrize("switch", [{name: value} for name, value in SWITCHES.items()] + [SWITCHES],
-                         ids=[*SWITCHES, "all"])
+# context_attention moves the tiny model's logits by ~1e-8 only (its S is large, and the contextual rows'
+# extra keys reach the candidates through a second division by S): tested on its own below.
+ALONE = {name: value for name, value in SWITCHES.items() if name != "context_attention"}
+
+
+@pytest.mark.parametrize("switch", [{name: value} for name, value in ALONE.items()] + [SWITCHES],
+                         ids=[*ALONE, "all"])
 def test_each_switch_matches_the_reference_and_changes_the_output(tiny_model, tiny_config, switch):
     model = switched_model(tiny_model, tiny_config, **switch)
     batch = random_batch(tiny_config.model, seed=3, history_lengths=[1, 9, 4], num_candidates=[3, 1, 6])
@@ -73,6 +80,25 @@ def test_each_switch_matches_the_reference_and_changes_the_output(tiny_model, ti
         got, default = model(batch), tiny_model(batch)
         torch.testing.assert_close(got, reference_forward(model, batch, **switch), rtol=1e-5, atol=1e-5)
     assert (got - default).abs().max() > 1e-6
+
+
+def test_contextual_rows_reading_the_whole_prefix_match_the_reference(tiny_model, tiny_config):
+    """With S small enough that attention matters, whole_prefix moves the logits and matches the
+    reference's mask (contextual rows read every prefix token, later ones too)."""
+    causal = switched_model(tiny_model, tiny_config, scaling_seqlen=4)
+    whole = switched_model(tiny_model, tiny_config, scaling_seqlen=4, context_attention="whole_prefix")
+    with torch.no_grad():  # the same larger projections in both, so that attention moves the state
+        for model in (causal, whole):
+            for layer in model.layers:
+                layer.uvqk.weight.mul_(4)
+                layer.output.weight.mul_(4)
+    batch = random_batch(tiny_config.model, seed=3, history_lengths=[1, 9, 4], num_candidates=[3, 1, 6])
+    with torch.no_grad():
+        got = whole(batch)
+        torch.testing.assert_close(got, reference_forward(whole, batch, context_attention="whole_prefix"),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(causal(batch), reference_forward(causal, batch), rtol=1e-5, atol=1e-5)
+        assert (got - causal(batch)).abs().max() > 1e-3
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ PlanRows collect_rows(const BatchPlan& plan, const std::vector<const std::vector
     const auto& pages = *user_pages[b];
     for (int64_t p = plan.cached_lengths[b]; p < token_lengths[b]; ++p) {
       r.row_user.push_back(b);
-      r.row_keys.push_back(p + 1);
+      r.row_keys.push_back(p < plan.context_rows_see_prefix ? token_lengths[b] : p + 1);
       r.row_candidate.push_back(0);
       r.write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
       r.new_index.push_back(first_token + p);

@@ -25,12 +25,15 @@ struct BatchPlan {
   std::vector<int64_t> user_ids;
   std::vector<int64_t> cached_lengths;  // reused prefix per user
   std::vector<std::vector<int64_t>> uncached_tokens;  // each user's tokens after its cached prefix
+  // A user's first rows that read its whole prefix (RuntimeConfig::context_rows_see_prefix).
+  int64_t context_rows_see_prefix = 0;
   int64_t num_candidate_rows = 0;
   int64_t num_new_prefix_rows = 0;
   // On the cache's device:
   at::Tensor page_table;     // [B, max_pages] int64, page of each user's j-th page slot
   at::Tensor row_user;       // [N] int64, batch index of each new row
   at::Tensor row_keys;       // [N] int64, cached keys a row reads: position + 1, or the prefix length
+                             // (candidates, and contextual rows under context_rows_see_prefix)
   at::Tensor row_candidate;  // [N] bool, true for candidate rows (they also read themselves)
   at::Tensor write_slots;    // [num_new_prefix_rows] int64, slot of each new prefix row in a layer's
                              // cache viewed as [pages * 2 * page_size, heads, head_dim] (k; v is +page_size)

@@ -50,6 +50,9 @@ RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
   if (j.contains("stall_timeout_ms")) c.stall_timeout_ms = positive_field(j, "stall_timeout_ms");
   if (j.contains("remote_read_budget_us")) c.remote_read_budget_us = positive_field(j, "remote_read_budget_us");
   if (j.contains("remote_ttl_s")) c.remote_ttl_s = positive_field(j, "remote_ttl_s", /*allow_zero=*/true);
+  if (j.contains("context_rows_see_prefix")) {
+    c.context_rows_see_prefix = positive_field(j, "context_rows_see_prefix", /*allow_zero=*/true);
+  }
   return c;
 }
 

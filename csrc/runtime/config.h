@@ -22,6 +22,11 @@ struct RuntimeConfig {
   // remote reads, and an entry expires remote_ttl_s after it was written (0: never).
   int64_t remote_read_budget_us = 5000;
   int64_t remote_ttl_s = 86400;
+  // model.context_attention: whole_prefix: a user's first context_rows_see_prefix rows (its
+  // contextual tokens) read every token of its prefix, so their states, and through them every
+  // later layer's k/v, depend on the whole prefix: a cached prefix is reused only when the request's
+  // prefix equals it. 0: causal, the default.
+  int64_t context_rows_see_prefix = 0;
 
   // Throws std::invalid_argument naming the bad or missing field.
   static RuntimeConfig from_json(const std::string& json);

@@ -233,6 +233,7 @@ std::vector<const std::vector<int64_t>*> KVRuntime::plan_batch(std::unique_lock<
   for_each_item(num_users, parallel ? at::get_num_threads() : 1, compare);
   plan_ = BatchPlan{};
   plan_.user_ids = user_ids;
+  plan_.context_rows_see_prefix = config_.context_rows_see_prefix;
   for (int64_t b = 0; b < num_users; ++b) {
     const int64_t* tokens = token_ids.data() + first_token[b];
     const int64_t cached = reuse_prefix(user_ids[b], common[b], token_lengths[b], offloaded[b]);
@@ -295,6 +296,10 @@ int64_t KVRuntime::reuse_prefix(int64_t user_id, int64_t common, int64_t length,
   int64_t reused = 0;
   if (stored) {
     reused = common;
+    // Contextual rows that read the whole prefix make every cached state depend on all of it:
+    // reuse it whole or not at all.
+    const bool whole = common == length && common == static_cast<int64_t>(stored->size());
+    if (config_.context_rows_see_prefix > 0 && !whole) reused = 0;
     if (reused < static_cast<int64_t>(stored->size())) ++counters_.prefix_truncations;
   }
   if (entry) truncate(*entry, reused);

@@ -157,20 +157,23 @@ class HSTULayer(nn.Module):
         return x + self.output(torch.cat([u, o, gated], dim=1) if self.layer_output == "concat" else gated)
 
 
-def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int,
+                   context_rows: int = 0) -> torch.Tensor:
     """[B, L, L] bool: query i may read key j (docs/design.md §1.4).
 
     Causal over the prefix; a candidate reads the whole prefix and itself; padding reads nothing.
+    context_rows: the first rows that read the whole prefix (model.context_attention: whole_prefix).
     """
     steps = torch.arange(max_length, device=prefix_lengths.device)
     i, j = steps.view(1, -1, 1), steps.view(1, 1, -1)
     prefix = prefix_lengths.view(-1, 1, 1)
     valid = (i < sequence_lengths.view(-1, 1, 1)) & (j < sequence_lengths.view(-1, 1, 1))
-    return valid & (((j < prefix) & (j <= i)) | (i == j))
+    return valid & (((j < prefix) & ((j <= i) | (i < context_rows))) | (i == j))
 
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                     prefix_lengths: torch.Tensor, alpha: float, scaling_seqlen: int) -> torch.Tensor:
+                     prefix_lengths: torch.Tensor, alpha: float, scaling_seqlen: int,
+                     context_rows: int = 0) -> torch.Tensor:
     """HSTU attention over user-major jagged rows [N, H, dh] (each user: prefix, then candidates)."""
     lengths = offsets[1:] - offsets[:-1]
     max_length = int(lengths.max())
@@ -178,7 +181,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
               for t in (q, k, v)]  # each [B, L, H, dh]
     qp, kp, vp = (t.transpose(1, 2) for t in padded)  # [B, H, L, dh]
     scores = nn.functional.silu(alpha * qp @ kp.transpose(-1, -2)) / scaling_seqlen  # [B, H, L, L]
-    scores = scores * attention_mask(prefix_lengths, lengths, max_length).unsqueeze(1)
+    scores = scores * attention_mask(prefix_lengths, lengths, max_length, context_rows).unsqueeze(1)
     out = (scores @ vp).transpose(1, 2)  # [B, L, H, dh]
     return jagged.padded_to_jagged(out.flatten(2), offsets, q.shape[0]).unflatten(1, q.shape[1:])
 
@@ -197,6 +200,7 @@ class HSTURanker(nn.Module):
         self.max_prefix_length = m.max_prefix_length
         self.action_bits = m.action_bits if m.event_tokens == "combined" else None
         self.shared_candidate_row = m.candidate_position == "shared_row"
+        self.context_rows_see_prefix = m.context_rows_see_prefix
         # model.head: item_tower: checked candidate ids carry a query-time code in these low bits.
         self.query_time_periods = m.query_time_periods if m.head == "item_tower" else None
         self.time_code_bits = m.time_code_bits
@@ -310,7 +314,8 @@ class HSTURanker(nn.Module):
         x = torch.cat([prefix, candidates])[rows]  # [N, d] user-major: prefix_b, candidates_b
         for layer in self.layers:
             u, v, q, k = layer.project(x)
-            o = jagged_attention(q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen)
+            o = jagged_attention(q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen,
+                                 self.context_rows_see_prefix)
             x = layer.finish(x, u, o)
         candidate_rows = torch.empty_like(rows)
         candidate_rows[rows] = torch.arange(rows.shape[0], device=rows.device)
