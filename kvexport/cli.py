@@ -390,13 +390,16 @@ class TableRows(click.ParamType):
                    "(default: the whole item table, ids as rows).")
 @click.option("--batch", "batch_index", type=click.IntRange(min=0),
               help="meta: which <batch> directory of SOURCE (default: the newest).")
+@click.option("--history-time", type=click.Choice(["zero", "none"]),
+              help="meta: the time row history events read in place of their age's bucket, which no cache can "
+                   "follow: row 0, an event that just happened (the default), or none (docs/checkpoint.md).")
 @click.option("--name", help="The model's name in the config (default: the output's stem).")
 @_handle_errors
 def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path | None,
                       table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str,
                       contextual: str, skip_contextual: bool, iteration: int | None, num_heads: int | None,
                       max_history_length: int | None, max_candidates: int | None, items_file: Path | None,
-                      batch_index: int | None, name: str | None) -> None:
+                      batch_index: int | None, history_time: str | None, name: str | None) -> None:
     """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
 
     Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
@@ -417,9 +420,11 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
     given = {"--trainer-config": trainer_config, "--table-rows": table_rows or None,
              "--no-contextual-features": skip_contextual or None, "--iteration": iteration,
              "--num-heads": num_heads, "--max-history-length": max_history_length,
-             "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index}
+             "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index,
+             "--history-time": history_time}
     own = {"nvidia": ("--trainer-config", "--table-rows", "--no-contextual-features", "--iteration"),
-           "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch")}
+           "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
+                    "--history-time")}
     stray = [flag for flag, value in given.items() if value is not None and flag not in own[trainer]]
     if stray:
         raise click.UsageError(f"{stray[0]} does not apply to --from {trainer}")
@@ -439,7 +444,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
         options = MetaOptions(num_heads=num_heads, max_history_length=max_history_length,
                               max_num_candidates=max_candidates, item_table=item_table,
                               contextual_features=features,
-                              items=None if items_file is None else read_item_ids(items_file), batch=batch_index)
+                              items=None if items_file is None else read_item_ids(items_file), batch=batch_index,
+                              history_time=history_time or "zero")
         imported = import_meta(source, options, name or output.stem)
     config = config_from_dict(imported.config)  # the written config must load as it is
     with torch.device("meta"):  # the model's shapes only, without allocating its tables

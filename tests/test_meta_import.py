@@ -55,8 +55,8 @@ def imported(request, tmp_path_factory):
     return out, result.output
 
 
-def reference(batch: Batch, config) -> torch.Tensor:
-    """DlrmHSTU's logits of a kvexport batch under RULES; a context id past its table is a missing feature."""
+def reference(batch: Batch, config, rules: Rules = RULES) -> torch.Tensor:
+    """DlrmHSTU's logits of a kvexport batch under `rules`; a context id past its table is a missing feature."""
     num_context = config.model.num_contextual_features
     users, event, candidate = [], 0, 0
     for b in range(batch.batch_size):
@@ -69,7 +69,7 @@ def reference(batch: Batch, config) -> torch.Tensor:
             "timestamps": [0] * h, "candidates": batch.candidate_ids[candidate:candidate + t].tolist(),
             "query_time": ids[num_context]})
         event, candidate = event + h, candidate + t
-    return dlrm_hstu_forward(dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED), users, UNGATED, rules=RULES)
+    return dlrm_hstu_forward(dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED), users, UNGATED, rules=rules)
 
 
 def test_the_import_states_its_rules_and_writes_a_loadable_config(imported):
@@ -193,6 +193,24 @@ def test_the_imported_model_on_the_gpu(imported, tmp_path):
         result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_history_events_without_a_time_row_match_that_rule(imported, tmp_path):
+    """--history-time none: every history event reads no time row, as the reference's times "none"."""
+    out, _ = imported
+    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "none.pt", "--history-time", "none"))
+    assert result.exit_code == 0 and "no time row for history events" in result.output, result.output
+    config = load_config(tmp_path / "none.yaml")
+    model = build_model(config, tmp_path / "none.pt")
+    batch = random_batch(config.model, seed=4, history_lengths=[MAX_HISTORY, 5], num_candidates=[3, 2])
+    context = batch.context_ids.clone()
+    context[:, :2] = torch.tensor([[3, 1], [9, 4]])
+    batch = Batch(**{**batch.to_dict(), "context_ids": context})
+    with torch.no_grad():
+        got = model(batch)
+        torch.testing.assert_close(got, reference(batch, config, dataclasses.replace(RULES, times="none")),
+                                   rtol=0, atol=TOLERANCE)
+        assert (got - reference(batch, config)).abs().max() > 1e-3  # the zero rule's logits differ
 
 
 def test_served_item_ids_import_only_their_rows(imported, tmp_path):

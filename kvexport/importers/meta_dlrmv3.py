@@ -300,6 +300,10 @@ class _Reads(dict):
         return super().get(key, default)
 
 
+# --history-time: the time row of every history event (None: none).
+HISTORY_TIMES = {"zero": 0, "none": None}
+
+
 @dataclasses.dataclass(frozen=True)
 class MetaOptions:
     num_heads: int                      # not in the checkpoint: DLRMv3's config (hstu_num_heads)
@@ -308,6 +312,9 @@ class MetaOptions:
     item_table: str = "video_id"
     contextual_features: tuple[str, ...] = ()  # tables in the trainer's contextual feature order
     items: tuple[int, ...] | None = None  # the item ids served; None: the whole table, ids as rows
+    # The time row every history event reads in place of its age's bucket: "zero" (row 0, an event
+    # that just happened) or "none" (no time row); benchmarks/meta_rules.py measures both.
+    history_time: str = "zero"
     batch: int | None = None             # the <batch> directory (default: the newest)
 
 
@@ -429,14 +436,19 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     out["item_embedding.weight"] = items
     out.update(head)
     out["action_embedding.weight"] = action_rows(dense)
-    out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length, 0)
+    if options.history_time not in HISTORY_TIMES:
+        _refuse(f"history time {options.history_time!r} is not one of {', '.join(HISTORY_TIMES)}")
+    out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length,
+                                                     HISTORY_TIMES[options.history_time])
     unread = sorted(key for key in dense if key not in dense.read)
     if unread:
         _refuse(f"checkpoint tensor {unread[0]} has no counterpart in kvexport's model (unknown key)")
     scaling = num_context + options.max_history_length + options.max_num_candidates
     notes.append(f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
                  f"{scaling} (C + max history + max candidates), positions counted back from "
-                 f"{options.max_history_length} events, every history event at time row 0 (docs/checkpoint.md)")
+                 f"{options.max_history_length} events, "
+                 + ("every history event at time row 0" if options.history_time == "zero" else "no time row for "
+                    "history events") + " (docs/checkpoint.md)")
     longest = num_context + options.max_history_length
     config = {
         "name": name,
