@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -278,5 +279,24 @@ def test_the_readme_example_runs(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "per-user rules" in done.stdout and (tmp_path / "sample" / "artifact" / "model.pt2").is_file()
-    verified = CliRunner().invoke(main, ["verify", str(tmp_path / "sample" / "artifact")])
+    artifact = tmp_path / "sample" / "artifact"
+    verified = CliRunner().invoke(main, ["verify", str(artifact)])
     assert verified.exit_code == 0, verified.output
+    # What a serving team sees: the query time is context_ids' third column, and Triton's scorer
+    # answers a user's request with what the package computes.
+    inspected = CliRunner().invoke(main, ["inspect", str(artifact)])
+    assert "context_ids      INT64    [1, 3]" in inspected.output, inspected.output
+    import kvexport
+    from kvexport.serving.batcher import BatchScorer
+
+    user = {"user_id": np.array([[7]]), "item_ids": np.array([[4, 10, 22]]), "action_ids": np.array([[1, 0, 5]]),
+            "context_ids": np.array([[3, 1, 1_650_000_000]]), "candidate_ids": np.array([[6, 8]])}
+    with kvexport.load(artifact) as package:
+        served = BatchScorer(package).score([user])[0]
+    config = load_config(tmp_path / "sample" / "model.yaml")
+    model = build_model(config, tmp_path / "sample" / "model.pt")
+    batch = Batch(user_ids=torch.tensor([7]), history_lengths=torch.tensor([3]), item_ids=torch.tensor([4, 10, 22]),
+                  action_ids=torch.tensor([1, 0, 5]), context_ids=torch.tensor([[3, 1, 1_650_000_000]]),
+                  num_candidates=torch.tensor([2]), candidate_ids=torch.tensor([6, 8]))
+    with torch.no_grad():
+        torch.testing.assert_close(served.cpu(), model(batch), rtol=0, atol=1e-5)
