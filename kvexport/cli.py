@@ -373,8 +373,7 @@ class TableRows(click.ParamType):
 @click.option("--table-rows", type=TableRows(), multiple=True,
               help="nvidia: rows of a data-parallel table (repeatable); the checkpoint does not hold them.")
 @click.option("--item-table", default="video_id", show_default=True, help="The item feature's table.")
-@click.option("--action-table", default="action_weights", show_default=True,
-              help="nvidia: the action feature's table.")
+@click.option("--action-table", help="nvidia: the action feature's table (default: action_weights).")
 @click.option("--contextual-features", "contextual", metavar="NAME,...", default="",
               help="The contextual features' tables in token order (the trainer's preprocessor order).")
 @click.option("--no-contextual-features", "skip_contextual", is_flag=True,
@@ -396,7 +395,7 @@ class TableRows(click.ParamType):
 @click.option("--name", help="The model's name in the config (default: the output's stem).")
 @_handle_errors
 def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path | None,
-                      table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str,
+                      table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str | None,
                       contextual: str, skip_contextual: bool, iteration: int | None, num_heads: int | None,
                       max_history_length: int | None, max_candidates: int | None, items_file: Path | None,
                       batch_index: int | None, history_time: str | None, name: str | None) -> None:
@@ -417,12 +416,12 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
 
     config_out = config_out or output.with_suffix(".yaml")
     features = tuple(f.strip() for f in contextual.split(",") if f.strip())
-    given = {"--trainer-config": trainer_config, "--table-rows": table_rows or None,
+    given = {"--trainer-config": trainer_config, "--table-rows": table_rows or None, "--action-table": action_table,
              "--no-contextual-features": skip_contextual or None, "--iteration": iteration,
              "--num-heads": num_heads, "--max-history-length": max_history_length,
              "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index,
              "--history-time": history_time}
-    own = {"nvidia": ("--trainer-config", "--table-rows", "--no-contextual-features", "--iteration"),
+    own = {"nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features", "--iteration"),
            "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
                     "--history-time")}
     stray = [flag for flag, value in given.items() if value is not None and flag not in own[trainer]]
@@ -435,7 +434,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
     if trainer == "nvidia":
         from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
 
-        options = ImportOptions(item_table=item_table, action_table=action_table, table_rows=dict(table_rows),
+        options = ImportOptions(item_table=item_table, action_table=action_table or "action_weights",
+                                table_rows=dict(table_rows),
                                 contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
         imported = import_nvidia(source, trainer_config, options, name or output.stem)
     else:
@@ -681,6 +681,7 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
     \b
     One inference request is one user, each tensor a batch of one (as `kvexport inspect OUT` prints):
       user_id [1, 1], item_ids [1, h], action_ids [1, h], context_ids [1, C], candidate_ids [1, T]
+      (context_ids [1, C + 1] with an item_tower head: the query time last)
       INT64 -> logits [1, T, num_tasks] FP32
     Runs the model repository `kvexport triton-repo` writes (the artifact referenced where it is,
     in a private workspace) under the extra's tritonserver. The Triton model is named after the

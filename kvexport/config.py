@@ -355,8 +355,9 @@ def _check_head(m: ModelConfig) -> None:
     for seconds, units in m.query_time_periods:
         if seconds <= 0 or units <= 0 or seconds >= 1 << 24:
             raise ConfigError(f"model.query_time_periods: [{seconds}, {units}] must be positive, seconds below 2^24")
-    if m.num_time_codes > MAX_TIME_CODES:
-        raise ConfigError(f"model.query_time_periods make {m.num_time_codes} codes, more than {MAX_TIME_CODES}")
+    if not 2 <= m.num_time_codes <= MAX_TIME_CODES:
+        raise ConfigError(f"model.query_time_periods make {m.num_time_codes} codes; an item_tower head reads "
+                          f"2 to {MAX_TIME_CODES}")
     if m.item_ids == "rows" and m.item_vocab_size > 1 << (63 - m.time_code_bits):
         raise ConfigError(f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for the query time's "
                           f"{m.time_code_bits}-bit code in a checked candidate id")

@@ -33,34 +33,50 @@ DLRM_SWITCHES = {"event_tokens": "combined", "candidate_position": "shared_row",
 
 
 @pytest.mark.parametrize("switches", [{}, {"event_tokens": "combined", "candidate_position": "shared_row"},
-                                      DLRM_SWITCHES, {"context_attention": "whole_prefix"}],
+                                      DLRM_SWITCHES, {"context_attention": "whole_prefix", "scaling_seqlen": 4}],
                          ids=["default", "combined-shared-row", "dlrm-item-tower", "context-whole-prefix"])
 def test_cached_equals_recompute_under_eviction(switches):
     config = small_cache_config(**switches)
     model = build_model(config, seed=1)
+    whole_prefix = switches.get("context_attention") == "whole_prefix"
+    if whole_prefix:
+        # A small S and larger projections, so that what contextual rows read moves the logits
+        # (on the tiny model's S of 1024 the mask changes them by ~1e-8): asserted below.
+        causal = build_model(small_cache_config(**{**switches, "context_attention": "causal"}), seed=1)
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.uvqk.weight.mul_(4)
+                layer.output.weight.mul_(4)
+        causal.load_state_dict(model.state_dict())
+        mask_moved = 0.0
     cache = KVCacheManager(config)
     cache.reset()
     spec = WorkloadSpec(num_users=12, min_history_length=8, max_history_length=48, max_new_events=6,
                         num_candidates=6, rewrite_fraction=0.15)
     workload = Workload(config.model, spec, seed=2)
     partial_hits = 0
-    for step in range(60):
-        batch = workload.next_batch(batch_size=1 + step % 3)
-        before = cache.stats()
-        with torch.no_grad():
-            cached = model.forward_cached(batch)
-            full = model(batch)
-        after = cache.stats()
-        assert torch.allclose(cached, full, rtol=0, atol=1e-4), f"request {step}: cached != recompute"
-        hits = after["hit_tokens"] - before["hit_tokens"]
-        recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
-        partial_hits += batch.batch_size == 1 and hits > 0 and recomputed > 0
-    stats = cache.stats()
-    cache.close()
+    try:  # closed on failure too: the next test makes a runtime of the same name
+        for step in range(60):
+            batch = workload.next_batch(batch_size=1 + step % 3)
+            before = cache.stats()
+            with torch.no_grad():
+                cached = model.forward_cached(batch)
+                full = model(batch)
+            after = cache.stats()
+            assert torch.allclose(cached, full, rtol=0, atol=1e-4), f"request {step}: cached != recompute"
+            if whole_prefix:
+                with torch.no_grad():
+                    mask_moved = max(mask_moved, (causal(batch) - full).abs().max().item())
+            hits = after["hit_tokens"] - before["hit_tokens"]
+            recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
+            partial_hits += batch.batch_size == 1 and hits > 0 and recomputed > 0
+        stats = cache.stats()
+    finally:
+        cache.close()
     assert stats["lookups"] == sum(1 + s % 3 for s in range(60))
     # Contextual rows that read the whole prefix allow reuse only of an unchanged prefix.
-    whole_prefix = switches.get("context_attention") == "whole_prefix"
     assert stats["hit_tokens"] > 0 and (partial_hits == 0 if whole_prefix else partial_hits > 0)
+    assert not whole_prefix or mask_moved > 1e-3
     assert stats["device_evictions"] > 0
     assert stats["offloads"] > 0
     assert stats["onboards"] > 0

@@ -135,7 +135,8 @@ def test_a_user_request_names_the_query_time(tower_config):
     ({"query_time_periods": []}, "model.query_time_periods must name at least one"),
     ({"query_time_periods": [[3600]]}, "model.query_time_periods must be a list of .int, int. pairs"),
     ({"query_time_periods": [[0, 24]]}, r"model.query_time_periods: \[0, 24\] must be positive"),
-    ({"query_time_periods": [[60, 1000], [3600, 1000]]}, "make 1000000 codes, more than 65536"),
+    ({"query_time_periods": [[60, 1000], [3600, 1000]]}, "make 1000000 codes; an item_tower head reads 2 to 65536"),
+    ({"query_time_periods": [[3600, 1]]}, "make 1 codes; an item_tower head reads 2 to 65536"),
     ({"head_activation": "relu"}, "model.head_activation applies to model.head: mlp"),
 ])
 def test_an_unusable_head_config_is_refused_by_name(fields, message):
@@ -158,12 +159,22 @@ def test_item_tower_and_whole_prefix_context_on_the_gpu(tmp_path):
     from kvexport.replay import replay_command
     from kvexport.trace.verify import verify_artifact
 
+    from kvexport.model.checkpoint import save_checkpoint
+
+    # A small S and larger projections, so that what the contextual rows read moves the logits well
+    # past verify's tolerance (tests/test_cache_parity.py checks that it does).
     raw = tower_raw(event_tokens="combined", candidate_position="shared_row", silu_on="u", layer_output="concat",
-                    context_attention="whole_prefix")
+                    context_attention="whole_prefix", scaling_seqlen=4)
     raw["name"] = "tower-gpu"
     config = tmp_path / "tower.yaml"
     config.write_text(yaml.safe_dump(raw))
-    package = build_artifact(config, tmp_path / "package", device="cuda")
+    model = build_model(config_from_dict(raw), seed=2)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.uvqk.weight.mul_(4)
+            layer.output.weight.mul_(4)
+    save_checkpoint(model, tmp_path / "tower.pt")
+    package = build_artifact(config, tmp_path / "package", checkpoint=tmp_path / "tower.pt", device="cuda")
     report = verify_artifact(package)
     assert report.passed, [s for s in report.steps if not s.passed]
     for route in ("model", "graphs"):

@@ -258,9 +258,21 @@ def test_dqk_unequal_to_dv_is_refused(tmp_path):
     assert not (tmp_path / "x.pt").exists()
 
 
+@pytest.mark.parametrize("line", ["12x", "\u00b2", str(1 << 63), "-3"])
+def test_an_item_id_file_line_that_is_no_id_is_refused_by_line(imported, tmp_path, line):
+    out, _ = imported
+    (tmp_path / "items.txt").write_text(f"4\n{line}\n")
+    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "x.pt", "--items",
+                                                  str(tmp_path / "items.txt")))
+    assert result.exit_code == 2 and "items.txt line 2:" in result.output and "[0, 2^63)" in result.output, \
+        result.output
+    assert not (tmp_path / "x.pt").exists()
+
+
 def test_options_of_the_other_trainer_are_refused(tmp_path):
-    result = CliRunner().invoke(main, import_args(tmp_path, tmp_path / "x.pt", "--iteration", "3"))
-    assert result.exit_code == 2 and "--iteration does not apply to --from meta" in result.output
+    for flag, value in (("--iteration", "3"), ("--action-table", "actions")):
+        result = CliRunner().invoke(main, import_args(tmp_path, tmp_path / "x.pt", flag, value))
+        assert result.exit_code == 2 and f"{flag} does not apply to --from meta" in result.output
     result = CliRunner().invoke(main, ["import-checkpoint", "--from", "meta", str(tmp_path), "-o", str(tmp_path / "x.pt")])
     assert result.exit_code == 2 and "--from meta needs --num-heads" in result.output
 

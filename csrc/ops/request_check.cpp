@@ -74,6 +74,9 @@ int64_t time_code(const RequestLimits& l, int64_t query_time) {
   return code;
 }
 
+// Whether ids below `limit` shifted left by `bits` (0..62) stay below 2^63.
+bool fits_shifted(int64_t limit, int64_t bits) { return limit >= 1 && ((limit - 1) >> (63 - bits)) == 0; }
+
 RequestLimits parse_limits(const std::string& json) {
   const auto j = nlohmann::json::parse(json);
   RequestLimits l;
@@ -90,20 +93,21 @@ RequestLimits parse_limits(const std::string& json) {
     const auto unit = period.at(0).get<int64_t>(), units = period.at(1).get<int64_t>();
     if (unit <= 0 || unit >= (int64_t{1} << 24) || units <= 0 || units > (int64_t{1} << 16) / num_codes) {
       throw std::invalid_argument("kvexport: request limits: query time period [" + std::to_string(unit) + ", " +
-                                  std::to_string(units) + "] is not one the model can read");
+                                  std::to_string(units) + "]: seconds must lie in [1, 2^24) and the periods make "
+                                  "at most 65536 codes");
     }
     l.query_time_periods.emplace_back(unit, units);
     num_codes *= units;
   }
   while (l.reads_query_time() && (int64_t{1} << l.time_code_bits) < num_codes) ++l.time_code_bits;
-  if (l.reads_query_time() && l.item_vocab_size > (int64_t{1} << (63 - l.time_code_bits))) {
+  if (l.reads_query_time() && !fits_shifted(l.item_vocab_size, l.time_code_bits)) {
     throw std::invalid_argument("kvexport: request limits: " + std::to_string(l.item_vocab_size) +
                                 " items leave no room for a " + std::to_string(l.time_code_bits) +
                                 "-bit query time code");
   }
   const int64_t bits = l.combined_action_bits;
   if (bits < -1 || bits > 62 ||
-      (bits >= 0 && (l.action_vocab_size > (int64_t{1} << bits) || l.item_vocab_size > (int64_t{1} << (63 - bits))))) {
+      (bits >= 0 && (l.action_vocab_size > (int64_t{1} << bits) || !fits_shifted(l.item_vocab_size, bits)))) {
     throw std::invalid_argument("kvexport: request limits: " + std::to_string(l.action_vocab_size) + " actions and " +
                                 std::to_string(l.item_vocab_size) + " items do not fit a token of combined_action_bits " +
                                 std::to_string(bits));

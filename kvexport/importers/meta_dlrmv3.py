@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -486,8 +487,8 @@ def read_item_ids(path: Path) -> tuple[int, ...]:
         text = line.strip()
         if not text:
             continue
-        if not text.isdigit():
-            _refuse(f"{path} line {number}: {text[:40]!r} is not an item id (an integer >= 0)")
+        if not re.fullmatch(r"[0-9]{1,19}", text) or int(text) >= 1 << 63:
+            _refuse(f"{path} line {number}: {text[:40]!r} is not an item id (an integer in [0, 2^63))")
         ids.append(int(text))
     if not ids:
         _refuse(f"{path} holds no item ids")
