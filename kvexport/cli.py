@@ -389,6 +389,10 @@ class TableRows(click.ParamType):
                    "(default: the whole item table, ids as rows).")
 @click.option("--batch", "batch_index", type=click.IntRange(min=0),
               help="meta: which <batch> directory of SOURCE (default: the newest).")
+@click.option("--history-positions", type=click.Choice(["from_max", "from_start"]),
+              help="meta: where history events sit in DlrmHSTU's position table, which counts back from the "
+                   "newest event (no cache can follow that): counted back from --max-history-length events "
+                   "(the default) or from the oldest event (docs/checkpoint.md).")
 @click.option("--history-time", type=click.Choice(["zero", "none"]),
               help="meta: the time row history events read in place of their age's bucket, which no cache can "
                    "follow: row 0, an event that just happened (the default), or none (docs/checkpoint.md).")
@@ -398,7 +402,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                       table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str | None,
                       contextual: str, skip_contextual: bool, iteration: int | None, num_heads: int | None,
                       max_history_length: int | None, max_candidates: int | None, items_file: Path | None,
-                      batch_index: int | None, history_time: str | None, name: str | None) -> None:
+                      batch_index: int | None, history_positions: str | None, history_time: str | None,
+                      name: str | None) -> None:
     """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
 
     Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
@@ -420,10 +425,10 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
              "--no-contextual-features": skip_contextual or None, "--iteration": iteration,
              "--num-heads": num_heads, "--max-history-length": max_history_length,
              "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index,
-             "--history-time": history_time}
+             "--history-positions": history_positions, "--history-time": history_time}
     own = {"nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features", "--iteration"),
            "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
-                    "--history-time")}
+                    "--history-positions", "--history-time")}
     stray = [flag for flag, value in given.items() if value is not None and flag not in own[trainer]]
     if stray:
         raise click.UsageError(f"{stray[0]} does not apply to --from {trainer}")
@@ -445,7 +450,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                               max_num_candidates=max_candidates, item_table=item_table,
                               contextual_features=features,
                               items=None if items_file is None else read_item_ids(items_file), batch=batch_index,
-                              history_time=history_time or "zero")
+                              history_time=history_time or "zero",
+                              history_positions=history_positions or "from_max")
         imported = import_meta(source, options, name or output.stem)
     config = config_from_dict(imported.config)  # the written config must load as it is
     with torch.device("meta"):  # the model's shapes only, without allocating its tables

@@ -196,22 +196,26 @@ def test_the_imported_model_on_the_gpu(imported, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_history_events_without_a_time_row_match_that_rule(imported, tmp_path):
-    """--history-time none: every history event reads no time row, as the reference's times "none"."""
+@pytest.mark.parametrize(("flags", "rules", "said"), [
+    (["--history-time", "none"], {"times": "none"}, "no history time row"),
+    (["--history-positions", "from_start"], {"positions": "from_start"}, "positions counted from the oldest event"),
+], ids=["time-none", "positions-from-start"])
+def test_the_other_history_rules_match_the_reference_under_them(imported, tmp_path, flags, rules, said):
+    """The import's other per-user rules, each against the reference under the same rule."""
     out, _ = imported
-    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "none.pt", "--history-time", "none"))
-    assert result.exit_code == 0 and "no time row for history events" in result.output, result.output
+    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "none.pt", *flags))
+    assert result.exit_code == 0 and said in result.output, result.output
     config = load_config(tmp_path / "none.yaml")
     model = build_model(config, tmp_path / "none.pt")
-    batch = random_batch(config.model, seed=4, history_lengths=[MAX_HISTORY, 5], num_candidates=[3, 2])
+    batch = random_batch(config.model, seed=4, history_lengths=[MAX_HISTORY - 2, 5], num_candidates=[3, 2])
     context = batch.context_ids.clone()
     context[:, :2] = torch.tensor([[3, 1], [9, 4]])
     batch = Batch(**{**batch.to_dict(), "context_ids": context})
     with torch.no_grad():
         got = model(batch)
-        torch.testing.assert_close(got, reference(batch, config, dataclasses.replace(RULES, times="none")),
+        torch.testing.assert_close(got, reference(batch, config, dataclasses.replace(RULES, **rules)),
                                    rtol=0, atol=TOLERANCE)
-        assert (got - reference(batch, config)).abs().max() > 1e-3  # the zero rule's logits differ
+        assert (got - reference(batch, config)).abs().max() > 1e-3  # the default rules' logits differ
 
 
 def test_served_item_ids_import_only_their_rows(imported, tmp_path):

@@ -187,15 +187,16 @@ def layer_state(dense: dict[str, Any], index: int, num_heads: int) -> dict[str, 
 
 
 def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
-                  history_time_row: int | None = 0) -> torch.Tensor:
+                  history_time_row: int | None = 0, history_positions: str = "from_max") -> torch.Tensor:
     """kvexport's position table [C + M + 1, D] for event_tokens combined and candidate_position
     shared_row, under the per-user rules of docs/importers.md:
     - contextual token c: DlrmHSTU's position row c plus its last time row (a contextual token's
       time is 0, so its age at any query time past (time rows)^2 minutes after the epoch is capped),
       plus sqrt(D) times the feature's bias (context_rows leaves it out);
-    - event k (from 1, kvexport's row C + k - 1): DlrmHSTU's row C + M - k + 1, as upstream counts
-      back from the newest event when a history holds M events, plus time row `history_time_row`
-      (None: none) in place of the bucket of its age at the query time, which no cache can follow;
+    - event k (from 1, kvexport's row C + k - 1): DlrmHSTU's row C + M - k + 1 ("from_max", as
+      upstream counts back from the newest event when a history holds M events) or C + k
+      ("from_start"), plus time row `history_time_row` (None: none) in place of the bucket of its
+      age at the query time, which no cache can follow;
     - the candidates' shared row: DlrmHSTU's row C and time row 0 (a candidate's age is zero), plus
       sqrt(D) times their shared action vector (kvexport scales the item row alone).
     Positions past DlrmHSTU's last row read its last row, as upstream caps them."""
@@ -207,9 +208,12 @@ def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
                 f"{num_contextual} contextual features, or no time row")
     if history_time_row is not None and not 0 <= history_time_row < times.shape[0]:
         _refuse(f"time row {history_time_row} is not one of {TIMES}'s {times.shape[0]} rows")
+    if history_positions not in HISTORY_POSITIONS:
+        _refuse(f"history positions {history_positions!r} are not one of {', '.join(HISTORY_POSITIONS)}")
     last = positions.shape[0] - 1
     events = torch.arange(1, max_history + 1)
-    history = positions[(num_contextual + max_history - events + 1).clamp(max=last)]
+    rows = num_contextual + (max_history - events + 1 if history_positions == "from_max" else events)
+    history = positions[rows.clamp(max=last)]
     if history_time_row is not None:
         history = history + times[history_time_row]
     context = positions[:num_contextual] + times[-1]
@@ -303,6 +307,8 @@ class _Reads(dict):
 
 # --history-time: the time row of every history event (None: none).
 HISTORY_TIMES = {"zero": 0, "none": None}
+# --history-positions: event k of the history at DlrmHSTU's row C + M - k + 1 or C + k.
+HISTORY_POSITIONS = ("from_max", "from_start")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +322,7 @@ class MetaOptions:
     # The time row every history event reads in place of its age's bucket: "zero" (row 0, an event
     # that just happened) or "none" (no time row); benchmarks/meta_rules.py measures both.
     history_time: str = "zero"
+    history_positions: str = "from_max"
     batch: int | None = None             # the <batch> directory (default: the newest)
 
 
@@ -440,16 +447,16 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     if options.history_time not in HISTORY_TIMES:
         _refuse(f"history time {options.history_time!r} is not one of {', '.join(HISTORY_TIMES)}")
     out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length,
-                                                     HISTORY_TIMES[options.history_time])
+                                                     HISTORY_TIMES[options.history_time], options.history_positions)
     unread = sorted(key for key in dense if key not in dense.read)
     if unread:
         _refuse(f"checkpoint tensor {unread[0]} has no counterpart in kvexport's model (unknown key)")
     scaling = num_context + options.max_history_length + options.max_num_candidates
+    positions = (f"positions counted back from {options.max_history_length} events"
+                 if options.history_positions == "from_max" else "positions counted from the oldest event")
+    times = "every history event at time row 0" if options.history_time == "zero" else "no history time row"
     notes.append(f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
-                 f"{scaling} (C + max history + max candidates), positions counted back from "
-                 f"{options.max_history_length} events, "
-                 + ("every history event at time row 0" if options.history_time == "zero" else "no time row for "
-                    "history events") + " (docs/checkpoint.md)")
+                 f"{scaling} (C + max history + max candidates), {positions}, {times} (docs/checkpoint.md)")
     longest = num_context + options.max_history_length
     config = {
         "name": name,
