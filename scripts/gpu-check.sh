@@ -41,8 +41,10 @@ if ! "$python" -P -c 'import kvexport' > /dev/null 2>&1; then
   exit 2
 fi
 mkdir -p "$out/artifacts"
-# The sources a run tests, as one hash: --resume keeps nothing from a run of other sources.
-sources=$( { find csrc kvexport configs scripts tests pyproject.toml -type f ! -path '*/__pycache__/*' -print0
+# The sources a run tests, as one hash: --resume keeps nothing from a run of other sources. What
+# the native step builds into kvexport/_lib is no source (else no run could resume its own).
+sources=$( { find csrc kvexport configs scripts tests pyproject.toml -type f ! -path '*/__pycache__/*' \
+    ! -path 'kvexport/_lib/*' -print0
   find benchmarks -name '*.py' -print0; } 2> /dev/null | LC_ALL=C sort -z | xargs -0 -r sha256sum | sha256sum |
   cut -c1-64)
 previous=""

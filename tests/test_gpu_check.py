@@ -121,6 +121,17 @@ def test_resume_runs_every_step_after_the_sources_changed(tmp_path, script, stan
     assert code == 0 and set(ran(outcomes)) == set(outcomes)
 
 
+def test_what_the_native_build_writes_does_not_count_as_a_source_change(tmp_path, script, stand_in):
+    """The native step builds the op library into kvexport/_lib: a resume after it keeps the steps
+    that passed (before, the second call of a run always started over)."""
+    out = tmp_path / "out"
+    assert gpu_check(script, out, stand_in, "--quick")[0] == 0
+    (script.parent.parent / "kvexport" / "_lib").mkdir()
+    (script.parent.parent / "kvexport" / "_lib" / "libkvexport_ops.so").write_bytes(b"built")
+    code, outcomes = gpu_check(script, out, stand_in, "--quick", "--resume")
+    assert code == 0 and ran(outcomes) == {"native"}
+
+
 def test_a_failed_build_is_rebuilt_with_all_its_steps(tmp_path, script, stand_in):
     out = tmp_path / "out"
     code, first = gpu_check(script, out, stand_in, "--quick", failing="hstu-tiny.yaml")
