@@ -29,14 +29,19 @@ def package_corpus(config) -> list[tuple[dict[str, torch.Tensor], str]]:
                             num_candidates=[1] * (max_batch + 1)).to_dict()
     too_long = random_batch(m, seed=0, history_lengths=[m.max_history_length + 1], num_candidates=[1]).to_dict()
     too_many_candidates = random_batch(m, seed=0, history_lengths=[1], num_candidates=[m.max_num_candidates + 1])
-    return [
+    query_time = " and the query time" if m.head == "item_tower" else ""
+    # A model whose head reads a query time (context_ids' last column) refuses one before the epoch.
+    negative_time = good["context_ids"].clone()
+    negative_time[:, -1] = -1
+    tower = [(edit(context_ids=negative_time), "context_ids' query time has -1")] if query_time else []
+    return tower + [
         (edit(item_ids=good["item_ids"].int()), "item_ids must be int64, got int32"),
         (edit(user_ids=good["user_ids"].int()), "user_ids must be int64, got int32"),
         (edit(history_lengths=good["history_lengths"].int()), "history_lengths must be int64, got int32"),
         (edit(candidate_ids=good["candidate_ids"].float()), "candidate_ids must be int64, got float32"),
         (edit(context_ids=good["context_ids"].reshape(-1)), "context_ids must be 2-D"),
         (edit(context_ids=good["context_ids"][:, :1]), f"context_ids has 1 features, the model has "
-                                                       f"{m.num_contextual_features}"),
+                                                       f"{m.num_contextual_features}{query_time}"),
         (edit(history_lengths=torch.tensor([2, 4])), "history_lengths sum to 6 but item_ids has 5 entries"),
         (edit(history_lengths=torch.tensor([-1, 6])), "history_lengths has -1, outside events"),
         (edit(action_ids=good["action_ids"][:4]), "history_lengths sum to 5 but action_ids has 4 entries"),

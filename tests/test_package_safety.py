@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from kvexport.replay import harness
 from tests.hostile import good_request, package_corpus
 from kvexport.model import build_model
+from kvexport.model.checkpoint import save_checkpoint
 from kvexport.model.batch import Batch
 
 HERE = Path(__file__).resolve().parent
@@ -53,6 +55,32 @@ def test_plain_host_survives_every_hostile_request(tiny_artifact, host_corpus):
 def test_plain_host_eight_threads_mixing_valid_and_invalid(tiny_artifact, host_corpus):
     summary = run_plain_host(tiny_artifact, host_corpus, "threads")
     assert summary["failures"] == []
+
+
+@pytest.mark.slow
+def test_plain_host_survives_every_hostile_request_to_an_item_tower_package(tmp_path):
+    """The request layout of model.head item_tower (a query time after the contextual ids, checked
+    candidate ids that carry its code): every hostile request refused, valid ones exact."""
+    from kvexport.config import config_from_dict
+    from kvexport.export.build import build_artifact
+    from tests.test_item_tower import tower_raw
+
+    raw = tower_raw(event_tokens="combined", candidate_position="shared_row")
+    raw["name"] = "tower-host"
+    (tmp_path / "tower.yaml").write_text(yaml.safe_dump(raw))
+    config = config_from_dict(raw)
+    model = build_model(config, seed=3)
+    save_checkpoint(model, tmp_path / "tower.pt")
+    artifact = build_artifact(tmp_path / "tower.yaml", tmp_path / "package", checkpoint=tmp_path / "tower.pt")
+    good = []
+    for first_user in (100, 200):
+        request = good_request(config, first_user)
+        with torch.no_grad():
+            good.append([request, model(Batch(**request))])
+    corpus = tmp_path / "corpus.pt"
+    torch.save({"hostile": [list(entry) for entry in package_corpus(config)], "good": good}, corpus)
+    summary = run_plain_host(artifact, corpus, "sequential")
+    assert summary["hostile"] >= 21 and summary["failures"] == []
 
 
 @pytest.mark.slow
