@@ -19,8 +19,10 @@ is missing, of another shape or not floating point is refused in one line naming
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +44,7 @@ CONTENT_MLP = PRE + "_content_embedding_mlp."
 POSITIONS = "_hstu_transducer._positional_encoder._position_embeddings_weight"
 TIMES = "_hstu_transducer._positional_encoder._timestamp_embeddings_weight"
 ACTION_MLP = PRE + "_action_embedding_mlp."
+log = logging.getLogger(__name__)
 MLP_EPS = 1e-5  # DlrmHSTU's embedding MLPs, postprocessor and head norms
 LAYER_EPS = 1e-6  # its STU layers' norms
 # Action values past this many bits are refused: kvexport's action table holds a row for each.
@@ -373,7 +376,11 @@ def import_meta(source: Path, options: MetaOptions, name: str) -> Imported:
     sizes = dcp.tensor_sizes(sparse) if sparse.is_dir() else {}
 
     def read_sparse(key: str, rows: torch.Tensor | None) -> torch.Tensor:
-        return dcp.read_tensors(sparse, [key])[key] if rows is None else dcp.read_rows(sparse, key, rows)
+        started = time.perf_counter()
+        table = dcp.read_tensors(sparse, [key])[key] if rows is None else dcp.read_rows(sparse, key, rows)
+        log.info("read %s: %d x %d %s in %.1f s", key, table.shape[0], table.shape[1],
+                 str(table.dtype).removeprefix("torch."), time.perf_counter() - started)
+        return table
 
     imported = fold(dense, sizes, read_sparse, options, name)
     return Imported(imported.config, imported.state_dict, [f"read {directory}", *imported.notes])
@@ -435,8 +442,10 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
         note = (f"item table {options.item_table}: {served.numel()} served ids read; any other id reads a zero "
                 "item row and a zero tower row")
     notes.append(note)
+    started = time.perf_counter()
     items = item_rows(dense, item_source)
     head = head_state(dense, hidden, item_source)
+    log.info("folded %d items' content and tower MLPs in %.1f s", item_source.shape[0], time.perf_counter() - started)
     if item_ids == "keys":
         items = torch.cat([items, torch.zeros(1, hidden)])
         head["head.tower_embedding.weight"] = torch.cat([head["head.tower_embedding.weight"], torch.zeros(1, hidden)])
