@@ -360,6 +360,20 @@ class TableRows(click.ParamType):
         return name, int(rows)
 
 
+class IdsFile(click.ParamType):
+    """FEATURE=FILE: a text file of one contextual feature's served ids."""
+
+    name = "FEATURE=FILE"
+
+    def convert(self, value, param, ctx) -> tuple[str, Path]:
+        if isinstance(value, tuple):
+            return value
+        feature, equals, path = str(value).partition("=")
+        if not equals or not feature or not path:
+            self.fail(f"{_param_name(param)} takes FEATURE=FILE, got {value!r}", param, ctx)
+        return feature, Path(path)
+
+
 @main.command("import-checkpoint")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--from", "trainer", type=click.Choice(["nvidia", "meta"]), required=True,
@@ -389,6 +403,9 @@ class TableRows(click.ParamType):
                    "(default: the whole item table, ids as rows).")
 @click.option("--batch", "batch_index", type=click.IntRange(min=0),
               help="meta: which <batch> directory of SOURCE (default: the newest).")
+@click.option("--context-ids", "context_ids", type=IdsFile(), multiple=True,
+              help="meta: FEATURE=FILE, a text file of the ids of contextual feature FEATURE served, one per "
+                   "line (repeatable); only their rows are read (default: the feature's whole table).")
 @click.option("--history-positions", type=click.Choice(["from_max", "from_start"]),
               help="meta: where history events sit in DlrmHSTU's position table, which counts back from the "
                    "newest event (no cache can follow that): counted back from --max-history-length events "
@@ -402,8 +419,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                       table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str | None,
                       contextual: str, skip_contextual: bool, iteration: int | None, num_heads: int | None,
                       max_history_length: int | None, max_candidates: int | None, items_file: Path | None,
-                      batch_index: int | None, history_positions: str | None, history_time: str | None,
-                      name: str | None) -> None:
+                      batch_index: int | None, context_ids: tuple[tuple[str, Path], ...],
+                      history_positions: str | None, history_time: str | None, name: str | None) -> None:
     """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
 
     Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
@@ -425,10 +442,11 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
              "--no-contextual-features": skip_contextual or None, "--iteration": iteration,
              "--num-heads": num_heads, "--max-history-length": max_history_length,
              "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index,
-             "--history-positions": history_positions, "--history-time": history_time}
+             "--context-ids": context_ids or None, "--history-positions": history_positions,
+             "--history-time": history_time}
     own = {"nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features", "--iteration"),
            "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
-                    "--history-positions", "--history-time")}
+                    "--context-ids", "--history-positions", "--history-time")}
     stray = [flag for flag, value in given.items() if value is not None and flag not in own[trainer]]
     if stray:
         raise click.UsageError(f"{stray[0]} does not apply to --from {trainer}")
@@ -436,6 +454,13 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
     missing = [flag for flag in required[trainer] if given[flag] is None]
     if missing:
         raise click.UsageError(f"--from {trainer} needs {missing[0]}")
+    repeated = [feature for i, (feature, _) in enumerate(context_ids) if feature in dict(context_ids[:i])]
+    if repeated:
+        raise click.UsageError(f"--context-ids names {repeated[0]} twice")
+    unknown = [feature for feature, _ in context_ids if feature not in features]
+    if unknown:  # before any file is read
+        raise click.UsageError(f"--context-ids names {unknown[0]}, not one of the contextual features "
+                               f"({', '.join(features) or 'none'})")
     if trainer == "nvidia":
         from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
 
@@ -444,12 +469,13 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                                 contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
         imported = import_nvidia(source, trainer_config, options, name or output.stem)
     else:
-        from kvexport.importers.meta_dlrmv3 import MetaOptions, import_meta, read_item_ids
+        from kvexport.importers.meta_dlrmv3 import MetaOptions, import_meta, read_ids
 
         options = MetaOptions(num_heads=num_heads, max_history_length=max_history_length,
                               max_num_candidates=max_candidates, item_table=item_table,
                               contextual_features=features,
-                              items=None if items_file is None else read_item_ids(items_file), batch=batch_index,
+                              items=None if items_file is None else read_ids(items_file), batch=batch_index,
+                              context_ids={feature: read_ids(path) for feature, path in context_ids},
                               history_time=history_time or "zero",
                               history_positions=history_positions or "from_max")
         imported = import_meta(source, options, name or output.stem)

@@ -56,6 +56,13 @@ def imported(request, tmp_path_factory):
     return out, result.output
 
 
+def reference_with_missing_user(batch: Batch, config) -> torch.Tensor:
+    """reference() with every user_id feature read as missing."""
+    context = batch.context_ids.clone()
+    context[:, 0] = TABLE_ROWS["user_id"]  # past the table: missing
+    return reference(Batch(**{**batch.to_dict(), "context_ids": context}), config)
+
+
 def reference(batch: Batch, config, rules: Rules = RULES) -> torch.Tensor:
     """DlrmHSTU's logits of a kvexport batch under `rules`; a context id past its table is a missing feature."""
     num_context = config.model.num_contextual_features
@@ -236,10 +243,35 @@ def test_served_item_ids_import_only_their_rows(imported, tmp_path):
         torch.testing.assert_close(model(users), reference(users, config), rtol=0, atol=TOLERANCE)
 
 
+def test_served_context_ids_import_only_their_rows(imported, tmp_path):
+    """--context-ids user_id=FILE reads only those users' rows; any other user id is a missing
+    feature, as DlrmHSTU embeds one (the reference with that feature None)."""
+    out, _ = imported
+    (tmp_path / "users.txt").write_text("7\n3\n9\n")
+    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "users.pt", "--context-ids",
+                                                  f"user_id={tmp_path / 'users.txt'}"))
+    assert result.exit_code == 0 and "contextual feature user_id: 3 served ids read" in result.output, result.output
+    config = load_config(tmp_path / "users.yaml")
+    assert config.model.context_vocab_size == 3 + TABLE_ROWS["user_active_degree"] + 1
+    model = build_model(config, tmp_path / "users.pt")
+    batch = random_batch(config.model, seed=6, history_lengths=[4, 7], num_candidates=[2, 3])
+    context = batch.context_ids.clone()
+    context[:, :2] = torch.tensor([[3, 1], [5, 4]])  # user 5 was not imported
+    batch = Batch(**{**batch.to_dict(), "context_ids": context})
+    expected = reference(batch, config)  # user 5 reads as a missing feature only in the second user's row
+    expected_missing = reference_with_missing_user(batch, config)
+    with torch.no_grad():
+        got = model(batch)
+    torch.testing.assert_close(got[:2], expected[:2], rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(got[2:], expected_missing[2:], rtol=0, atol=TOLERANCE)
+    assert (expected[2:] - expected_missing[2:]).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--contextual-features", "user_id"], "maps 2 contextual features; 1 named"),
     (["--item-table", "nope"], "sparse/ holds sparse_dict._embedding_collection.embeddings.video_id.weight"),
     (["--batch", "5"], "has no batch 5"),
+    (["--context-ids", "user_region=ids.txt"], "--context-ids names user_region, not one of the contextual features"),
     (["--num-heads", "3"], "not a multiple of 3 heads"),
 ])
 def test_unusable_imports_are_refused_by_name_and_write_nothing(imported, tmp_path, extra, message):

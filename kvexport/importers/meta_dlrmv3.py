@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch.nn import functional as F
 
-from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_KEYED_CONTEXT_FEATURES
+from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
 from kvexport.importers import CheckpointImportError, Imported, dcp, kv_cache_section
 from kvexport.importers.sharded import load_trainer_file
 
@@ -326,6 +326,8 @@ class MetaOptions:
     # that just happened) or "none" (no time row); benchmarks/meta_rules.py measures both.
     history_time: str = "zero"
     history_positions: str = "from_max"
+    # Each named contextual feature's served ids: only their rows are read (the others: every row).
+    context_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     batch: int | None = None             # the <batch> directory (default: the newest)
 
 
@@ -424,10 +426,24 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
         _refuse(f"sparse/ holds {others[0]}, neither the item table ({options.item_table}) nor a contextual "
                 "feature named (--contextual-features, in the trainer's order)")
     rows, keys = [], []
+    unknown = sorted(set(options.context_ids) - set(options.contextual_features))
+    if unknown:
+        _refuse(f"--context-ids names {unknown[0]}, not one of the contextual features "
+                f"({', '.join(options.contextual_features) or 'none'})")
     for feature, table_name in enumerate(options.contextual_features):
-        table = _table(dense, sizes, read_sparse, table_name)
+        if table_name in options.context_ids:
+            ids = torch.tensor(sorted(set(options.context_ids[table_name])), dtype=torch.int64)
+            if int(ids[-1]) >= MAX_CONTEXT_KEY:
+                _refuse(f"contextual feature {table_name}: id {int(ids[-1])} is past kvexport's context keys "
+                        "(below 2^56)")
+            table = _table(dense, sizes, read_sparse, table_name, ids)
+            notes.append(f"contextual feature {table_name}: {ids.numel()} served ids read; any other id is a "
+                         "missing feature")
+        else:
+            table = _table(dense, sizes, read_sparse, table_name)
+            ids = torch.arange(table.shape[0])
         rows.append(context_rows(dense, feature, table))
-        keys.append((feature << CONTEXT_FEATURE_SHIFT) | torch.arange(table.shape[0]))
+        keys.append((feature << CONTEXT_FEATURE_SHIFT) | ids)
     # A pair no table has reads zeros: DlrmHSTU's token of a missing feature (the bias is the position row's).
     out["context_embedding.weight"] = torch.cat([*rows, torch.zeros(1, hidden)])
     if num_context:
@@ -492,20 +508,20 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     return Imported(config, out, notes)
 
 
-def read_item_ids(path: Path) -> tuple[int, ...]:
-    """The item ids of a text file, one per line (blank lines skipped), each an integer >= 0."""
+def read_ids(path: Path) -> tuple[int, ...]:
+    """The ids of a text file, one per line (blank lines skipped), each an integer >= 0."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        _refuse(f"cannot read item ids from {path}: {getattr(exc, 'strerror', None) or exc}")
+        _refuse(f"cannot read ids from {path}: {getattr(exc, 'strerror', None) or exc}")
     ids = []
     for number, line in enumerate(lines, 1):
         text = line.strip()
         if not text:
             continue
         if not re.fullmatch(r"[0-9]{1,19}", text) or int(text) >= 1 << 63:
-            _refuse(f"{path} line {number}: {text[:40]!r} is not an item id (an integer in [0, 2^63))")
+            _refuse(f"{path} line {number}: {text[:40]!r} is not an id (an integer in [0, 2^63))")
         ids.append(int(text))
     if not ids:
-        _refuse(f"{path} holds no item ids")
+        _refuse(f"{path} holds no ids")
     return tuple(ids)
