@@ -374,6 +374,24 @@ class IdsFile(click.ParamType):
         return feature, Path(path)
 
 
+# import-checkpoint's options that only one trainer reads, and those it needs.
+TRAINER_FLAGS = {"nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features",
+                            "--iteration"),
+                 "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
+                          "--context-ids", "--history-positions", "--history-time")}
+REQUIRED_FLAGS = {"nvidia": ("--trainer-config",), "meta": ("--num-heads", "--max-history-length", "--max-candidates")}
+
+
+def _check_trainer_flags(trainer: str, given: dict[str, object]) -> None:
+    """UsageError for a trainer-specific option given with the other trainer, or a required one missing."""
+    stray = [flag for flag, value in given.items() if value is not None and flag not in TRAINER_FLAGS[trainer]]
+    if stray:
+        raise click.UsageError(f"{stray[0]} does not apply to --from {trainer}")
+    missing = [flag for flag in REQUIRED_FLAGS[trainer] if given[flag] is None]
+    if missing:
+        raise click.UsageError(f"--from {trainer} needs {missing[0]}")
+
+
 @main.command("import-checkpoint")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--from", "trainer", type=click.Choice(["nvidia", "meta"]), required=True,
@@ -444,23 +462,7 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
              "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index,
              "--context-ids": context_ids or None, "--history-positions": history_positions,
              "--history-time": history_time}
-    own = {"nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features", "--iteration"),
-           "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
-                    "--context-ids", "--history-positions", "--history-time")}
-    stray = [flag for flag, value in given.items() if value is not None and flag not in own[trainer]]
-    if stray:
-        raise click.UsageError(f"{stray[0]} does not apply to --from {trainer}")
-    required = {"nvidia": ("--trainer-config",), "meta": ("--num-heads", "--max-history-length", "--max-candidates")}
-    missing = [flag for flag in required[trainer] if given[flag] is None]
-    if missing:
-        raise click.UsageError(f"--from {trainer} needs {missing[0]}")
-    repeated = [feature for i, (feature, _) in enumerate(context_ids) if feature in dict(context_ids[:i])]
-    if repeated:
-        raise click.UsageError(f"--context-ids names {repeated[0]} twice")
-    unknown = [feature for feature, _ in context_ids if feature not in features]
-    if unknown:  # before any file is read
-        raise click.UsageError(f"--context-ids names {unknown[0]}, not one of the contextual features "
-                               f"({', '.join(features) or 'none'})")
+    _check_trainer_flags(trainer, given)
     if trainer == "nvidia":
         from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
 
@@ -469,8 +471,9 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                                 contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
         imported = import_nvidia(source, trainer_config, options, name or output.stem)
     else:
-        from kvexport.importers.meta_dlrmv3 import MetaOptions, import_meta, read_ids
+        from kvexport.importers.meta_dlrmv3 import MetaOptions, check_context_ids, import_meta, read_ids
 
+        check_context_ids((feature for feature, _ in context_ids), features)  # before any file is read
         options = MetaOptions(num_heads=num_heads, max_history_length=max_history_length,
                               max_num_candidates=max_candidates, item_table=item_table,
                               contextual_features=features,

@@ -142,3 +142,18 @@ def redis(redis_server):
     client = Resp(redis_server.port)
     yield client
     client.close()
+
+
+def assert_verifies_and_replays(package: Path, tmp_path: Path) -> None:
+    """A GPU package passes verify, and the C++ replay through model.pt2 and through CUDA graphs."""
+    import subprocess
+
+    from kvexport.replay import replay_command
+    from kvexport.trace.verify import verify_artifact
+
+    report = verify_artifact(package)
+    assert report.passed, [s for s in report.steps if not s.passed]
+    for route in ("model", "graphs"):
+        result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]

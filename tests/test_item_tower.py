@@ -14,7 +14,7 @@ from kvexport.model import build_model, random_batch
 from kvexport.model.batch import Batch, UserRequest, check_user_request
 from kvexport.model.hstu import time_codes
 from kvexport.ops import wrappers as kv
-from tests.conftest import TINY
+from tests.conftest import TINY, assert_verifies_and_replays
 from tests.reference import reference_forward, time_code
 
 PERIODS = [[3600, 24], [86400, 7]]  # hour of the day, day of the week
@@ -153,12 +153,7 @@ def test_item_tower_and_whole_prefix_context_on_the_gpu(tmp_path):
     """DLRMv3's switches and contextual rows reading the whole prefix, built for CUDA: verify passes
     (package, eager cached and full recompute against the float32 reference), and the C++ replay
     through the model and through CUDA graphs."""
-    import subprocess
-
     from kvexport.export.build import build_artifact
-    from kvexport.replay import replay_command
-    from kvexport.trace.verify import verify_artifact
-
     from kvexport.model.checkpoint import save_checkpoint
 
     # A small S and larger projections, so that what the contextual rows read moves the logits well
@@ -175,9 +170,4 @@ def test_item_tower_and_whole_prefix_context_on_the_gpu(tmp_path):
             layer.output.weight.mul_(4)
     save_checkpoint(model, tmp_path / "tower.pt")
     package = build_artifact(config, tmp_path / "package", checkpoint=tmp_path / "tower.pt", device="cuda")
-    report = verify_artifact(package)
-    assert report.passed, [s for s in report.steps if not s.passed]
-    for route in ("model", "graphs"):
-        result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+    assert_verifies_and_replays(package, tmp_path)

@@ -25,6 +25,7 @@ from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
+from tests.conftest import assert_verifies_and_replays
 from tests.meta_fixture import FEATURES, IMPORTABLE_SIZES, ROOT, TABLE_ROWS, dense_state, tables, write_checkpoint
 from tests.meta_reference import Rules, dlrm_hstu_forward
 from tests.test_importers import free_port
@@ -187,20 +188,13 @@ def test_the_imported_model_on_the_gpu(imported, tmp_path):
     """The import built for CUDA (its step program too): the trace, recorded on the GPU, equals the
     reference; verify passes, and the C++ replay through the model and through CUDA graphs."""
     from kvexport.export.build import build_artifact
-    from kvexport.replay import replay_command
-    from kvexport.trace.verify import verify_artifact
 
     out, _ = imported
     if "world2" in str(out):
         pytest.skip("one world size builds a package")
     package = build_artifact(out / "dlrm.yaml", tmp_path / "gpu", checkpoint=out / "dlrm.pt", device="cuda")
     assert check_trace_against_the_reference(package, load_config(out / "dlrm.yaml")) >= 10
-    report = verify_artifact(package)
-    assert report.passed, [s for s in report.steps if not s.passed]
-    for route in ("model", "graphs"):
-        result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+    assert_verifies_and_replays(package, tmp_path)
 
 
 @pytest.mark.parametrize(("flags", "rules", "said"), [

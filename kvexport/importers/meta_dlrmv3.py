@@ -24,13 +24,13 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.nn import functional as F
 
 from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
-from kvexport.importers import CheckpointImportError, Imported, dcp, kv_cache_section
+from kvexport.importers import CheckpointImportError, Imported, dcp, deployment_sections
 from kvexport.importers.sharded import load_trainer_file
 
 STU = "_hstu_transducer._stu_module._stu_layers."
@@ -393,21 +393,66 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     """import_meta on a checkpoint's dense_dict and its sparse/ tables (their sizes by key, and a
     reader of their rows)."""
     dense = _Reads(dense_dict)
-    notes = []
+    notes: list[str] = []
+    out, hidden, head_dim = _layers(dense, options)
+    _refuse_unmapped_inputs(dense, sizes, options)
+    out.update(_context_tables(dense, sizes, read_sparse, options, hidden, notes))
+    items, item_ids = _item_tables(dense, sizes, read_sparse, options, hidden, notes)
+    out.update(items)
+    out["action_embedding.weight"] = action_rows(dense)
+    if options.history_time not in HISTORY_TIMES:
+        _refuse(f"history time {options.history_time!r} is not one of {', '.join(HISTORY_TIMES)}")
+    num_context = len(options.contextual_features)
+    out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length,
+                                                     HISTORY_TIMES[options.history_time], options.history_positions)
+    unread = sorted(key for key in dense if key not in dense.read)
+    if unread:
+        _refuse(f"checkpoint tensor {unread[0]} has no counterpart in kvexport's model (unknown key)")
+    scaling = num_context + options.max_history_length + options.max_num_candidates
+    positions = (f"positions counted back from {options.max_history_length} events"
+                 if options.history_positions == "from_max" else "positions counted from the oldest event")
+    times = "every history event at time row 0" if options.history_time == "zero" else "no history time row"
+    notes.append(f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
+                 f"{scaling} (C + max history + max candidates), {positions}, {times} (docs/checkpoint.md)")
+    model = {
+        "num_layers": num_layers(dense), "hidden_size": hidden, "num_heads": options.num_heads, "head_dim": head_dim,
+        "num_contextual_features": num_context, "max_history_length": options.max_history_length,
+        "max_num_candidates": options.max_num_candidates, "scaling_seqlen": scaling,
+        "num_tasks": out["head.mlp.2.weight"].shape[0], "dtype": "float32",
+        "context_vocab_size": out["context_embedding.weight"].shape[0],
+        "item_vocab_size": out["item_embedding.weight"].shape[0],
+        "action_vocab_size": out["action_embedding.weight"].shape[0],
+        "mlp_hidden_size": out["head.mlp.0.weight"].shape[0], "layer_norm_eps": LAYER_EPS,
+        "silu_on": "u", "layer_output": "concat", "item_ids": item_ids,
+        "context_ids": "keys" if num_context else "rows", "event_tokens": "combined",
+        "candidate_position": "shared_row", "head": "item_tower", "query_time_periods": query_time_periods(dense),
+    }
+    config = {"name": name, "model": model, **deployment_sections(num_context + options.max_history_length,
+                                                                   options.max_history_length,
+                                                                   options.max_num_candidates)}
+    return Imported(config, out, notes)
+
+
+def _layers(dense: _Reads, options: MetaOptions) -> tuple[dict[str, torch.Tensor], int, int]:
+    """kvexport's layers.* of every STU layer, the model width and the head width."""
     positions = tensor(dense, POSITIONS)
     if positions.dim() != 2:
         _refuse(f"{POSITIONS} has shape {list(positions.shape)}, not [rows, D]")
     hidden = positions.shape[1]
-    layers = num_layers(dense)
-    if layers == 0:
+    if num_layers(dense) == 0:
         _refuse(f"checkpoint has no STU layer ({STU}0._uvqk_weight)")
-    out: dict[str, torch.Tensor] = {}
-    for i in range(layers):
-        out.update({f"layers.{i}.{key}": value for key, value in layer_state(dense, i, options.num_heads).items()})
+    out = {f"layers.{i}.{key}": value
+           for i in range(num_layers(dense)) for key, value in layer_state(dense, i, options.num_heads).items()}
     head_dim = out["layers.0.attention_norm.weight"].shape[0] // options.num_heads
     if hidden != options.num_heads * head_dim:
         _refuse(f"model width {hidden} is not {options.num_heads} heads x {head_dim} values: kvexport's layers "
                 "need them equal")
+    return out, hidden, head_dim
+
+
+def _refuse_unmapped_inputs(dense: _Reads, sizes: dict[str, tuple[int, ...]], options: MetaOptions) -> None:
+    """Extra per-event features, a contextual map of another count than the features named, a
+    sparse/ table that is neither the item table nor a contextual feature: refused by name."""
     extra = dense.get(ADDITIONAL_MLP + "0.weight")
     if isinstance(extra, torch.Tensor) and extra.dim() == 2 and extra.shape[1]:
         _refuse(f"{ADDITIONAL_MLP}0.weight reads {extra.shape[1]} values of extra per-event features, "
@@ -425,14 +470,34 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     if others:
         _refuse(f"sparse/ holds {others[0]}, neither the item table ({options.item_table}) nor a contextual "
                 "feature named (--contextual-features, in the trainer's order)")
+    check_context_ids(options.context_ids, options.contextual_features)
+
+
+def check_context_ids(names: Iterable[str], contextual_features: tuple[str, ...]) -> None:
+    """Every feature given served ids (--context-ids) is a contextual feature named, once."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            _refuse(f"--context-ids names {name} twice")
+        if name not in contextual_features:
+            _refuse(f"--context-ids names {name}, not one of the contextual features "
+                    f"({', '.join(contextual_features) or 'none'})")
+        seen.add(name)
+
+
+def _served(ids: tuple[int, ...]) -> torch.Tensor:
+    """Served ids as the ascending keys of a table's rows."""
+    return torch.tensor(sorted(set(ids)), dtype=torch.int64)
+
+
+def _context_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader,
+                    options: MetaOptions, hidden: int, notes: list[str]) -> dict[str, torch.Tensor]:
+    """context_embedding (each feature's rows through its map, all rows or its --context-ids', then a
+    zero row) and context_keys."""
     rows, keys = [], []
-    unknown = sorted(set(options.context_ids) - set(options.contextual_features))
-    if unknown:
-        _refuse(f"--context-ids names {unknown[0]}, not one of the contextual features "
-                f"({', '.join(options.contextual_features) or 'none'})")
     for feature, table_name in enumerate(options.contextual_features):
         if table_name in options.context_ids:
-            ids = torch.tensor(sorted(set(options.context_ids[table_name])), dtype=torch.int64)
+            ids = _served(options.context_ids[table_name])
             if int(ids[-1]) >= MAX_CONTEXT_KEY:
                 _refuse(f"contextual feature {table_name}: id {int(ids[-1])} is past kvexport's context keys "
                         "(below 2^56)")
@@ -445,67 +510,33 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
         rows.append(context_rows(dense, feature, table))
         keys.append((feature << CONTEXT_FEATURE_SHIFT) | ids)
     # A pair no table has reads zeros: DlrmHSTU's token of a missing feature (the bias is the position row's).
-    out["context_embedding.weight"] = torch.cat([*rows, torch.zeros(1, hidden)])
-    if num_context:
+    out = {"context_embedding.weight": torch.cat([*rows, torch.zeros(1, hidden)])}
+    if keys:
         out["context_keys"] = torch.cat(keys)
+    return out
+
+
+def _item_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader,
+                 options: MetaOptions, hidden: int, notes: list[str]) -> tuple[dict[str, torch.Tensor], str]:
+    """item_embedding, the head (its tower table over the same rows) and, with --items, item_keys;
+    and model.item_ids."""
     if options.items is None:
-        item_source = _table(dense, sizes, read_sparse, options.item_table)
-        item_ids, note = "rows", f"item table {options.item_table}: all {item_source.shape[0]} rows, ids as rows"
+        source = _table(dense, sizes, read_sparse, options.item_table)
+        notes.append(f"item table {options.item_table}: all {source.shape[0]} rows, ids as rows")
     else:
-        served = torch.tensor(sorted(set(options.items)), dtype=torch.int64)
-        item_source = _table(dense, sizes, read_sparse, options.item_table, served)
-        item_ids = "keys"
-        note = (f"item table {options.item_table}: {served.numel()} served ids read; any other id reads a zero "
-                "item row and a zero tower row")
-    notes.append(note)
+        served = _served(options.items)
+        source = _table(dense, sizes, read_sparse, options.item_table, served)
+        notes.append(f"item table {options.item_table}: {served.numel()} served ids read; any other id reads a "
+                     "zero item row and a zero tower row")
     started = time.perf_counter()
-    items = item_rows(dense, item_source)
-    head = head_state(dense, hidden, item_source)
-    log.info("folded %d items' content and tower MLPs in %.1f s", item_source.shape[0], time.perf_counter() - started)
-    if item_ids == "keys":
-        items = torch.cat([items, torch.zeros(1, hidden)])
-        head["head.tower_embedding.weight"] = torch.cat([head["head.tower_embedding.weight"], torch.zeros(1, hidden)])
-        out["item_keys"] = served
-    out["item_embedding.weight"] = items
-    out.update(head)
-    out["action_embedding.weight"] = action_rows(dense)
-    if options.history_time not in HISTORY_TIMES:
-        _refuse(f"history time {options.history_time!r} is not one of {', '.join(HISTORY_TIMES)}")
-    out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length,
-                                                     HISTORY_TIMES[options.history_time], options.history_positions)
-    unread = sorted(key for key in dense if key not in dense.read)
-    if unread:
-        _refuse(f"checkpoint tensor {unread[0]} has no counterpart in kvexport's model (unknown key)")
-    scaling = num_context + options.max_history_length + options.max_num_candidates
-    positions = (f"positions counted back from {options.max_history_length} events"
-                 if options.history_positions == "from_max" else "positions counted from the oldest event")
-    times = "every history event at time row 0" if options.history_time == "zero" else "no history time row"
-    notes.append(f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
-                 f"{scaling} (C + max history + max candidates), {positions}, {times} (docs/checkpoint.md)")
-    longest = num_context + options.max_history_length
-    config = {
-        "name": name,
-        "model": {
-            "num_layers": layers, "hidden_size": hidden, "num_heads": options.num_heads, "head_dim": head_dim,
-            "num_contextual_features": num_context, "max_history_length": options.max_history_length,
-            "max_num_candidates": options.max_num_candidates, "scaling_seqlen": scaling,
-            "num_tasks": head["head.mlp.2.weight"].shape[0], "dtype": "float32",
-            "context_vocab_size": out["context_embedding.weight"].shape[0],
-            "item_vocab_size": items.shape[0], "action_vocab_size": out["action_embedding.weight"].shape[0],
-            "mlp_hidden_size": head["head.mlp.0.weight"].shape[0], "layer_norm_eps": LAYER_EPS,
-            "silu_on": "u", "layer_output": "concat", "item_ids": item_ids,
-            "context_ids": "keys" if num_context else "rows", "event_tokens": "combined",
-            "candidate_position": "shared_row", "head": "item_tower",
-            "query_time_periods": query_time_periods(dense),
-        },
-        "kv_cache": kv_cache_section(longest),
-        "serving": {"max_batch_size": 8, "device": "cpu"},
-        "trace": {"seed": 0, "num_users": 8, "min_history_length": min(16, options.max_history_length),
-                  "max_trace_history_length": min(256, options.max_history_length),
-                  "max_new_events": min(8, options.max_history_length),
-                  "num_candidates": min(16, options.max_num_candidates)},
-    }
-    return Imported(config, out, notes)
+    out = {"item_embedding.weight": item_rows(dense, source), **head_state(dense, hidden, source)}
+    log.info("folded %d items' content and tower MLPs in %.1f s", source.shape[0], time.perf_counter() - started)
+    if options.items is None:
+        return out, "rows"
+    for key in ("item_embedding.weight", "head.tower_embedding.weight"):  # the row of every other id
+        out[key] = torch.cat([out[key], torch.zeros(1, hidden)])
+    out["item_keys"] = served
+    return out, "keys"
 
 
 def read_ids(path: Path) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
-from kvexport.importers import CheckpointImportError, Imported, kv_cache_section
+from kvexport.importers import CheckpointImportError, Imported, deployment_sections
 from kvexport.importers.nvidia import read_dynamic_table, read_gin
 from kvexport.importers.sharded import ShardedValue, assemble, load_trainer_file
 
@@ -342,10 +342,6 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
             "silu_on": "uvqk", "layer_output": "gated", "item_ids": item_ids,
             "context_ids": "keys" if num_context else "rows",
         },
-        "kv_cache": kv_cache_section(longest),
-        "serving": {"max_batch_size": 8, "device": "cpu"},
-        "trace": {"seed": 0, "num_users": 8, "min_history_length": min(16, max_history),
-                  "max_trace_history_length": min(256, max_history), "max_new_events": min(8, max_history),
-                  "num_candidates": min(16, max_candidates)},
+        **deployment_sections(longest, max_history, max_candidates),
     }
     return Imported(config, out, notes)
