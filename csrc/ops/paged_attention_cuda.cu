@@ -424,38 +424,69 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
   }
 }
 
-// Adds the key chunks' partial sums in chunk order and the candidates' self term; one warp per
-// (row, head).
-template <typename T>
+// Adds the key chunks' partial sums in chunk order and the candidates' self term. Each thread
+// owns 4 adjacent dims of one (row, head), kDim / 4 threads to an item (a power of two that
+// divides the warp): 16-byte loads of the partial sums, kChunkBatch of them in flight before
+// they are added, still one after another in chunk order (deterministic, and the same sums as
+// adding them one by one).
+constexpr int kChunkBatch = 8;
+
+template <typename T, int kDim>
 __global__ void combine_kernel(const Params p) {
-  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
+  constexpr int kGroup = kDim / 4;  // threads of one (row, head)
+  static_assert(kGroup <= 32 && 32 % kGroup == 0);
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t item = thread / kGroup;
+  const int d = 4 * int(thread % kGroup);
+  // Whole groups are in or out together: the shuffles below stay within live lanes.
   if (item >= p.rows * p.heads) return;
   const int64_t row = item / p.heads;
   const int h = int(item % p.heads);
-  const int dim = p.head_dim;
   const int64_t keys = p.row_keys[row];
   const int64_t chunks_read = (keys + p.chunk_keys - 1) / p.chunk_keys;
   const int used = keys <= 0 ? 0 : int(chunks_read < p.chunks ? chunks_read : p.chunks);
-  const T* const v_row = static_cast<const T*>(p.v) + row * p.v_stride + h * dim;
   const bool self = p.row_candidate[row];
+  const unsigned group_mask =
+      kGroup == 32 ? 0xffffffffu : ((1u << kGroup) - 1) << (threadIdx.x % 32 / kGroup * kGroup);
   float w = 0.0f;
   if (self) {
-    const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * dim;
-    const T* const k_row = static_cast<const T*>(p.k) + row * p.k_stride + h * dim;
-    float dot = 0.0f;
-    for (int d = lane; d < dim; d += 32) dot += to_float(q_row[d]) * to_float(k_row[d]);
-    w = silu(p.alpha * warp_sum(dot)) * p.inv_scaling;
+    const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * kDim + d;
+    const T* const k_row = static_cast<const T*>(p.k) + row * p.k_stride + h * kDim + d;
+    const float2 q01 = unpack2<T>(load_pair(q_row)), q23 = unpack2<T>(load_pair(q_row + 2));
+    const float2 k01 = unpack2<T>(load_pair(k_row)), k23 = unpack2<T>(load_pair(k_row + 2));
+    float dot = q01.x * k01.x + q01.y * k01.y + q23.x * k23.x + q23.y * k23.y;
+#pragma unroll
+    for (int offset = kGroup / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(group_mask, dot, offset);
+    w = silu(p.alpha * dot) * p.inv_scaling;
   }
-  const int64_t chunk_stride = p.rows * p.heads * dim;
-  const float* const partial = p.partial + item * dim;
-  T* const o = static_cast<T*>(p.out) + item * dim;
-  for (int d = lane; d < dim; d += 32) {
-    float sum = 0.0f;
-    for (int c = 0; c < used; ++c) sum += partial[c * chunk_stride + d];
-    if (self) sum += w * to_float(v_row[d]);
-    o[d] = from_float<T>(sum);
+  const int64_t chunk_stride = p.rows * p.heads * kDim;
+  const float* const partial = p.partial + item * kDim + d;
+  const auto add = [](float4& sum, const float4& x) {
+    sum.x += x.x;
+    sum.y += x.y;
+    sum.z += x.z;
+    sum.w += x.w;
+  };
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  int c = 0;
+  for (; c + kChunkBatch <= used; c += kChunkBatch) {
+    float4 batch[kChunkBatch];
+#pragma unroll
+    for (int i = 0; i < kChunkBatch; ++i) batch[i] = *reinterpret_cast<const float4*>(partial + (c + i) * chunk_stride);
+#pragma unroll
+    for (int i = 0; i < kChunkBatch; ++i) add(sum, batch[i]);
   }
+  for (; c < used; ++c) add(sum, *reinterpret_cast<const float4*>(partial + c * chunk_stride));
+  if (self) {
+    const T* const v_row = static_cast<const T*>(p.v) + row * p.v_stride + h * kDim + d;
+    const float2 v01 = unpack2<T>(load_pair(v_row)), v23 = unpack2<T>(load_pair(v_row + 2));
+    sum.x += w * v01.x;
+    sum.y += w * v01.y;
+    sum.z += w * v23.x;
+    sum.w += w * v23.y;
+  }
+  T* const o = static_cast<T*>(p.out) + item * kDim + d;
+  *reinterpret_cast<uint2*>(o) = make_uint2(pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -568,9 +599,9 @@ void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (chunks > 1) {
     constexpr int kCombineThreads = 256;
-    const int64_t warps = p.rows * p.heads;
-    const int64_t blocks = (warps * 32 + kCombineThreads - 1) / kCombineThreads;
-    combine_kernel<T><<<unsigned(blocks), kCombineThreads, 0, stream>>>(p);
+    const int64_t threads = p.rows * p.heads * (kDim / 4);
+    const int64_t blocks = (threads + kCombineThreads - 1) / kCombineThreads;
+    combine_kernel<T, kDim><<<unsigned(blocks), kCombineThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
