@@ -6,9 +6,10 @@ The H200 workload's shapes (configs/hstu-kuairand-1k.yaml: 4064 cached + 32 new 
 candidates per user) on a CPU runtime of a one-layer, narrow model: the ops' work depends on the
 token counts, not on the model's width. Steady state: the users' prefixes are cached once, then
 each repetition checks and plans the same request and aborts it, so every repetition reuses
-exactly the cached prefix.
+exactly the cached prefix. --gap-ms idles the host between repetitions, as the device's part of a
+GPU request does: the next request's passes then start on caches that other work may have cooled.
 
-    .venv/bin/python benchmarks/host_planning.py --batch 1,8,32
+    .venv/bin/python benchmarks/host_planning.py --batch 1,8,32 [--gap-ms 1.3]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def planning_config(batch_size: int):
     return config_from_dict(raw)
 
 
-def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, candidates: int) -> dict:
+def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, candidates: int,
+            gap_ms: float = 0.0) -> dict:
     config = planning_config(batch_size)
     model = HSTURanker(config).eval()
     requests = SweepRequests(config, cached_events, batch_size, first_user=0, new_events=new_events,
@@ -50,6 +52,8 @@ def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, 
         model.forward_cached(requests.variant(0), name)
         batch = requests.variant(1)
         for _ in range(repeats):
+            if gap_ms > 0:
+                time.sleep(gap_ms / 1e3)
             started = time.perf_counter()
             user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
                 name, model.request_limits, *batch.tensors())
@@ -67,7 +71,7 @@ def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, 
     kv.drop_runtime(name)
     check, begin, step = (statistics.median(us) for us in (check_us, begin_us, step_us))
     return {"batch_size": batch_size, "check_request_us": round(check, 1), "begin_batch_us": round(begin, 1),
-            "begin_step_us": round(step, 1), "total_us": round(check + begin, 1), "repeats": repeats}
+            "begin_step_us": round(step, 1), "total_us": round(check + begin, 1), "repeats": repeats, "gap_ms": gap_ms}
 
 
 def main() -> None:
@@ -77,12 +81,16 @@ def main() -> None:
     parser.add_argument("--cached-events", type=int, default=4064)
     parser.add_argument("--new-events", type=int, default=32)
     parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle milliseconds before each repetition (a GPU request's device wait)")
     args = parser.parse_args()
+    if args.gap_ms < 0:
+        parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
     for batch_size in (int(b) for b in args.batch.split(",")):
-        row = measure(batch_size, args.repeats, args.cached_events, args.new_events, args.candidates)
+        row = measure(batch_size, args.repeats, args.cached_events, args.new_events, args.candidates, args.gap_ms)
         print(f"batch {row['batch_size']:3d}: check_request {row['check_request_us']:7.1f} us, "
               f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us; "
-              f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats})")
+              f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats}, {args.gap_ms} ms apart)")
 
 
 if __name__ == "__main__":
