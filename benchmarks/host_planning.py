@@ -9,7 +9,10 @@ each repetition checks and plans the same request and aborts it, so every repeti
 exactly the cached prefix. --gap-ms idles the host between repetitions, as the device's part of a
 GPU request does: the next request's passes then start on caches that other work may have cooled.
 
-    .venv/bin/python benchmarks/host_planning.py --batch 1,8,32 [--gap-ms 1.3]
+--threads runs the whole sweep once per intra-op thread count (the team that lays out and
+compares a request of many tokens), e.g. 1,4,16 on a GPU host to see whether waking the team pays.
+
+    .venv/bin/python benchmarks/host_planning.py --batch 1,8,32 [--gap-ms 1.3] [--threads 1,2]
 """
 
 from __future__ import annotations
@@ -81,16 +84,23 @@ def main() -> None:
     parser.add_argument("--cached-events", type=int, default=4064)
     parser.add_argument("--new-events", type=int, default=32)
     parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--threads", help="comma-separated intra-op thread counts (default: torch's)")
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle milliseconds before each repetition (a GPU request's device wait)")
     args = parser.parse_args()
     if args.gap_ms < 0:
         parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
-    for batch_size in (int(b) for b in args.batch.split(",")):
-        row = measure(batch_size, args.repeats, args.cached_events, args.new_events, args.candidates, args.gap_ms)
-        print(f"batch {row['batch_size']:3d}: check_request {row['check_request_us']:7.1f} us, "
-              f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us; "
-              f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats}, {args.gap_ms} ms apart)")
+    thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
+    if min(thread_counts) < 1:
+        parser.error(f"--threads must be positive, got {args.threads}")
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for batch_size in (int(b) for b in args.batch.split(",")):
+            row = measure(batch_size, args.repeats, args.cached_events, args.new_events, args.candidates, args.gap_ms)
+            print(f"{threads:2d} threads, batch {row['batch_size']:3d}: "
+                  f"check_request {row['check_request_us']:7.1f} us, "
+                  f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us; "
+                  f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats}, {args.gap_ms} ms apart)")
 
 
 if __name__ == "__main__":
