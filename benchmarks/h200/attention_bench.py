@@ -15,7 +15,8 @@ Times (median of --repeats calls after --warmup):
   contiguous k/v, bf16 matmul, SiLU, bf16 matmul).
 Model of the bytes: each cached key and value is read once per (user, head) (bytes = users x keys x
 heads x head_dim x 2 x 2); FLOPs = 4 x sum over rows of keys read x head_dim x heads. Fractions are
-of 4.3 TB/s and 790 TFLOP/s (a copy and a bf16 matrix product measured on an H200).
+of this GPU's own ceilings, measured in the same process (device_peaks: a copy and a bf16 matrix
+product; about 4.3 TB/s and 790 TFLOP/s on the H200, 3.0 TB/s on the H100).
 max_abs_diff: kernel against the same computation in fp32 PyTorch (the inputs upcast).
 
 Run with the op library built (python3 -m kvexport.native) and PYTHONPATH at the repository:
@@ -32,8 +33,6 @@ import sys
 
 import torch
 
-PEAK_BYTES_PER_S = 4.3e12
-PEAK_FLOPS = 790e12
 CONTEXTUAL = 6  # contextual tokens before the 2 * history events
 
 
@@ -133,6 +132,26 @@ def event_times(fn, layers: int, warmup: int, repeats: int) -> float:
     return statistics.median(ms)
 
 
+def device_peaks(warmup: int = 3, repeats: int = 10) -> dict:
+    """This GPU's ceilings, measured here: a device-to-device copy of 1 GiB (bytes read plus bytes
+    written, per second) and an 8192 x 8192 x 8192 bf16 matrix product on random data (FLOP/s),
+    each the median of `repeats` after `warmup`. Fractions are of these, so that a run on another
+    GPU than the one a target was set on (an H100 for an H200) is held to its own memory."""
+    size = 1 << 30
+    source = torch.ones(size, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    copy_ms = event_times(lambda _: target.copy_(source), 1, warmup, repeats)
+    del source, target
+    n = 8192
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    matmul_ms = event_times(lambda _: a @ b, 1, warmup, repeats)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"bytes_per_s": round(2 * size / (copy_ms / 1e3), -9), "flops": round(2 * n**3 / (matmul_ms / 1e3), -12),
+            "measured": "a 1 GiB device-to-device copy (read + written) and an 8192^3 bf16 matmul, medians"}
+
+
 def kernel_times(fn, layers: int, warmup: int, repeats: int, name: str = "kvexport") -> tuple[float, int]:
     """Median device ms per call of the kernels whose name contains `name` ("": every kernel but
     copies and fills), and how many such kernels a call launches."""
@@ -157,7 +176,7 @@ def kernel_times(fn, layers: int, warmup: int, repeats: int, name: str = "kvexpo
     return statistics.median(totals), per_call
 
 
-def bench(args: argparse.Namespace, batch: int) -> dict:
+def bench(args: argparse.Namespace, batch: int, peaks: dict) -> dict:
     request = Request(args, batch)
     kernel_ms, kernels_per_call = kernel_times(request.kernel, args.layers, args.warmup, args.repeats)
     op_ms = event_times(request.kernel, args.layers, args.warmup, args.repeats)
@@ -180,9 +199,9 @@ def bench(args: argparse.Namespace, batch: int) -> dict:
         "kv_bytes": kv_bytes,
         "flops": flops,
         "tb_per_s": round(kv_bytes / seconds / 1e12, 3),
-        "bandwidth_fraction": round(kv_bytes / seconds / PEAK_BYTES_PER_S, 3),
+        "bandwidth_fraction": round(kv_bytes / seconds / peaks["bytes_per_s"], 3),
         "tflop_per_s": round(flops / seconds / 1e12, 1),
-        "compute_fraction": round(flops / seconds / PEAK_FLOPS, 3),
+        "compute_fraction": round(flops / seconds / peaks["flops"], 3),
         "speedup_vs_naive": round(naive_ms / kernel_ms, 2),
         "max_abs_diff": float((actual - expected).abs().max()),
         "max_abs_ref": float(expected.abs().max()),
@@ -209,14 +228,15 @@ def main() -> int:
             torch.cuda.synchronize()
             del request
         return 0
-    results = [bench(args, int(b)) for b in args.batch.split(",")]
+    peaks = device_peaks()
+    results = [bench(args, int(b), peaks) for b in args.batch.split(",")]
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "shape": {"history": args.history, "new_events": args.new_events, "candidates": args.candidates,
                   "heads": args.heads, "head_dim": args.head_dim, "page_size": args.page_size,
                   "layers": args.layers, "dtype": "bfloat16"},
-        "peaks": {"bytes_per_s": PEAK_BYTES_PER_S, "flops": PEAK_FLOPS},
+        "peaks": peaks,
         "byte_model": "each cached key and value read once per (user, head)",
         "results": results,
     }

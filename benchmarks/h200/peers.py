@@ -10,7 +10,7 @@ and 64 new prefix rows, against 8,262 cached keys, 4 heads x 128, bf16, one laye
 Device time per call from the CUDA profiler's kernel records, median of --repeats after --warmup,
 rotating over --layers sets of inputs (as many as the cache bench) so that no backend reads from L2.
 Bandwidth fraction: the cached k/v bytes (each key and value once per user and head) over the time,
-against 4.3 TB/s.
+against this GPU's copy bandwidth measured in the same process (attention_bench.device_peaks).
 
     python3 benchmarks/h200/peers.py --batch 1,8,32 --json /tmp/peers.json
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_bench import PEAK_BYTES_PER_S, Request, add_shape_arguments, kernel_times  # noqa: E402
+from attention_bench import Request, add_shape_arguments, device_peaks, kernel_times  # noqa: E402
 
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
@@ -60,13 +60,13 @@ def sdpa_ms(request: Request, backend: str, args: argparse.Namespace) -> float |
     return kernel_times(call, args.layers, args.warmup, args.repeats, name="")[0]
 
 
-def bench(args: argparse.Namespace, batch: int) -> dict:
+def bench(args: argparse.Namespace, batch: int, peak_bytes_per_s: float) -> dict:
     request = Request(args, batch)
     ours_ms, _ = kernel_times(request.kernel, args.layers, args.warmup, args.repeats)
     kv_bytes = batch * request.keys * args.heads * args.head_dim * 2 * 2
     row = {"batch": batch, "keys_per_user": request.keys, "kv_bytes": kv_bytes,
            "ours_us": round(ours_ms * 1e3, 1),
-           "ours_bandwidth_fraction": round(kv_bytes / (ours_ms / 1e3) / PEAK_BYTES_PER_S, 3)}
+           "ours_bandwidth_fraction": round(kv_bytes / (ours_ms / 1e3) / peak_bytes_per_s, 3)}
     for backend in BACKENDS:
         ms = sdpa_ms(request, backend, args)
         row[f"{backend.lower()}_us"] = None if ms is None else round(ms * 1e3, 1)
@@ -86,9 +86,10 @@ def main() -> int:
     from kvexport.ops import library
 
     library.load()
-    rows = [bench(args, int(b)) for b in args.batch.split(",")]
+    peaks = device_peaks()
+    rows = [bench(args, int(b), peaks["bytes_per_s"]) for b in args.batch.split(",")]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(), "rows": rows}
+              "cudnn": torch.backends.cudnn.version(), "peaks": peaks, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     for row in rows:
