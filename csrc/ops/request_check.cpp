@@ -217,8 +217,8 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
   const auto action_limit = static_cast<uint64_t>(l.action_vocab_size);
   std::vector<char> bad(num_users, 0);
   const auto lay_out = [&](int64_t b) {
-    // Locals and restrict pointers: the token stores cannot alias the limits, the length or the
-    // ids, so the loops keep them in registers (and vectorise where the ISA has 64-bit compares).
+    // Locals and restrict pointers (the tokens are a fresh tensor): the int64 stores cannot alias
+    // the length, the limits or the ids, so the loops keep them in registers.
     const int64_t events = length[b];
     const uint64_t items_below = item_limit, actions_below = action_limit;
     int64_t* __restrict user_out = std::copy(ctx + b * width, ctx + b * width + num_context,
