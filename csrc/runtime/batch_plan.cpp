@@ -104,76 +104,77 @@ StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<in
                          c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids,
                          int64_t page_size, int64_t max_pages_per_user, int64_t trash_slot,
                          at::Device device) {
-  const auto r = collect_rows(plan, user_pages, token_lengths, num_candidates, page_size, max_pages_per_user);
-  count_rows(plan, r);
+  // The same rows as collect_rows, written straight into their parts of the staged buffer: each
+  // part is one pass over the users, with no intermediate vectors (this runs on every request,
+  // serial with the device, before a CUDA graph can be replayed).
   const auto num_users = static_cast<int64_t>(plan.user_ids.size());
+  std::vector<int64_t> new_rows(num_users);
+  int64_t max_pages = max_pages_per_user, candidates = 0, prefix = 0, max_keys = 0;
+  for (int64_t b = 0; b < num_users; ++b) {
+    max_pages = std::max(max_pages, (token_lengths[b] + page_size - 1) / page_size);
+    new_rows[b] = token_lengths[b] - plan.cached_lengths[b];
+    candidates += num_candidates[b];
+    prefix += new_rows[b];
+    // Candidates read the whole prefix, and no prefix row reads more.
+    if (num_candidates[b] > 0 || new_rows[b] > 0) max_keys = std::max(max_keys, token_lengths[b]);
+  }
+  plan.num_candidate_rows = candidates;
+  plan.num_new_prefix_rows = prefix;
+  plan.max_row_keys = max_keys;
+
   StepLayout layout;
-  layout.real_candidates = plan.num_candidate_rows;
-  layout.candidate_rows = bucket_size(plan.num_candidate_rows, kMinStepRows);
-  layout.prefix_rows = bucket_size(plan.num_new_prefix_rows, kMinStepRows);
+  layout.real_candidates = candidates;
+  layout.candidate_rows = bucket_size(candidates, kMinStepRows);
+  layout.prefix_rows = bucket_size(prefix, kMinStepRows);
   layout.users = bucket_size(num_users, 1);
-  layout.pages_per_user = r.max_pages;
-  // Rows of the candidates' and the prefix part, in the runtime's order, then padding rows (after
-  // the real candidates and after the real prefix rows).
-  std::vector<int64_t> row_index;  // padded row -> real row, or -1
-  row_index.reserve(layout.rows());
-  for (int64_t i = 0; i < layout.candidate_rows; ++i) row_index.push_back(i < plan.num_candidate_rows ? i : -1);
-  for (int64_t i = 0; i < layout.prefix_rows; ++i) {
-    row_index.push_back(i < plan.num_new_prefix_rows ? plan.num_candidate_rows + i : -1);
-  }
-  std::vector<int64_t> row_user(layout.rows(), 0), row_keys(layout.rows(), 0), row_candidate(layout.rows(), 0);
-  std::vector<int64_t> tiled_user;  // real rows only: padding rows belong to no tile
-  std::vector<int64_t> tiled_row;
-  for (int64_t i = 0; i < layout.rows(); ++i) {
-    const int64_t real = row_index[i];
-    if (real < 0) continue;
-    row_user[i] = r.row_user[real];
-    row_keys[i] = r.row_keys[real];
-    row_candidate[i] = r.row_candidate[real];
-    tiled_user.push_back(row_user[i]);
-    tiled_row.push_back(i);
-  }
-  auto [order, tiles] = user_tiles(tiled_user, kAttentionTileRows);
-  std::vector<int64_t> row_order;
-  row_order.reserve(layout.rows());
-  for (auto k : order) row_order.push_back(tiled_row[k]);
+  layout.pages_per_user = max_pages;
   // Every batch of the bucket fits: a tile ends at a user's last row or after kAttentionTileRows.
   layout.tiles = (layout.rows() + kAttentionTileRows - 1) / kAttentionTileRows + layout.users;
 
-  std::vector<int64_t> candidate_positions;
-  for (int64_t b = 0; b < num_users; ++b) candidate_positions.insert(candidate_positions.end(), num_candidates[b], token_lengths[b]);
-  std::vector<int64_t> new_ids;
-  for (auto index : r.new_index) new_ids.push_back(token_ids[index]);
-  std::vector<int64_t> value_slots(r.write_slots);
-  for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
-
   StepPlan step{staging_buffer(layout.numel(), device), layout};
-  int64_t* buffer = step.staged.data_ptr<int64_t>();
-  const auto sizes = layout.sizes(), offsets = layout.offsets();
-  size_t part = 0;
-  // The next part: `values`, then `fill` up to its size, then zeros up to the next part's offset.
-  const auto next = [&](const int64_t* values, size_t count, int64_t fill) {
-    const int64_t end = part + 1 < offsets.size() ? offsets[part + 1] : layout.numel();
-    int64_t* cursor = std::copy(values, values + count, buffer + offsets[part]);
-    cursor = std::fill_n(cursor, sizes[part] - static_cast<int64_t>(count), fill);
-    std::fill(cursor, buffer + end, 0);
-    ++part;
-  };
-  next(candidate_ids.data(), candidate_ids.size(), 0);
-  next(candidate_positions.data(), candidate_positions.size(), 0);
-  next(new_ids.data(), new_ids.size(), 0);
-  next(r.new_position.data(), r.new_position.size(), 0);
-  next(r.page_table.data(), r.page_table.size(), 0);
-  next(row_user.data(), row_user.size(), 0);
-  next(row_keys.data(), row_keys.size(), 0);
-  next(row_candidate.data(), row_candidate.size(), 0);
-  next(r.write_slots.data(), r.write_slots.size(), trash_slot);
-  next(value_slots.data(), value_slots.size(), trash_slot + page_size);
-  for (int64_t i = 0; i < layout.rows(); ++i) {  // the real rows by tile, then the padding rows
-    if (row_index[i] < 0) row_order.push_back(i);
+  int64_t* const buffer = step.staged.data_ptr<int64_t>();
+  std::fill_n(buffer, layout.numel(), 0);  // padding and the gaps between parts
+  const auto offsets = layout.offsets();
+  const auto part = [&](int index) { return buffer + offsets[index]; };
+  const int64_t tp = layout.candidate_rows;  // a prefix row's index in the row parts is tp + its index
+  int64_t *cand_ids = part(0), *cand_pos = part(1), *new_ids = part(2), *new_pos = part(3);
+  int64_t *page_table = part(4), *row_user = part(5), *row_keys = part(6), *row_candidate = part(7);
+  int64_t *write_slots = part(8), *value_slots = part(9), *row_order = part(10), *tiles = part(11);
+
+  std::copy(candidate_ids.begin(), candidate_ids.end(), cand_ids);
+  std::fill(write_slots + prefix, write_slots + layout.prefix_rows, trash_slot);
+  std::fill(value_slots + prefix, value_slots + layout.prefix_rows, trash_slot + page_size);
+  int64_t cand = 0, row = 0, order = 0, tile = 0;
+  for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
+    const auto& pages = *user_pages[b];
+    std::copy(pages.begin(), pages.end(), page_table + b * max_pages);
+    const int64_t length = token_lengths[b], user_first = order;
+    for (int64_t t = 0; t < num_candidates[b]; ++t, ++cand) {
+      cand_pos[cand] = length;
+      row_user[cand] = b;
+      row_keys[cand] = length;
+      row_candidate[cand] = 1;
+      row_order[order++] = cand;
+    }
+    for (int64_t p = plan.cached_lengths[b]; p < length; ++p, ++row) {
+      const int64_t slot = pages[p / page_size] * 2 * page_size + p % page_size;
+      new_ids[row] = token_ids[first_token + p];
+      new_pos[row] = p;
+      row_user[tp + row] = b;
+      row_keys[tp + row] = p < plan.context_rows_see_prefix ? length : p + 1;
+      write_slots[row] = slot;
+      value_slots[row] = slot + page_size;  // a page holds its k rows, then its v rows
+      row_order[order++] = tp + row;
+    }
+    for (int64_t start = 0; start < order - user_first; start += kAttentionTileRows, ++tile) {
+      tiles[3 * tile] = b;
+      tiles[3 * tile + 1] = user_first + start;
+      tiles[3 * tile + 2] = std::min(kAttentionTileRows, order - user_first - start);
+    }
   }
-  next(row_order.data(), row_order.size(), 0);
-  next(tiles.data(), tiles.size(), 0);
+  // The padding rows, after the real ones: candidates', then prefix rows'.
+  for (int64_t i = candidates; i < tp; ++i) row_order[order++] = i;
+  for (int64_t i = tp + prefix; i < layout.rows(); ++i) row_order[order++] = i;
   return step;
 }
 
