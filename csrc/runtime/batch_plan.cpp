@@ -43,50 +43,89 @@ int64_t widest_tile(const std::vector<int64_t>& tiles) {
 
 namespace {
 
-// A batch's new rows in the runtime's order ([candidates of all users][uncached prefix tokens of
-// all users], users in batch order), as host vectors.
-struct PlanRows {
-  int64_t max_pages = 1;
-  std::vector<int64_t> page_table;  // [B, max_pages]
-  std::vector<int64_t> row_user, row_keys, row_candidate, write_slots;
-  std::vector<int64_t> new_index, new_position;  // of each new prefix row, in the request's tokens
+// A batch's new rows in the runtime's order: its candidates (users in batch order) at row indices
+// [0, candidates), its uncached prefix tokens from `prefix_first` (a step program pads the
+// candidates to a bucket first). Both plan builders write them with write_rows.
+struct RowCounts {
+  int64_t candidates = 0, prefix = 0;  // real rows of each kind
+  int64_t max_pages = 0;               // the page table's columns
+  int64_t tiles = 0;                   // of the real rows, at most kAttentionTileRows rows of one user each
 };
 
-PlanRows collect_rows(const BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
-                      const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
-                      int64_t page_size, int64_t max_pages) {
-  const auto num_users = static_cast<int64_t>(plan.user_ids.size());
-  PlanRows r;
-  r.max_pages = max_pages;
-  for (auto length : token_lengths) r.max_pages = std::max(r.max_pages, (length + page_size - 1) / page_size);
-  r.page_table.assign(num_users * r.max_pages, 0);
-  for (int64_t b = 0; b < num_users; ++b) {
-    const auto& pages = *user_pages[b];
-    std::copy(pages.begin(), pages.end(), r.page_table.begin() + b * r.max_pages);
-    for (int64_t t = 0; t < num_candidates[b]; ++t) {
-      r.row_user.push_back(b);
-      r.row_keys.push_back(token_lengths[b]);
-      r.row_candidate.push_back(1);
-    }
+// Counts the batch's rows and sets the plan's counts (real rows, the most keys a row reads).
+RowCounts count_rows(BatchPlan& plan, const std::vector<int64_t>& token_lengths,
+                     const std::vector<int64_t>& num_candidates, int64_t page_size, int64_t min_pages) {
+  RowCounts c;
+  c.max_pages = min_pages;
+  int64_t max_keys = 0;
+  for (size_t b = 0; b < plan.user_ids.size(); ++b) {
+    const int64_t rows = num_candidates[b] + token_lengths[b] - plan.cached_lengths[b];
+    c.max_pages = std::max(c.max_pages, (token_lengths[b] + page_size - 1) / page_size);
+    c.candidates += num_candidates[b];
+    c.prefix += token_lengths[b] - plan.cached_lengths[b];
+    c.tiles += (rows + kAttentionTileRows - 1) / kAttentionTileRows;
+    // Candidates read the whole prefix, and no prefix row reads more.
+    if (rows > 0) max_keys = std::max(max_keys, token_lengths[b]);
   }
-  for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
-    const auto& pages = *user_pages[b];
-    for (int64_t p = plan.cached_lengths[b]; p < token_lengths[b]; ++p) {
-      r.row_user.push_back(b);
-      r.row_keys.push_back(p < plan.context_rows_see_prefix ? token_lengths[b] : p + 1);
-      r.row_candidate.push_back(0);
-      r.write_slots.push_back(pages[p / page_size] * 2 * page_size + p % page_size);
-      r.new_index.push_back(first_token + p);
-      r.new_position.push_back(p);
-    }
-  }
-  return r;
+  plan.num_candidate_rows = c.candidates;
+  plan.num_new_prefix_rows = c.prefix;
+  plan.max_row_keys = max_keys;
+  return c;
 }
 
-void count_rows(BatchPlan& plan, const PlanRows& r) {
-  plan.num_new_prefix_rows = static_cast<int64_t>(r.write_slots.size());
-  plan.num_candidate_rows = static_cast<int64_t>(r.row_user.size()) - plan.num_new_prefix_rows;
-  plan.max_row_keys = r.row_keys.empty() ? 0 : *std::max_element(r.row_keys.begin(), r.row_keys.end());
+// Where write_rows puts each part; a null pointer skips the part. Row parts are indexed by row.
+struct RowParts {
+  int64_t prefix_first = 0;  // row index of the first new prefix row
+  int64_t* page_table = nullptr;  // [B, max_pages]
+  int64_t* candidate_positions = nullptr;  // [candidates]: the user's prefix length
+  int64_t* new_token_ids = nullptr;        // [prefix]: the token of each new prefix row
+  int64_t* new_token_index = nullptr;      // [prefix]: its index in the request's token_ids
+  int64_t* new_positions = nullptr;        // [prefix]: its position in its user's prefix
+  int64_t *row_user = nullptr, *row_keys = nullptr, *row_candidate = nullptr;
+  int64_t *write_slots = nullptr, *value_slots = nullptr;  // [prefix]
+  int64_t *row_order = nullptr, *tiles = nullptr;  // the real rows grouped by user; [tiles, 3]
+};
+
+// One pass over each user's rows. Returns the most rows of any tile.
+int64_t write_rows(const BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
+                   const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                   c10::ArrayRef<int64_t> token_ids, int64_t page_size, const RowCounts& counts,
+                   const RowParts& out) {
+  int64_t candidate = 0, row = 0, order = 0, tile = 0, widest = 0;
+  for (int64_t b = 0, first_token = 0; b < static_cast<int64_t>(plan.user_ids.size());
+       first_token += token_lengths[b++]) {
+    const auto& pages = *user_pages[b];
+    std::copy(pages.begin(), pages.end(), out.page_table + b * counts.max_pages);
+    const int64_t length = token_lengths[b], user_first = order;
+    for (int64_t t = 0; t < num_candidates[b]; ++t, ++candidate) {
+      if (out.candidate_positions) out.candidate_positions[candidate] = length;
+      out.row_user[candidate] = b;
+      out.row_keys[candidate] = length;
+      out.row_candidate[candidate] = 1;
+      out.row_order[order++] = candidate;
+    }
+    for (int64_t p = plan.cached_lengths[b]; p < length; ++p, ++row) {
+      const int64_t slot = pages[p / page_size] * 2 * page_size + p % page_size;
+      const int64_t index = out.prefix_first + row;
+      if (out.new_token_ids) out.new_token_ids[row] = token_ids[first_token + p];
+      if (out.new_token_index) out.new_token_index[row] = first_token + p;
+      out.new_positions[row] = p;
+      out.row_user[index] = b;
+      out.row_keys[index] = p < plan.context_rows_see_prefix ? length : p + 1;
+      out.row_candidate[index] = 0;
+      out.write_slots[row] = slot;
+      out.value_slots[row] = slot + page_size;  // a page holds its k rows, then its v rows
+      out.row_order[order++] = index;
+    }
+    for (int64_t start = 0; start < order - user_first; start += kAttentionTileRows, ++tile) {
+      const int64_t count = std::min(kAttentionTileRows, order - user_first - start);
+      out.tiles[3 * tile] = b;
+      out.tiles[3 * tile + 1] = user_first + start;
+      out.tiles[3 * tile + 2] = count;
+      widest = std::max(widest, count);
+    }
+  }
+  return widest;
 }
 
 }  // namespace
@@ -104,77 +143,43 @@ StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<in
                          c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids,
                          int64_t page_size, int64_t max_pages_per_user, int64_t trash_slot,
                          at::Device device) {
-  // The same rows as collect_rows, written straight into their parts of the staged buffer: each
-  // part is one pass over the users, with no intermediate vectors (this runs on every request,
-  // serial with the device, before a CUDA graph can be replayed).
-  const auto num_users = static_cast<int64_t>(plan.user_ids.size());
-  std::vector<int64_t> new_rows(num_users);
-  int64_t max_pages = max_pages_per_user, candidates = 0, prefix = 0, max_keys = 0;
-  for (int64_t b = 0; b < num_users; ++b) {
-    max_pages = std::max(max_pages, (token_lengths[b] + page_size - 1) / page_size);
-    new_rows[b] = token_lengths[b] - plan.cached_lengths[b];
-    candidates += num_candidates[b];
-    prefix += new_rows[b];
-    // Candidates read the whole prefix, and no prefix row reads more.
-    if (num_candidates[b] > 0 || new_rows[b] > 0) max_keys = std::max(max_keys, token_lengths[b]);
-  }
-  plan.num_candidate_rows = candidates;
-  plan.num_new_prefix_rows = prefix;
-  plan.max_row_keys = max_keys;
-
+  const auto counts = count_rows(plan, token_lengths, num_candidates, page_size, max_pages_per_user);
   StepLayout layout;
-  layout.real_candidates = candidates;
-  layout.candidate_rows = bucket_size(candidates, kMinStepRows);
-  layout.prefix_rows = bucket_size(prefix, kMinStepRows);
-  layout.users = bucket_size(num_users, 1);
-  layout.pages_per_user = max_pages;
+  layout.real_candidates = counts.candidates;
+  layout.candidate_rows = bucket_size(counts.candidates, kMinStepRows);
+  layout.prefix_rows = bucket_size(counts.prefix, kMinStepRows);
+  layout.users = bucket_size(static_cast<int64_t>(plan.user_ids.size()), 1);
+  layout.pages_per_user = counts.max_pages;
   // Every batch of the bucket fits: a tile ends at a user's last row or after kAttentionTileRows.
   layout.tiles = (layout.rows() + kAttentionTileRows - 1) / kAttentionTileRows + layout.users;
 
+  // The parts are written in place; padding rows stay 0 (they read no keys and belong to no tile)
+  // but write their k/v to `trash_slot`, and come last in row_order.
   StepPlan step{staging_buffer(layout.numel(), device), layout};
   int64_t* const buffer = step.staged.data_ptr<int64_t>();
-  std::fill_n(buffer, layout.numel(), 0);  // padding and the gaps between parts
+  std::fill_n(buffer, layout.numel(), 0);
   const auto offsets = layout.offsets();
   const auto part = [&](int index) { return buffer + offsets[index]; };
-  const int64_t tp = layout.candidate_rows;  // a prefix row's index in the row parts is tp + its index
-  int64_t *cand_ids = part(0), *cand_pos = part(1), *new_ids = part(2), *new_pos = part(3);
-  int64_t *page_table = part(4), *row_user = part(5), *row_keys = part(6), *row_candidate = part(7);
-  int64_t *write_slots = part(8), *value_slots = part(9), *row_order = part(10), *tiles = part(11);
-
-  std::copy(candidate_ids.begin(), candidate_ids.end(), cand_ids);
-  std::fill(write_slots + prefix, write_slots + layout.prefix_rows, trash_slot);
-  std::fill(value_slots + prefix, value_slots + layout.prefix_rows, trash_slot + page_size);
-  int64_t cand = 0, row = 0, order = 0, tile = 0;
-  for (int64_t b = 0, first_token = 0; b < num_users; first_token += token_lengths[b++]) {
-    const auto& pages = *user_pages[b];
-    std::copy(pages.begin(), pages.end(), page_table + b * max_pages);
-    const int64_t length = token_lengths[b], user_first = order;
-    for (int64_t t = 0; t < num_candidates[b]; ++t, ++cand) {
-      cand_pos[cand] = length;
-      row_user[cand] = b;
-      row_keys[cand] = length;
-      row_candidate[cand] = 1;
-      row_order[order++] = cand;
-    }
-    for (int64_t p = plan.cached_lengths[b]; p < length; ++p, ++row) {
-      const int64_t slot = pages[p / page_size] * 2 * page_size + p % page_size;
-      new_ids[row] = token_ids[first_token + p];
-      new_pos[row] = p;
-      row_user[tp + row] = b;
-      row_keys[tp + row] = p < plan.context_rows_see_prefix ? length : p + 1;
-      write_slots[row] = slot;
-      value_slots[row] = slot + page_size;  // a page holds its k rows, then its v rows
-      row_order[order++] = tp + row;
-    }
-    for (int64_t start = 0; start < order - user_first; start += kAttentionTileRows, ++tile) {
-      tiles[3 * tile] = b;
-      tiles[3 * tile + 1] = user_first + start;
-      tiles[3 * tile + 2] = std::min(kAttentionTileRows, order - user_first - start);
-    }
-  }
-  // The padding rows, after the real ones: candidates', then prefix rows'.
-  for (int64_t i = candidates; i < tp; ++i) row_order[order++] = i;
-  for (int64_t i = tp + prefix; i < layout.rows(); ++i) row_order[order++] = i;
+  RowParts out;
+  out.prefix_first = layout.candidate_rows;
+  out.candidate_positions = part(1);
+  out.new_token_ids = part(2);
+  out.new_positions = part(3);
+  out.page_table = part(4);
+  out.row_user = part(5);
+  out.row_keys = part(6);
+  out.row_candidate = part(7);
+  out.write_slots = part(8);
+  out.value_slots = part(9);
+  out.row_order = part(10);
+  out.tiles = part(11);
+  std::copy(candidate_ids.begin(), candidate_ids.end(), part(0));
+  write_rows(plan, user_pages, token_lengths, num_candidates, token_ids, page_size, counts, out);
+  std::fill(out.write_slots + counts.prefix, out.write_slots + layout.prefix_rows, trash_slot);
+  std::fill(out.value_slots + counts.prefix, out.value_slots + layout.prefix_rows, trash_slot + page_size);
+  int64_t* order = out.row_order + counts.candidates + counts.prefix;
+  for (int64_t i = counts.candidates; i < layout.candidate_rows; ++i) *order++ = i;
+  for (int64_t i = layout.candidate_rows + counts.prefix; i < layout.rows(); ++i) *order++ = i;
   return step;
 }
 
@@ -182,41 +187,42 @@ at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vect
                         const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
                         int64_t page_size, at::Device device) {
   const auto num_users = static_cast<int64_t>(plan.user_ids.size());
-  const auto r = collect_rows(plan, user_pages, token_lengths, num_candidates, page_size, 1);
-  count_rows(plan, r);
-  const auto num_new = plan.num_new_prefix_rows;
+  const auto counts = count_rows(plan, token_lengths, num_candidates, page_size, 1);
+  const int64_t rows = counts.candidates + counts.prefix, prefix = counts.prefix;
   // On the host, where the model selects the new tokens: their index, then their positions.
-  auto new_tokens = at::empty({2, num_new}, at::kLong);
-  std::copy(r.new_index.begin(), r.new_index.end(), new_tokens.data_ptr<int64_t>());
-  std::copy(r.new_position.begin(), r.new_position.end(), new_tokens.data_ptr<int64_t>() + num_new);
-  const auto [row_order, tiles] = user_tiles(r.row_user, kAttentionTileRows);
-  plan.max_tile_rows = widest_tile(tiles);
+  auto new_tokens = at::empty({2, prefix}, at::kLong);
   // One host-to-device copy per request, from a staging buffer: every per-request device tensor is
   // a view of one buffer.
-  std::vector<int64_t> value_slots(r.write_slots);
-  for (auto& slot : value_slots) slot += page_size;  // a page holds its k rows, then its v rows
-  const std::vector<const std::vector<int64_t>*> parts = {
-      &r.page_table, &r.row_user, &r.row_keys, &r.write_slots, &value_slots, &row_order, &tiles, &r.row_candidate};
-  int64_t total = 0;
-  for (const auto* part : parts) total += static_cast<int64_t>(part->size());
-  auto host = staging_buffer(total, device);
-  int64_t* cursor = host.data_ptr<int64_t>();
-  for (const auto* part : parts) cursor = std::copy(part->begin(), part->end(), cursor);
+  const std::vector<int64_t> sizes = {num_users * counts.max_pages, rows, rows, prefix, prefix, rows,
+                                      3 * counts.tiles, rows};
+  std::vector<int64_t> offsets(sizes.size() + 1, 0);
+  std::partial_sum(sizes.begin(), sizes.end(), offsets.begin() + 1);
+  auto host = staging_buffer(offsets.back(), device);
+  int64_t* const buffer = host.data_ptr<int64_t>();
+  std::fill_n(buffer, sizes[0], 0);  // the page table's unused columns
+  RowParts out;
+  out.prefix_first = counts.candidates;
+  out.page_table = buffer + offsets[0];
+  out.row_user = buffer + offsets[1];
+  out.row_keys = buffer + offsets[2];
+  out.write_slots = buffer + offsets[3];
+  out.value_slots = buffer + offsets[4];
+  out.row_order = buffer + offsets[5];
+  out.tiles = buffer + offsets[6];
+  out.row_candidate = buffer + offsets[7];
+  out.new_token_index = new_tokens.data_ptr<int64_t>();
+  out.new_positions = out.new_token_index + prefix;
+  plan.max_tile_rows = write_rows(plan, user_pages, token_lengths, num_candidates, {}, page_size, counts, out);
   const auto uploaded = host.to(device, /*non_blocking=*/true);
-  int64_t offset = 0;
-  const auto next = [&](size_t count) {
-    auto view = uploaded.narrow(0, offset, static_cast<int64_t>(count));
-    offset += static_cast<int64_t>(count);
-    return view;
-  };
-  plan.page_table = next(r.page_table.size()).view({num_users, r.max_pages});
-  plan.row_user = next(r.row_user.size());
-  plan.row_keys = next(r.row_keys.size());
-  plan.write_slots = next(r.write_slots.size());
-  plan.value_slots = next(value_slots.size());
-  plan.row_order = next(row_order.size());
-  plan.tiles = next(tiles.size()).view({-1, 3});
-  plan.row_candidate = next(r.row_candidate.size()).ne(0);
+  const auto view = [&](int index) { return uploaded.narrow(0, offsets[index], sizes[index]); };
+  plan.page_table = view(0).view({num_users, counts.max_pages});
+  plan.row_user = view(1);
+  plan.row_keys = view(2);
+  plan.write_slots = view(3);
+  plan.value_slots = view(4);
+  plan.row_order = view(5);
+  plan.tiles = view(6).view({-1, 3});
+  plan.row_candidate = view(7).ne(0);
   return new_tokens;
 }
 
