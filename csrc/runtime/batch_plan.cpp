@@ -73,7 +73,8 @@ RowCounts count_rows(BatchPlan& plan, const std::vector<int64_t>& token_lengths,
   return c;
 }
 
-// Where write_rows puts each part; a null pointer skips the part. Row parts are indexed by row.
+// Where write_rows puts each part, row parts indexed by row. candidate_positions, new_token_ids
+// and new_token_index may be null (one plan has no use for them); every other part is written.
 struct RowParts {
   int64_t prefix_first = 0;  // row index of the first new prefix row
   int64_t* page_table = nullptr;  // [B, max_pages]
