@@ -599,6 +599,7 @@ void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (chunks > 1) {
     constexpr int kCombineThreads = 256;
+    static_assert(kCombineThreads % (kDim / 4) == 0, "a block holds whole (row, head) groups");
     const int64_t threads = p.rows * p.heads * (kDim / 4);
     const int64_t blocks = (threads + kCombineThreads - 1) / kCombineThreads;
     combine_kernel<T, kDim><<<unsigned(blocks), kCombineThreads, 0, stream>>>(p);

@@ -28,9 +28,9 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> user_tiles(const std::vect
   for (size_t row = 0; row < row_user.size(); ++row) row_order[next[row_user[row]]++] = static_cast<int64_t>(row);
   std::vector<int64_t> tiles;
   for (int64_t user = 0; user < num_users; ++user) {
-    for (int64_t start = first[user]; start < first[user + 1]; start += tile_rows) {
-      tiles.insert(tiles.end(), {user, start, std::min(tile_rows, first[user + 1] - start)});
-    }
+    for_each_tile(first[user], first[user + 1] - first[user], tile_rows, [&](int64_t start, int64_t count) {
+      tiles.insert(tiles.end(), {user, start, count});
+    });
   }
   return {std::move(row_order), std::move(tiles)};
 }
@@ -118,13 +118,13 @@ int64_t write_rows(const BatchPlan& plan, const std::vector<const std::vector<in
       out.value_slots[row] = slot + page_size;  // a page holds its k rows, then its v rows
       out.row_order[order++] = index;
     }
-    for (int64_t start = 0; start < order - user_first; start += kAttentionTileRows, ++tile) {
-      const int64_t count = std::min(kAttentionTileRows, order - user_first - start);
+    for_each_tile(user_first, order - user_first, kAttentionTileRows, [&](int64_t start, int64_t count) {
       out.tiles[3 * tile] = b;
-      out.tiles[3 * tile + 1] = user_first + start;
+      out.tiles[3 * tile + 1] = start;
       out.tiles[3 * tile + 2] = count;
       widest = std::max(widest, count);
-    }
+      ++tile;
+    });
   }
   return widest;
 }

@@ -5,6 +5,7 @@
 #include <ATen/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -49,6 +50,13 @@ struct BatchPlan {
 // Rows per attention tile at most (one user's rows; the CUDA kernel's block: a user with the
 // reference shape's 164 new rows fits one, so its cached keys are read once per head).
 constexpr int64_t kAttentionTileRows = 192;
+
+// Cuts one user's `count` rows, at indices [first, first + count) of row_order, into tiles of at
+// most tile_rows rows: emit(start, rows) for each, in order. Every plan tiles its rows this way.
+template <typename F>
+void for_each_tile(int64_t first, int64_t count, int64_t tile_rows, const F& emit) {
+  for (int64_t start = 0; start < count; start += tile_rows) emit(first + start, std::min(tile_rows, count - start));
+}
 
 // Rows grouped by user (stable) and cut into tiles of at most tile_rows rows of one user:
 // (row_order, tiles as flat (user, first index into row_order, count) triples).
