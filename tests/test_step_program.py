@@ -17,7 +17,7 @@ from kvexport.bench.suite import SweepRequests
 from kvexport.describe import describe
 from kvexport.errors import RequestFailed
 from kvexport.model import build_model
-from kvexport.model.batch import random_batch
+from kvexport.model.batch import Batch, UserRequest, random_batch, random_user
 from kvexport.ops import wrappers as kv
 from kvexport.replay import replay_command
 from tests.test_cuda_package import cuda_artifact  # noqa: F401  (fixture: the tiny package built for CUDA)
@@ -112,6 +112,62 @@ def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, 
             seen.add(layout.bucket)
             torch.testing.assert_close(package.score(batch), reference(batch), atol=ATOL, rtol=0)
     assert len(seen) == 5
+
+
+def test_step_plan_rebuilt_row_by_row_from_the_request(tiny_config):
+    """begin_step's parts for users who reuse part of a cached prefix (grown histories), a user with
+    an unchanged history (candidates only) and a new user, against the plan rebuilt in Python from
+    the request's tokens and what the first request cached."""
+    m, page_size = tiny_config.model, tiny_config.kv_cache.page_size
+    name, limits, runtime = "plan-rows-probe", tiny_config.request_limits_json(), tiny_config.runtime_json()
+    g = torch.Generator().manual_seed(3)
+    first = [random_user(m, g, 70 + i, events, candidates) for i, (events, candidates) in enumerate([(10, 2), (3, 5),
+                                                                                                      (20, 1)])]
+
+    def begin(users):
+        user_ids, lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
+            name, limits, *Batch.concat(users).tensors())
+        staged, layout = kv.begin_step(name, runtime, user_ids, token_ids, lengths, num_candidates, candidate_ids,
+                                       torch.empty(0), m.max_prefix_length)
+        return user_ids, lengths.tolist(), token_ids.tolist(), candidate_ids, staged, layout
+
+    try:
+        user_ids, cached, *_ = begin(first)
+        kv.end_batch(name, user_ids, torch.empty(0))  # commits the three users' prefixes
+        grown = [UserRequest(u.user_id, torch.cat([u.item_ids, random_user(m, g, 0, extra, 1).item_ids]),
+                             torch.cat([u.action_ids, random_user(m, g, 0, extra, 1).action_ids]), u.context_ids,
+                             random_user(m, g, 0, 1, candidates).candidate_ids)
+                 for u, extra, candidates in zip(first, (4, 0, 9), (3, 2, 6))]
+        users = [grown[2], random_user(m, g, 99, 7, 4), grown[0], grown[1]]
+        cached = [cached[2], 0, cached[0], cached[1]]
+        _, lengths, tokens, candidate_ids, staged, layout = begin(users)
+        kv.abort_batch(name)
+    finally:
+        kv.drop_runtime(name)
+    inputs, plan = layout.split(staged)
+    counts = [len(u.candidate_ids) for u in users]
+    starts = [sum(lengths[:b]) for b in range(len(users))]
+    tp, trash = layout.candidate_rows, tiny_config.kv_cache.device_pages * 2 * page_size
+    pages = plan.page_table.tolist()
+    rows = [(b, lengths[b], 1) for b in range(len(users)) for _ in range(counts[b])]
+    rows += [(0, 0, 0)] * (tp - len(rows))
+    new = [(b, p) for b in range(len(users)) for p in range(cached[b], lengths[b])]
+    rows += [(b, p + 1, 0) for b, p in new] + [(0, 0, 0)] * (layout.prefix_rows - len(new))
+    slots = [pages[b][p // page_size] * 2 * page_size + p % page_size for b, p in new]
+    padding = [0] * (layout.prefix_rows - len(new))
+
+    assert layout.real_candidates == sum(counts) and len(new) == sum(lengths) - sum(cached) > 0
+    assert inputs.candidate_ids[:sum(counts)].tolist() == candidate_ids.tolist()
+    assert inputs.candidate_positions.tolist() == [lengths[b] for b, _, c in rows[:tp] if c] + [0] * (tp - sum(counts))
+    assert inputs.new_ids.tolist() == [tokens[starts[b] + p] for b, p in new] + padding
+    assert inputs.new_positions.tolist() == [p for _, p in new] + padding
+    assert list(zip(plan.row_user.tolist(), plan.row_keys.tolist(), plan.row_candidate.tolist())) == rows
+    assert plan.write_slots.tolist() == slots + [trash] * len(padding)
+    assert plan.value_slots.tolist() == [s + page_size for s in slots] + [trash + page_size] * len(padding)
+    owned = [page for b in range(len(users)) for page in pages[b][:-(-lengths[b] // page_size)]]
+    assert len(set(owned)) == len(owned)  # no page is two users'
+    assert not any(page for b in range(len(users)) for page in pages[b][-(-lengths[b] // page_size):])
+    assert_rows_tiled_by_user(plan, layout, real_prefix=len(new))
 
 
 def test_refusals_through_the_step_route_leave_the_next_request_exact(step_artifact, tiny_config, reference):

@@ -63,7 +63,7 @@ RowCounts count_rows(BatchPlan& plan, const std::vector<int64_t>& token_lengths,
     c.max_pages = std::max(c.max_pages, (token_lengths[b] + page_size - 1) / page_size);
     c.candidates += num_candidates[b];
     c.prefix += token_lengths[b] - plan.cached_lengths[b];
-    c.tiles += (rows + kAttentionTileRows - 1) / kAttentionTileRows;
+    for_each_tile(0, rows, kAttentionTileRows, [&](int64_t, int64_t) { ++c.tiles; });  // write_rows' tiles
     // Candidates read the whole prefix, and no prefix row reads more.
     if (rows > 0) max_keys = std::max(max_keys, token_lengths[b]);
   }
