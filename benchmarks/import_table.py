@@ -86,11 +86,11 @@ def import_whole(work: Path, dim: int, world: int) -> dict:
     """`kvexport import-checkpoint` of write_ranker's checkpoint in a fresh process: seconds and peak RSS."""
     save = work / "save"
     gin = write_ranker(save, work / "dumps", dim, world)
-    baseline_kib = _peak_kib("import kvexport.cli")
+    baseline_kib = _peak_kib("import kvexport.commands.cli")
     arguments = ["import-checkpoint", "--from", "nvidia", str(save), "--trainer-config", str(gin),
                  "--table-rows", "action_weights=4", "--item-table", "table", "-o", str(work / "model.pt")]
     started = time.perf_counter()
-    peak_kib = _peak_kib(f"from kvexport.cli import main; main({arguments!r}, standalone_mode=False)")
+    peak_kib = _peak_kib(f"from kvexport.commands.cli import main; main({arguments!r}, standalone_mode=False)")
     seconds = time.perf_counter() - started
     return {"import_seconds": round(seconds, 2), "import_peak_rss_mib": round(peak_kib / 1024, 1),
             "import_baseline_rss_mib": round(baseline_kib / 1024, 1),

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvexport.artifact import Artifact
-    from kvexport.package_api import Package
+    from kvexport.host.package import Package
 
 
 def load(out: "str | Path | Artifact", device: "torch.device | str | None" = None, *,
@@ -34,9 +34,9 @@ def load(out: "str | Path | Artifact", device: "torch.device | str | None" = Non
     `kvexport verify`). remote: a shared remote KV tier, "redis://[[user]:password@]host[:port][/db]";
     remote_write: "on_evict" or "after_batch". step_program: score through the artifact's step.pt2
     when it has one (CUDA packages), cuda_graphs: replay it as CUDA graphs. See
-    kvexport.package_api.load.
+    kvexport.host.package.load.
     """
-    from kvexport.package_api import load as _load
+    from kvexport.host.package import load as _load
 
     return _load(out, device, check_files=check_files, remote=remote, remote_write=remote_write,
                  step_program=step_program, cuda_graphs=cuda_graphs)
@@ -44,7 +44,7 @@ def load(out: "str | Path | Artifact", device: "torch.device | str | None" = Non
 
 def __getattr__(name: str):
     if name == "Package":  # the class, for annotations and isinstance; imports torch
-        from kvexport.package_api import Package
+        from kvexport.host.package import Package
 
         return Package
     raise AttributeError(f"module 'kvexport' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from kvexport.cli import main
+from kvexport.commands.cli import main
 
 main()

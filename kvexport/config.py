@@ -26,7 +26,7 @@ from kvexport.errors import UserError
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 # The CPU a package's machine code is compiled for: this host's ("native"), or a portable
-# x86-64 baseline that any newer CPU runs (kvexport/isa.py).
+# x86-64 baseline that any newer CPU runs (kvexport/native/isa.py).
 CPU_ISAS = ("native", "x86-64-v2", "x86-64-v3")
 # The prediction head's activation between its two linear layers (docs/design.md §1.5): kvexport's
 # SiLU, or ReLU as NVIDIA recsys-examples' ranking head uses by default.

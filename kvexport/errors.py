@@ -26,8 +26,9 @@ class RequestFailed(UserError):
 
 
 class RequestError(RequestFailed):
-    """A request that breaks the signature or the package's limits, refused before it reaches the
-    package (by the same check the package runs inside itself): code "invalid_request"."""
+    """A request that breaks the signature or the package's limits: code "invalid_request". Its
+    structure is refused in Python before the package runs (kvexport.host.requests), its values by
+    the package's own check (check_request), which every route runs once."""
 
     def __init__(self, message: str):
         super().__init__("invalid_request", message)

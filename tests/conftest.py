@@ -148,7 +148,7 @@ def assert_verifies_and_replays(package: Path, tmp_path: Path) -> None:
     """A GPU package passes verify, and the C++ replay through model.pt2 and through CUDA graphs."""
     import subprocess
 
-    from kvexport.replay import replay_command
+    from kvexport.trace.replay import replay_command
     from kvexport.trace.verify import verify_artifact
 
     report = verify_artifact(package)

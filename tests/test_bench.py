@@ -15,7 +15,7 @@ from torch import nn
 
 from kvexport.bench.contention import available_cpus, busy_processes
 from kvexport.bench.kernel import KernelShape, attention_inputs
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.ops import wrappers as kv
 from tests.conftest import ROOT
 

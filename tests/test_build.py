@@ -9,9 +9,10 @@ import torch
 from click.testing import CliRunner
 
 from kvexport.artifact import open_artifact
-from kvexport.cli import main
+from kvexport.commands.cli import main
+from kvexport.host.package import Package
 from kvexport.model import build_model, random_batch
-from kvexport.runner import PackageRunner, load_trace_step
+from kvexport.trace.record import load_trace_step
 from kvexport.trace.verify import verify_artifact
 from tests.hostile import good_request, package_corpus
 from tests.conftest import TINY, edit_manifest, rehash
@@ -47,7 +48,7 @@ def test_package_reproduces_the_checkpoint(tiny_artifact, tiny_checkpoint, tiny_
     default = build_model(tiny_config)
     batch = random_batch(tiny_config.model, seed=11, history_lengths=[1, 30, 7], num_candidates=[3, 1, 5],
                          first_user_id=1000)
-    runner = PackageRunner(open_artifact(tiny_artifact))
+    runner = Package(open_artifact(tiny_artifact))
     with torch.no_grad():
         expected, other = model(batch), default(batch)
     got = runner.score(batch)
@@ -58,7 +59,7 @@ def test_package_reproduces_the_checkpoint(tiny_artifact, tiny_checkpoint, tiny_
 def test_package_serves_batch_one_single_event_and_maxima(tiny_artifact, tiny_config, tiny_checkpoint):
     m = tiny_config.model
     model = build_model(tiny_config, checkpoint=tiny_checkpoint)
-    runner = PackageRunner(open_artifact(tiny_artifact))
+    runner = Package(open_artifact(tiny_artifact))
     cases = [
         ([1], [1]),                              # batch 1, a single event, a single candidate
         ([m.max_history_length], [m.max_num_candidates]),  # one user at both maxima
@@ -269,7 +270,7 @@ def test_the_build_self_test_refuses_a_package_that_disagrees_with_its_trace(tmp
     """The build's last stage scores the trace's first request through the package in a fresh
     process: a trace recorded from other weights fails it, and nothing is left at OUT."""
     import kvexport.export.build as build
-    from kvexport.selftest import SelfTestError
+    from kvexport.native.selftest import SelfTestError
     from kvexport.trace.record import record_trace
 
     monkeypatch.setattr(build, "record_trace",

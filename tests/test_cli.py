@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from kvexport import __version__
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import load_config
 from kvexport.model import build_model
 from tests.conftest import TINY

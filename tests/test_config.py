@@ -8,7 +8,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import ConfigError, config_from_dict, load_config
 from tests.conftest import ROOT, TINY
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from kvexport.replay import replay_command
+from kvexport.trace.replay import replay_command
 from tests.conftest import TINY, edit_manifest
 from tests.test_package_safety import host_corpus, run_plain_host  # noqa: F401  (fixture)
 
@@ -112,9 +112,9 @@ def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
     """A package takes its request on the host; a host that hands it GPU tensors gets one line and
     the invalid_request code from the first op (called directly, and through the package)."""
     from kvexport.config import load_config
+    from kvexport.host.package import _load_compiled
     from kvexport.model.batch import random_batch
     from kvexport.ops import wrappers as kv
-    from kvexport.package_api import _load_compiled
 
     config = load_config(TINY)
     runtime = json.loads((cuda_artifact / "manifest.json").read_text())["runtime_name"]
@@ -143,7 +143,7 @@ def test_no_request_op_calls_a_synchronising_torch_function(cuda_artifact):
     from kvexport.artifact import TRACE_KEYS
     from kvexport.model.batch import SIGNATURE
     from kvexport.ops import wrappers as kv
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
 
     with kvexport.load(cuda_artifact) as package:
         steps = package.artifact.trace_steps

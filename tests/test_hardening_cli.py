@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 import kvexport.export.build as build
 from kvexport.artifact import check_files, open_artifact
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.errors import UserError
 from kvexport.model import build_model, random_batch
 from kvexport.progress import Progress
@@ -106,7 +106,7 @@ import os, signal, sys
 from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from kvexport import cli
+from kvexport.commands import cli
 from kvexport.io import cleaned_up_on_abrupt_exit
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -216,18 +216,18 @@ class _RefusingRunner:
     def __exit__(self, *exc_info):
         pass
 
-    def run(self, batch):
+    def run(self, batch, index=None):
         if int(batch.user_ids[0]) >= 9000:
             raise UserError("KV cache capacity exceeded: needs 130 pages, the device tier has 72")
         return torch.full((int(batch.num_candidates.sum()), self.num_tasks), float(batch.user_ids[0]))
 
 
 def test_run_records_each_batch_status_and_writes_the_file(tiny_config, tmp_path, monkeypatch):
-    import kvexport
-    import kvexport.request_file
+    import kvexport.commands.request_file
+    import kvexport.host.package
 
-    monkeypatch.setattr(kvexport.request_file, "open_artifact", lambda out: SimpleNamespace(config=tiny_config))
-    monkeypatch.setattr(kvexport, "load", lambda artifact, **options: _RefusingRunner(artifact))
+    monkeypatch.setattr(kvexport.commands.request_file, "open_artifact", lambda out: SimpleNamespace(config=tiny_config))
+    monkeypatch.setattr(kvexport.host.package, "load", lambda artifact, **options: _RefusingRunner(artifact))
     m = tiny_config.model
     batches = [random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
                random_batch(m, seed=4, history_lengths=[8, 8], num_candidates=[1, 1], first_user_id=9000),
@@ -318,7 +318,7 @@ def test_report_table_never_cuts_a_word():
 
 def test_verbose_logs_debug_for_kvexport_only(tmp_path):
     script = ("import logging, sys\n"
-              "from kvexport.cli import main\n"
+              "from kvexport.commands.cli import main\n"
               f"main(['-v', 'show-config', {str(TINY)!r}], standalone_mode=False)\n"
               "logging.getLogger('filelock').debug('third-party debug line')\n"
               "logging.getLogger('kvexport.anything').debug('kvexport debug line')\n")

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvexport.artifact import MANIFEST
-from kvexport.replay import library_flags
+from kvexport.trace.replay import library_flags
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

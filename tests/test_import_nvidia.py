@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import kvexport
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import config_from_dict, load_config
 from kvexport.importers.nvidia import read_gin
 from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia

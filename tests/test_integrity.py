@@ -19,8 +19,8 @@ import torch
 from click.testing import CliRunner
 
 from kvexport.artifact import MANIFEST, open_artifact
-from kvexport.cli import main
-from kvexport.replay import harness, library_flags
+from kvexport.commands.cli import main
+from kvexport.trace.replay import harness, library_flags
 from tests.conftest import edit_manifest, rehash
 
 pytestmark = pytest.mark.slow
@@ -255,9 +255,9 @@ def _replace_shared_objects(package, data: bytes, compress: bool = False) -> Non
 @pytest.mark.parametrize("compress", [False, True], ids=["stored", "deflated"])
 def test_the_harness_checks_shared_objects_as_kvexport_does(tiny_artifact, tmp_path, member, message, compress):
     """Hand-made members, overflowing offsets among them: the harness refuses each before it loads
-    anything, with kvexport.export.package's message."""
+    anything, with kvexport.export.compile's message."""
     from kvexport.errors import UserError
-    from kvexport.export.package import check_shared_objects
+    from kvexport.host.package_file import check_shared_objects
 
     artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
     _replace_shared_objects(artifact / "model.pt2", member, compress)
@@ -275,7 +275,7 @@ def test_elf_segments_and_tables_are_checked_against_the_size():
     import io
 
     from kvexport.errors import UserError
-    from kvexport.elf import check_elf
+    from kvexport.native.elf import check_elf
 
     whole = elf(220)
     check_elf(io.BytesIO(whole), len(whole), "whole.so")

@@ -12,9 +12,10 @@ import nlohmann_json
 import pytest
 import torch
 
-from kvexport import isa
 from kvexport.errors import UserError
-from kvexport.native import NATIVE_ISA, OPS_LIBRARY, PORTABLE_ISAS, build_dir_for
+from kvexport.native import isa
+from kvexport.native.build import build_dir_for
+from kvexport.native.paths import NATIVE_ISA, OPS_LIBRARY, PORTABLE_ISAS
 from tests.conftest import ROOT, edit_manifest
 
 # Every feature isa.py knows, as Linux would show a CPU that has them all.
@@ -79,7 +80,7 @@ def test_compiler_features_follow_march():
 
 
 def test_feature_tables_agree():
-    """kvexport/isa.py, the library's record (compiled_isa.h) and the harness (isa.cpp): same names, same order."""
+    """kvexport/native/isa.py, the library's record (compiled_isa.h) and the harness (isa.cpp): same names, same order."""
     header = (ROOT / "csrc" / "ops" / "compiled_isa.h").read_text()
     harness = (ROOT / "csrc" / "replay" / "isa.cpp").read_text()
     assert re.findall(r'\{"(\w+)", KVEXPORT_IS_SET\(__\w+__\)\}', header) == list(isa.FEATURES)
@@ -190,8 +191,8 @@ def _package_disassembly(package) -> str:
 
 @pytest.mark.slow
 def test_the_manifest_records_what_the_artifact_was_built_for(tiny_artifact):
-    from kvexport.package_api import Package
     from kvexport.artifact import open_artifact
+    from kvexport.host.package import Package
 
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())
     recorded = manifest["isa"]
@@ -204,7 +205,7 @@ def test_the_manifest_records_what_the_artifact_was_built_for(tiny_artifact):
 
 @pytest.mark.slow
 def test_every_command_refuses_a_host_lacking_a_feature_in_one_line(artifact_copy, tmp_path):
-    from kvexport.replay import replay_command
+    from kvexport.trace.replay import replay_command
 
     expected = _require_missing_feature(artifact_copy)
     commands = {
@@ -226,7 +227,7 @@ def test_every_command_refuses_a_host_lacking_a_feature_in_one_line(artifact_cop
 def test_run_refuses_a_host_lacking_a_feature(artifact_copy, tmp_path):
     import torch
     from kvexport.artifact import open_artifact
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
 
     artifact = open_artifact(artifact_copy)
     requests = tmp_path / "requests.pt"
@@ -261,7 +262,7 @@ def portable_artifact(tmp_path_factory, tiny_checkpoint):
 
 @pytest.mark.slow
 def test_a_portable_artifact_needs_only_its_baseline(portable_artifact, tiny_artifact, tmp_path):
-    from kvexport.replay import replay_command
+    from kvexport.trace.replay import replay_command
 
     baseline = set(isa.compiler_features(["-march=x86-64-v3"]))
     recorded = json.loads((portable_artifact / "manifest.json").read_text())["isa"]
@@ -337,7 +338,7 @@ def test_gpu_info_names_no_gpu_for_cpu_devices():
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA device")
 def test_replay_refuses_a_cuda_package_on_a_host_without_cuda(artifact_copy, tmp_path):
-    from kvexport.replay import replay_command
+    from kvexport.trace.replay import replay_command
 
     def make_cuda(manifest):
         manifest["device"] = "cuda"

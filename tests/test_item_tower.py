@@ -10,8 +10,9 @@ import yaml
 
 from kvexport.config import ConfigError, config_from_dict
 from kvexport.errors import RequestError
+from kvexport.host.requests import check_user_request
 from kvexport.model import build_model, random_batch
-from kvexport.model.batch import Batch, UserRequest, check_user_request
+from kvexport.model.batch import Batch, UserRequest
 from kvexport.model.hstu import time_codes
 from kvexport.ops import wrappers as kv
 from tests.conftest import TINY, assert_verifies_and_replays

@@ -18,10 +18,10 @@ import torch
 from click.testing import CliRunner
 
 from kvexport.artifact import TRACE_KEYS
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import load_config
-from kvexport.model import build_model
 from kvexport.importers import meta_dlrmv3 as meta
+from kvexport.model import build_model
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec

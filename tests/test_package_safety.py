@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from kvexport.replay import harness
+from kvexport.trace.replay import harness
 from tests.hostile import good_request, package_corpus
 from kvexport.model import build_model
-from kvexport.model.checkpoint import save_checkpoint
 from kvexport.model.batch import Batch
+from kvexport.model.checkpoint import save_checkpoint
 
 HERE = Path(__file__).resolve().parent
 HOST_TIMEOUT_S = 300  # a hang fails the test instead of the suite

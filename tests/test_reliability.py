@@ -11,11 +11,11 @@ import yaml
 from click.testing import CliRunner
 
 from kvexport.artifact import open_artifact
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import load_config
 from kvexport.errors import RequestFailed
+from kvexport.host.package import Package
 from kvexport.model import build_model, random_batch
-from kvexport.runner import PackageRunner
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_soak_needs_the_build_checkpoint(tiny_artifact, tmp_path):
 def test_capacity_error_then_next_request_is_correct(tiny_artifact, tiny_checkpoint, tiny_config):
     m = tiny_config.model
     model = build_model(tiny_config, checkpoint=tiny_checkpoint)
-    runner = PackageRunner(open_artifact(tiny_artifact))
+    runner = Package(open_artifact(tiny_artifact))
     warm = random_batch(m, seed=1, history_lengths=[40], num_candidates=[4], first_user_id=5000)
     runner.score(warm)
     before = runner.stats()

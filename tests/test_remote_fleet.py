@@ -18,8 +18,8 @@ from kvexport.errors import UserError
 from kvexport.model.batch import random_user
 from kvexport.ops import wrappers as kv
 from kvexport.remote import read_password_file
-from kvexport.replay import replay_command
 from kvexport.trace.record import reference_model
+from kvexport.trace.replay import replay_command
 from tests.conftest import ROOT
 from tests.redis_server import RedisServer, Resp, free_port, need_redis
 from tests.test_remote_tier import BAD_PASSWORD_FILES, GatedProxy, write_password_file
@@ -41,7 +41,8 @@ def grown(request: dict, extra: dict) -> dict:
 
 
 def full_recompute(model, pkg, request: dict) -> torch.Tensor:
-    from kvexport.model.batch import Batch, check_user_request
+    from kvexport.host.requests import check_user_request
+    from kvexport.model.batch import Batch
 
     with torch.no_grad():
         return reference_model(model)(Batch.concat([check_user_request(request, pkg.config, 0)]))
@@ -51,7 +52,7 @@ def full_recompute(model, pkg, request: dict) -> torch.Tensor:
 
 def test_load_with_remote_serves_a_returning_user_from_it_and_close_flushes(tiny_artifact, tiny_checkpoint,
                                                                             redis_server, redis, tiny_config):
-    from kvexport.soak import eager_model_for
+    from kvexport.trace.soak import eager_model_for
 
     first = user_request(tiny_config, 900_001, 40, seed=1)
     later = grown(first, user_request(tiny_config, 900_001, 6, seed=2))
@@ -205,7 +206,7 @@ def test_replay_harness_runs_without_an_unreachable_tier_and_refuses_a_bad_url(t
 # ---- soaks: two processes, random routing -------------------------------------------------------------
 
 # One intra-op thread per soak process: two processes share the CI machine's two cores.
-SOAK = "import sys, torch; torch.set_num_threads(1); from kvexport.cli import main; main(sys.argv[1:], 'kvexport')"
+SOAK = "import sys, torch; torch.set_num_threads(1); from kvexport.commands.cli import main; main(sys.argv[1:], 'kvexport')"
 
 
 def start_soaks(artifact: Path, checkpoint: Path, url: str, num_requests: int, tmp_path: Path,

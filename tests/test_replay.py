@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvexport.cli import main
-from kvexport.replay import harness, replay_command
+from kvexport.commands.cli import main
+from kvexport.trace.replay import harness, replay_command
 from kvexport.trace.verify import verify_artifact
 from tests.conftest import edit_manifest, rehash
 

@@ -13,7 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from kvexport.artifact import TRACE_KEYS
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import ConfigError, config_from_dict
 from kvexport.model import build_model, random_batch
 from tests.conftest import TINY

@@ -31,10 +31,10 @@ import torch
 from click.testing import CliRunner
 
 import kvexport
-from kvexport.cli import main
+from kvexport.commands.cli import main
+from kvexport.errors import RequestError
 from kvexport.model import Batch, build_model
 from kvexport.model.batch import UserRequest, random_user
-from kvexport.errors import RequestError
 from kvexport.serving.batcher import BatchScorer, take_batch
 
 ATOL = 1e-5  # server vs eager full recompute in float32 (measured ~1e-8)
@@ -332,15 +332,19 @@ def test_scorer_splits_a_triton_batch_into_distinct_users_in_arrival_order(tiny_
         recording = _RecordingPackage(package)
         scorer = BatchScorer(recording)
         results = scorer.score([_batched(first), bad, _batched(grown), _batched(other)])
-    assert [users for users, _ in recording.calls] == [[900, 901], [900]]
+    # The bad request is refused by the package's one check, in the first merged call; that call is
+    # scored again one user at a time, and only the bad request fails. User 900's second request
+    # waits for its first: it runs in the next merged call.
+    assert [users for users, _ in recording.calls] == [[900, 901], [900], [901], [900, 901]]
     tokens = m.num_contextual_features + 2 * len(first.item_ids)
-    assert recording.calls[1][1] == tokens  # the second request of user 900 reused all of the first's tokens
+    assert recording.calls[3][1] == tokens  # the second request of user 900 reused all of the first's tokens
     assert isinstance(results[1], RequestError)
     assert str(results[1]) == f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary [0, {m.item_vocab_size - 1}]"
     for got, want in zip([results[0], results[2], results[3]], eager([first, grown, other])):
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL)
     counters = scorer.counters()
-    assert (counters.batches, counters.batch_users, counters.requests_ok, counters.requests_refused) == (2, 3, 3, 1)
+    assert (counters.batches, counters.batch_users, counters.requests_ok, counters.requests_refused,
+            counters.split_batches) == (2, 3, 3, 1, 1)
 
 
 @pytest.mark.slow
@@ -384,14 +388,14 @@ def test_a_request_is_one_user():
 
     config = load_config(TINY)
     user = _batched(random_user(config.model, torch.Generator().manual_seed(1), 5, 4, 2))
-    assert parse_request(user, config).user_id == 5
+    assert parse_request(user).user_id == 5
     for name, value, message in (
             ("item_ids", np.zeros((2, 4), dtype=np.int64), "item_ids must have shape [1, n] (one request is one "
                                                            "user), got [2, 4]"),
             ("user_id", np.array([[5, 6]], dtype=np.int64), "user_id must hold one id, got shape [1, 2]"),
             ("context_ids", np.zeros((1, 3), dtype=np.int32), "context_ids must be INT64, got int32")):
         with pytest.raises(RequestError) as refused:
-            parse_request({**user, name: value}, config)
+            parse_request({**user, name: value})
         assert str(refused.value) == message
 
 
@@ -436,7 +440,7 @@ def test_serve_refuses_clashing_or_busy_ports(tmp_path):
 
 def test_serve_without_the_extra_is_one_line(tmp_path):
     code = ("import sys; sys.modules['pytriton'] = None\n"
-            "from kvexport.cli import main\n"
+            "from kvexport.commands.cli import main\n"
             f"main(['serve', {str(tmp_path)!r}], prog_name='kvexport')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
     assert result.returncode == 2
@@ -499,7 +503,7 @@ def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypat
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_trace_through_the_server_matches_its_expected_outputs(server, tiny_artifact, eager, protocol):
     from kvexport.artifact import open_artifact
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
     from kvexport.trace.verify import load_reference
 
     artifact = open_artifact(tiny_artifact)

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import kvexport
-from kvexport import step_runner
 from kvexport.bench.suite import SweepRequests
-from kvexport.describe import describe
+from kvexport.commands.describe import describe
 from kvexport.errors import RequestFailed
+from kvexport.host import step_runner
 from kvexport.model import build_model
 from kvexport.model.batch import Batch, UserRequest, random_batch, random_user
 from kvexport.ops import wrappers as kv
-from kvexport.replay import replay_command
+from kvexport.trace.replay import replay_command
 from tests.test_cuda_package import cuda_artifact  # noqa: F401  (fixture: the tiny package built for CUDA)
 
 ATOL = 1e-5  # float32: padded and unpadded rows run the same kernels row by row

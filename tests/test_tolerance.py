@@ -22,12 +22,12 @@ import yaml
 from click.testing import CliRunner
 
 from kvexport.artifact import MANIFEST, TRACE_KEYS, open_artifact, sha256_of, trace_digest
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from kvexport.config import Config, load_config
 from kvexport.export.build import _tolerance
 from kvexport.model import Batch, build_model
 from kvexport.ops import library
-from kvexport.replay import replay_command
+from kvexport.trace.replay import replay_command
 from kvexport.trace.record import (EXPECTED_CACHED, EXPECTED_FULL, EXPECTED_REFERENCE, RecordedTrace,
                                    record_trace)
 from kvexport.trace.verify import compare

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvexport import elf, toolchain
-from kvexport.errors import UserError
-from kvexport.native import OPS_LIBRARY, SOURCE_DIR
-from kvexport.replay import harness, library_flags
 from kvexport.artifact import open_artifact
+from kvexport.errors import UserError
+from kvexport.native import elf, toolchain
+from kvexport.native.paths import OPS_LIBRARY, SOURCE_DIR
+from kvexport.trace.replay import harness, library_flags
 from tests.conftest import rehash
 
 REAL_GXX = shutil.which("g++")
@@ -84,7 +84,7 @@ def test_cxx_is_tried_first_then_every_gxx_on_path(static_cxx, caplog):
     environ = {"CXX": str(static_cxx / "g++"), "PATH": f"{static_cxx}{os.pathsep}{Path(REAL_GXX).parent}"}
     # c++ is g++ under another name here: tried once
     assert toolchain.candidates(environ) == [(str(static_cxx / "g++"), "CXX"), (REAL_GXX, "PATH")]
-    with caplog.at_level(logging.WARNING, logger="kvexport.toolchain"):
+    with caplog.at_level(logging.WARNING, logger="kvexport.native.toolchain"):
         chosen = toolchain.select_compiler(environ)
     assert chosen == toolchain.Compiler(str(Path(REAL_GXX).parent / "g++"), "PATH")
     assert [r.getMessage() for r in caplog.records] == [
@@ -169,7 +169,7 @@ def test_the_self_test_catches_the_op_library_a_static_runtime_compiler_builds(s
     kills the process, and the self-test says so in one line."""
     import nlohmann_json
 
-    from kvexport.selftest import SelfTestError, run_self_test
+    from kvexport.native.selftest import SelfTestError, run_self_test
 
     build = tmp_path / "build"
     subprocess.run(["cmake", "-S", str(SOURCE_DIR), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
@@ -182,17 +182,17 @@ def test_the_self_test_catches_the_op_library_a_static_runtime_compiler_builds(s
     with library.open("rb") as data:
         assert elf.carries_own_cxx_runtime(data, str(library))
     with pytest.raises(SelfTestError) as failed:
-        run_self_test("op-library", library, str(static_cxx / "g++"))
+        run_self_test("kvexport.native.selftest", library, str(static_cxx / "g++"))
     message = str(failed.value)
     assert message.startswith(f"self-test of {library}: ")
     assert ("the op library's refusal came back garbled: 'paged_attention: cache [" in message
             or f"killed a fresh process (SIGSEGV); it was compiled by {static_cxx / 'g++'}" in message)
-    run_self_test("op-library", OPS_LIBRARY, REAL_GXX)  # the installed one passes
+    run_self_test("kvexport.native.selftest", OPS_LIBRARY, REAL_GXX)  # the installed one passes
 
 
 def test_a_build_that_links_a_second_runtime_despite_the_probe_is_a_native_build_error(tmp_path, static_cxx):
     """What the GPU host's CUDAHOSTCXX once did to the link line: caught after the build, not at load."""
-    from kvexport.native import NativeBuildError, _check_runtime
+    from kvexport.native.build import NativeBuildError, _check_runtime
 
     library = compile_library(str(static_cxx / "g++"), tmp_path / "libkvexport_ops.so")
     compiler = toolchain.Compiler(REAL_GXX, "PATH")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvexport.cli import main
+from kvexport.commands.cli import main
 from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, metric, needs_pytriton, run_clients,
                               scrape_when, settled_scrape, split_batch, user_arrays)
 from tests.test_serve import eager  # noqa: F401  (a fixture)
@@ -172,7 +172,7 @@ def served_repo(tiny_artifact, tmp_path_factory):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_the_trace_through_a_plain_tritonserver(served_repo, tiny_artifact, protocol):
     from kvexport.artifact import open_artifact
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
 
     artifact = open_artifact(tiny_artifact)
     client = Client(protocol, served_repo, "hstu-tiny", concurrency=artifact.config.serving.max_batch_size)
@@ -195,7 +195,7 @@ def test_a_refused_request_gets_its_own_400_and_the_next_is_served(served_repo, 
     from tritonclient.utils import InferenceServerException
 
     from kvexport.artifact import open_artifact
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
 
     artifact = open_artifact(tiny_artifact)
     step = artifact.trace_steps[0]
@@ -225,7 +225,7 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
     from tritonclient.utils import InferenceServerException
 
     from kvexport.artifact import open_artifact
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
 
     step = open_artifact(tiny_artifact).trace_steps[0]
     user = split_batch(load_trace_step(tiny_artifact / step["file"], True)[0])[0]
@@ -282,8 +282,8 @@ def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_pat
     with one line, its batch-mates their logits, and the server logs the traceback once."""
     from tritonclient.utils import InferenceServerException
 
-    from kvexport.model.batch import random_user
     from kvexport.config import load_config
+    from kvexport.model.batch import random_user
     from tests.conftest import TINY
 
     m = load_config(TINY).model

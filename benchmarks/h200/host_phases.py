@@ -1,5 +1,5 @@
 """Where the host's time goes in one cached request of a CUDA package's step route (graphs replayed):
-each of kvexport.step_runner.StepRunner.run's phases timed on its own, in steady state, median of
+each of kvexport.host.step_runner.StepRunner.run's phases timed on its own, in steady state, median of
 --repeats, beside the same request through StepRunner.run whole. Then what those phases are made of
 on this host: a host-to-device copy from pinned and from pageable memory, a pinned allocation, and
 a fresh 2 MB host allocation written once (page faults), each median of --repeats.
@@ -23,7 +23,7 @@ import torch
 import kvexport
 from kvexport.artifact import open_artifact
 from kvexport.bench.suite import SweepRequests
-from kvexport.model.batch import check_batch
+from kvexport.host.requests import check_batch
 from kvexport.ops import wrappers as kv
 
 PHASES = ("check_request", "begin_step", "copy_in", "replay", "logits_out", "end_batch", "device_wait")

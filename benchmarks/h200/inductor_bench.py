@@ -36,11 +36,11 @@ from kvexport.bench.suite import SweepRequests
 from kvexport.bench.timing import summary, timed_ms
 from kvexport.config import load_config
 from kvexport.export.build import runtime_name_for
-from kvexport.export.package import compile_package
+from kvexport.export.compile import compile_package
 from kvexport.export.wrap import CachedRanker, export_cached
+from kvexport.host.package import _load_compiled
 from kvexport.model import build_model
 from kvexport.ops import library, wrappers as kv
-from kvexport.package_api import _load_compiled
 
 VARIANTS = {"default": {}, "no_split_reductions": {"split_reductions": False},
             "combo_kernels": {"combo_kernels": True}}

@@ -38,11 +38,11 @@ from kvexport.artifact import open_artifact
 from kvexport.bench.suite import SweepRequests
 from kvexport.bench.timing import summary, timed_ms
 from kvexport.errors import UserError
-from kvexport.model.batch import check_batch
+from kvexport.host.package import package_device
+from kvexport.host.requests import check_batch
 from kvexport.ops import library, wrappers as kv
 from kvexport.ops.manager import KVCacheManager
-from kvexport.package_api import package_device
-from kvexport.soak import eager_model_for
+from kvexport.trace.soak import eager_model_for
 
 
 def parse_args() -> argparse.Namespace:

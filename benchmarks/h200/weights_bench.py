@@ -29,7 +29,7 @@ import torch
 
 from kvexport.config import load_config
 from kvexport.export.build import runtime_name_for
-from kvexport.export.package import compile_package
+from kvexport.export.compile import compile_package
 from kvexport.export.wrap import CachedRanker, export_cached
 from kvexport.model import build_model
 from kvexport.ops import library
@@ -44,8 +44,8 @@ LOAD_AND_RUN = """
 import json, sys, time, torch
 from kvexport.bench.suite import SweepRequests
 from kvexport.config import load_config
+from kvexport.host.package import _load_compiled
 from kvexport.ops import library, wrappers as kv
-from kvexport.package_api import _load_compiled
 config_path, package, device, runtime, logits_path = sys.argv[1:]
 config = load_config(config_path)
 library.load()

@@ -23,9 +23,9 @@ import torch
 
 from kvexport.bench.suite import CANDIDATES, NEW_EVENTS, SweepRequests
 from kvexport.bench.timing import summary, timed_ms
-from kvexport.model.batch import check_batch
+from kvexport.host.package import Package
+from kvexport.host.requests import check_batch
 from kvexport.ops import wrappers as kv
-from kvexport.runner import PackageRunner
 
 log = logging.getLogger(__name__)
 # A busy loop that also ends when the bench does, however it ends (its parent changes).
@@ -59,7 +59,7 @@ def busy_processes(count: int, own_sessions: bool = True) -> Iterator[list[subpr
             process.wait()
 
 
-def _sample(runner: PackageRunner, requests: SweepRequests, variant: int) -> tuple[float, float]:
+def _sample(runner: Package, requests: SweepRequests, variant: int) -> tuple[float, float]:
     """(full recompute ms, cached ms): one request from an empty cache, then cached ones."""
     kv.reset_runtime(runner.artifact.runtime_name)
     batch = check_batch(requests.variant(variant), runner.config)
@@ -71,7 +71,7 @@ def _sample(runner: PackageRunner, requests: SweepRequests, variant: int) -> tup
     return full, statistics.median(cached)
 
 
-def contention(runner: PackageRunner, length: int, warmup: int, repeats: int, busy: int | None = None) -> dict:
+def contention(runner: Package, length: int, warmup: int, repeats: int, busy: int | None = None) -> dict:
     """Slowdowns with busy processes in their own sessions ("other_sessions", the headline) and in
     this one ("same_session"); `busy` defaults to one per available CPU."""
     busy = available_cpus() if busy is None else busy
@@ -79,7 +79,7 @@ def contention(runner: PackageRunner, length: int, warmup: int, repeats: int, bu
             "same_session": slowdowns(runner, length, warmup, repeats, busy, own_sessions=False)}
 
 
-def slowdowns(runner: PackageRunner, length: int, warmup: int, repeats: int, busy: int, own_sessions: bool) -> dict:
+def slowdowns(runner: Package, length: int, warmup: int, repeats: int, busy: int, own_sessions: bool) -> dict:
     """Slowdown (contended / idle, per repetition) of the cached path and of the full recompute at
     L = length, batch 1, with `busy` busy processes."""
     requests = SweepRequests(runner.config, length, 1, first_user=20_000)

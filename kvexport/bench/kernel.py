@@ -97,7 +97,7 @@ def time_kernel(library: Path, shape: KernelShape, workdir: Path) -> float:
 
 def kernel_builds(libraries: dict[str, Path], shape: KernelShape, warmup: int, repeats: int) -> dict:
     """Kernel latency per op-library build, builds alternating in each repetition; ratios to 'native'."""
-    from kvexport.isa import library_isa
+    from kvexport.native.isa import library_isa
 
     samples: dict[str, list[float]] = {name: [] for name in libraries}
     with tempfile.TemporaryDirectory(prefix="kvexport-kernel-") as tmp:

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import kvexport
 from kvexport.artifact import Artifact
 from kvexport.bench.suite import NEW_EVENTS, SweepRequests
 from kvexport.bench.timing import summary, timed_ms
 from kvexport.errors import UserError
-from kvexport.model.batch import check_batch
+from kvexport.host.package import load
+from kvexport.host.requests import check_batch
 from kvexport.ops import wrappers as kv
 from kvexport.remote import WRITE_POLICIES
 
@@ -93,7 +93,7 @@ def _score_ms(pkg, requests: SweepRequests, variant: int) -> float:
 
 def _prime(artifact: Artifact, url: str, lengths: list[int]) -> None:
     """Writes each length's returning user to the server (variant 0), as another host would have."""
-    with kvexport.load(artifact, check_files=False, remote=url, remote_write="after_batch") as pkg:
+    with load(artifact, check_files=False, remote=url, remote_write="after_batch") as pkg:
         for length in lengths:
             pkg.run(check_batch(SweepRequests(pkg.config, length, 1, RETURNING_USER + length).variant(0), pkg.config))
 
@@ -104,7 +104,7 @@ def hit_vs_recompute(artifact: Artifact, url: str, lengths: list[int], warmup: i
     the returning user again, now on the device tier."""
     _prime(artifact, url, lengths)
     rows = []
-    with kvexport.load(artifact, check_files=False, remote=url) as pkg:
+    with load(artifact, check_files=False, remote=url) as pkg:
         runtime = pkg.runtime_name
         for length in lengths:
             returning = SweepRequests(pkg.config, length, 1, RETURNING_USER + length)
@@ -153,7 +153,7 @@ def write_behind_cost(artifact: Artifact, url: str, lengths: list[int], warmup: 
     for _ in range(repeats):
         for policy in VARIANTS:
             remote = {"remote": url, "remote_write": policy} if policy else {}
-            with kvexport.load(artifact, check_files=False, **remote) as pkg:
+            with load(artifact, check_files=False, **remote) as pkg:
                 for length in lengths:
                     requests = SweepRequests(pkg.config, length, 1, 2 * RECOMPUTED_USER + length)
                     for r in range(warmup + 1):  # the first request computes the user

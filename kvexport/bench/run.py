@@ -9,9 +9,10 @@ from pathlib import Path
 from kvexport.artifact import open_artifact
 from kvexport.bench import contention, kernel, suite
 from kvexport.errors import UserError
-from kvexport.native import OPS_LIBRARY, build_native
-from kvexport.runner import PackageRunner
-from kvexport.soak import eager_model_for
+from kvexport.host.package import Package
+from kvexport.native.build import build_native
+from kvexport.native.paths import OPS_LIBRARY
+from kvexport.trace.soak import eager_model_for
 
 log = logging.getLogger(__name__)
 # Packaging removes per-request overhead; past a few hundred events both paths spend their time
@@ -40,7 +41,7 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         if too_long:
             raise UserError(f"--lengths {too_long[0]} + {suite.NEW_EVENTS} new events exceed "
                             f"model.max_history_length ({config.model.max_history_length})")
-        runner = PackageRunner(artifact)
+        runner = Package(artifact)
         model = eager_model_for(artifact, checkpoint).to(runner.device)
         on_cpu = runner.device.type == "cpu"
         batch_sizes = sorted({1, config.serving.max_batch_size})

@@ -19,13 +19,15 @@ import torch
 from kvexport.bench.timing import paired, timed_ms
 from kvexport.config import Config
 from kvexport.errors import UserError
+from kvexport.host.package import Package
+from kvexport.host.requests import check_batch
 from kvexport.model import Batch
-from kvexport.model.batch import UserRequest, check_batch, random_context
+from kvexport.model.batch import UserRequest, random_context
 from kvexport.model.hstu import DTYPES, HSTURanker
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
-from kvexport.replay import replay_command
-from kvexport.runner import PackageRunner, load_trace_step
+from kvexport.trace.record import load_trace_step
+from kvexport.trace.replay import replay_command
 
 log = logging.getLogger(__name__)
 NEW_EVENTS = 16
@@ -44,7 +46,7 @@ def _run_quietly(command: list[str], env: dict[str, str] | None = None) -> None:
 
 def machine() -> dict:
     """Where the numbers were taken: CPU, cores, versions, and what the op library was built for."""
-    from kvexport.isa import library_isa
+    from kvexport.native.isa import library_isa
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
@@ -93,7 +95,7 @@ class SweepRequests:
         return Batch.concat(users)
 
 
-def cache_benefit(runner: PackageRunner, lengths: list[int], batch_sizes: list[int], warmup: int,
+def cache_benefit(runner: Package, lengths: list[int], batch_sizes: list[int], warmup: int,
                   repeats: int) -> list[dict]:
     """Package latency: cached path (NEW_EVENTS new) vs full recompute (empty cache), same shapes."""
     rows = []
@@ -119,7 +121,7 @@ def cache_benefit(runner: PackageRunner, lengths: list[int], batch_sizes: list[i
     return rows
 
 
-def package_vs_eager(runner: PackageRunner, model: HSTURanker, lengths: list[int], batch_sizes: list[int],
+def package_vs_eager(runner: Package, model: HSTURanker, lengths: list[int], batch_sizes: list[int],
                      warmup: int, repeats: int) -> list[dict]:
     """Cached request through the package vs the eager model's cached path (each its own runtime)."""
     eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager", device=runner.device)
@@ -152,7 +154,7 @@ def package_vs_eager(runner: PackageRunner, model: HSTURanker, lengths: list[int
     return rows
 
 
-def cpp_vs_python(runner: PackageRunner, repeats: int, workdir: Path) -> dict:
+def cpp_vs_python(runner: Package, repeats: int, workdir: Path) -> dict:
     """Per-request latency over the trace: C++ harness vs the Python runner, pass by pass.
 
     Each repetition replays the whole trace PASSES_PER_SAMPLE times in Python and in the harness
@@ -205,7 +207,7 @@ def build_cost(config_path: Path, workdir: Path) -> tuple[dict, Path]:
     return result, workdir / "build-warm"
 
 
-def cache_memory(runner: PackageRunner) -> dict:
+def cache_memory(runner: Package) -> dict:
     """Bytes per cached token and per user; tier occupancy after replaying the trace once."""
     c = runner.config
     m, kc = c.model, c.kv_cache

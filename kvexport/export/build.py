@@ -19,18 +19,21 @@ from pathlib import Path
 
 import torch
 
-import kvexport
-from kvexport import artifact, isa, step_runner, toolchain
+from kvexport import __version__, artifact
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
-from kvexport.export.package import (check_package_ops, check_shared_objects, compile_package, graph_custom_ops,
-                                     required_libraries)
+from kvexport.export import selftest
+from kvexport.export.compile import check_package_ops, compile_package, graph_custom_ops, required_libraries
 from kvexport.export.wrap import CachedRanker, StepProgram, export_cached, export_step
+from kvexport.host import step_runner
+from kvexport.host.package_file import check_shared_objects
 from kvexport.io import cleaned_up_on_abrupt_exit, exclusive_lock, remove_stale_staging, rename_no_replace
 from kvexport.model import SIGNATURE, build_model
-from kvexport.native import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, build_native
+from kvexport.native import isa, toolchain
+from kvexport.native.build import build_native
+from kvexport.native.paths import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME
+from kvexport.native.selftest import run_self_test
 from kvexport.ops import library
-from kvexport.selftest import run_self_test
 from kvexport.trace.record import record_trace
 
 log = logging.getLogger(__name__)
@@ -64,7 +67,7 @@ def versions() -> dict[str, str]:
                 return importlib.metadata.version(name)
         return "absent"
 
-    return {"kvexport": kvexport.__version__, "torch": torch.__version__,
+    return {"kvexport": __version__, "torch": torch.__version__,
             "fbgemm_gpu": installed("fbgemm-gpu-cpu", "fbgemm-gpu")}
 
 
@@ -175,8 +178,8 @@ def _compile_step_program(model: torch.nn.Module, config: Config, runtime_name: 
     its manifest entry."""
     program = export_step(StepProgram(model, runtime_name), config, device)
     ops = graph_custom_ops(program)
-    # What a host needs to plan requests for it (kvexport/step_runner.py, the C++ harness).
-    metadata = {"kvexport.version": kvexport.__version__, "kvexport.program": "step",
+    # What a host needs to plan requests for it (kvexport/host/step_runner.py, the C++ harness).
+    metadata = {"kvexport.version": __version__, "kvexport.program": "step",
                 "kvexport.runtime_name": runtime_name, "kvexport.device": device,
                 "kvexport.runtime_config": config.runtime_json(),
                 "kvexport.request_limits": config.request_limits_json(),
@@ -217,7 +220,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
     if torch.device(device).type == "cuda":
         cpu["gpu"] = isa.gpu_isa(device)
     metadata = {
-        "kvexport.version": kvexport.__version__,
+        "kvexport.version": __version__,
         "kvexport.runtime_name": runtime_name,
         "kvexport.device": device,
         "kvexport.runtime_config": config.runtime_json(),
@@ -263,7 +266,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         }
     with stages.stage("self-test", "a refused request through the package in a fresh process"):
         (staging / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        run_self_test("package", staging, toolchain.select_compiler().path)
+        run_self_test(selftest.__name__, staging, toolchain.select_compiler().path)
     manifest["timings_seconds"] = stages.seconds
     (staging / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 

@@ -1,7 +1,7 @@
 """Jagged-tensor helpers: fbgemm's ops where fbgemm_gpu is importable, plain aten otherwise.
 
 A package whose graph calls fbgemm ops needs `fbgemm_library_path()` loaded before it
-(the exporter records that by name; see kvexport/export/package.py).
+(the exporter records that by name; see kvexport/export/compile.py).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch._library.effects import EffectType
 
-from kvexport import elf
 from kvexport.errors import UserError
-from kvexport.native import OPS_LIBRARY
+from kvexport.native import elf
+from kvexport.native.paths import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
 # Every op the library defines (csrc/ops/register.cpp's TORCH_LIBRARY block, in its order).

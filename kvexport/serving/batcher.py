@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvexport.errors import RequestError, RequestFailed
-from kvexport.model.batch import Batch, UserRequest, check_batch
+from kvexport.model.batch import UserRequest
 from kvexport.serving.signature import ACTION_IDS, CANDIDATE_IDS, CONTEXT_IDS, INPUT_NAMES, ITEM_IDS, USER_ID
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,11 @@ def take_batch(queue: Sequence[T], max_users: int, user_of: Callable[[T], int]) 
     return batch, rest
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], config) -> UserRequest:
-    """One user's request from the serving signature's arrays (each with a leading dimension of 1),
-    checked against the package's limits and vocabularies; RequestError (one line) otherwise."""
+def parse_request(inputs: Mapping[str, np.ndarray]) -> UserRequest:
+    """One user's request from the serving signature's arrays (each with a leading dimension of 1):
+    their names, dtypes and shapes checked here, RequestError (one line) otherwise. Limits and
+    vocabularies are the package's own check, once, when the batch it joins runs (a batch it
+    refuses is scored again one user at a time, so a bad request fails alone)."""
     for name in INPUT_NAMES:
         if name not in inputs:
             raise RequestError(f"missing input {name}")
@@ -71,7 +73,6 @@ def parse_request(inputs: Mapping[str, np.ndarray], config) -> UserRequest:
     user = UserRequest(int(arrays[USER_ID][0]),
                        *(torch.from_numpy(np.array(arrays[name], copy=True))
                          for name in (ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)))
-    check_batch(Batch.concat([user]), config)  # limits and vocabularies: the package's own check
     return user
 
 
@@ -102,7 +103,7 @@ class BatchScorer:
         pending: list[tuple[int, UserRequest]] = []
         for index, inputs in enumerate(requests):
             try:
-                pending.append((index, parse_request(inputs, self._package.config)))
+                pending.append((index, parse_request(inputs)))
             except RequestFailed as refused:
                 self._count(requests_refused=1)
                 results[index] = refused

@@ -24,7 +24,6 @@ def warm_up(package) -> None:
     cache runtime and zeroes its counters: the first real request finds the code warm and the cache
     empty. A package whose device tier cannot hold that batch is warmed with one user."""
     from kvexport.model.batch import UserRequest, random_user
-    from kvexport.ops import wrappers as kv
 
     m = package.config.model
     generator = torch.Generator().manual_seed(0)
@@ -40,17 +39,17 @@ def warm_up(package) -> None:
         log.debug("warm-up batch refused (%s); warming up with one user", refused)
         package.score_users(users[:1])
         package.score_users(grown[:1])
-    kv.reset_runtime(package.runtime_name)
+    package.reset()
 
 
 def load_warm(out: Path | str, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
               device: str | None = None):
     """kvexport.load(out, device), warmed up (warm_up), then the remote tier attached: the warm-up's
     synthetic users (ids 0 and up) must neither overwrite real users' shared entries nor read them."""
-    import kvexport
+    from kvexport.host.package import load
 
     check_write_policy(remote_write)  # before minutes of loading
-    package = kvexport.load(out, device)
+    package = load(out, device)
     try:
         warm_up(package)
         if remote is not None:

@@ -19,6 +19,8 @@ import torch
 
 from kvexport.artifact import TRACE_KEYS
 from kvexport.config import Config
+from kvexport.errors import UserError
+from kvexport.io import load_tensor_file
 from kvexport.model import Batch
 from kvexport.model.hstu import HSTURanker
 from kvexport.ops import wrappers as kv
@@ -213,7 +215,7 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
                 full, expected = model(request).cpu(), reference(request).cpu()
             worst = max(worst, max_abs_error(expected, cached, full))
             tensors.update({EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()})
-            # A file of its own: the step file's other keys are the request (kvexport.runner reads them so).
+            # A file of its own: the step file's other keys are the request (kvexport.host.package reads them so).
             entry[TRACE_KEYS["reference_file"]] = f"{trace_dir.name}/{name}.reference.pt"
             torch.save({EXPECTED_REFERENCE: expected.contiguous()}, trace_dir / f"{name}.reference.pt")
         torch.save(tensors, trace_dir / f"{name}.pt")
@@ -224,3 +226,17 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
              len(entries), {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads",
                                                                    "onboards", "prefix_truncations")}, worst)
     return RecordedTrace(entries, worst)
+
+
+def load_trace_step(path: Path, expect_outputs: bool = True):
+    """A recorded step: request tensors, expected cached output, expected full-recompute output.
+
+    Steps that must fail (expect_outputs=False) carry the request only; both expectations are None.
+    """
+    data = load_tensor_file(path, "trace file")
+    if not isinstance(data, dict):
+        raise UserError(f"trace file {path} must hold a dict of tensors")
+    if expect_outputs and (EXPECTED_CACHED not in data or EXPECTED_FULL not in data):
+        raise UserError(f"trace file {path} lacks its expected outputs")
+    request = {k: v for k, v in data.items() if k not in (EXPECTED_CACHED, EXPECTED_FULL)}
+    return request, data.get(EXPECTED_CACHED), data.get(EXPECTED_FULL)

@@ -16,9 +16,9 @@ import torch
 from kvexport.errors import RequestFailed, UserError
 
 from kvexport.artifact import TRACE_KEYS, Artifact, check_files, check_manifest_against_package, open_artifact
-from kvexport.export.package import read_package
+from kvexport.host.package_file import read_package
 from kvexport.io import load_tensor_file
-from kvexport.isa import check_host
+from kvexport.native.isa import check_host
 from kvexport.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -118,16 +118,16 @@ def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | N
 
     atol/rtol override the manifest's tolerances (the manifest's own are checked against the package).
     """
-    import kvexport
+    from kvexport.host.package import load
 
     artifact = open_artifact(root)
     files_checked = check_integrity(artifact)
-    with kvexport.load(artifact, check_files=False) as runner:  # checked just above
+    with load(artifact, check_files=False) as runner:  # checked just above
         return _replay(artifact, runner, files_checked, atol, rtol)
 
 
 def _replay(artifact: Artifact, runner, files_checked: int, atol: float | None, rtol: float | None) -> VerifyReport:
-    from kvexport.runner import load_trace_step
+    from kvexport.trace.record import load_trace_step
 
     tol = {"atol": artifact.tolerance["atol"] if atol is None else atol,
            "rtol": artifact.tolerance["rtol"] if rtol is None else rtol}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvexport.artifact import MANIFEST, PACKAGE, open_artifact
 from kvexport.errors import UserError
-from kvexport.export.package import read_package
+from kvexport.host.package_file import read_package
 
 
 def _signature(metadata: dict[str, str], manifest: dict | None) -> dict:

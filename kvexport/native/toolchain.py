@@ -27,8 +27,8 @@ from typing import Mapping
 
 import torch  # noqa: F401  (loads the C++ runtime the probe library must share)
 
-from kvexport import elf
 from kvexport.errors import UserError
+from kvexport.native import elf
 
 log = logging.getLogger(__name__)
 

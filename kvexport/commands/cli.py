@@ -125,7 +125,7 @@ def _aoti_errors_filtered(func):
     def wrapper(*args, **kwargs):
         if log.isEnabledFor(logging.DEBUG):
             return func(*args, **kwargs)
-        from kvexport.stderr_filter import aoti_errors_filtered
+        from kvexport.commands.stderr_filter import aoti_errors_filtered
 
         with aoti_errors_filtered():
             return func(*args, **kwargs)
@@ -446,13 +446,9 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
     one line (exit 2) and nothing is written. docs/checkpoint.md, *Importing*, says what is
     supported, and for meta which of DlrmHSTU's rules are replaced by per-user ones.
     """
-    import torch
-    import yaml
-
-    from kvexport.config import config_from_dict
-    from kvexport.io import write_atomically
-    from kvexport.model.checkpoint import check_state_dict
-    from kvexport.model.hstu import HSTURanker
+    from kvexport.importers.checkpoint import import_checkpoint as run_import
+    from kvexport.importers.meta_dlrmv3 import MetaOptions, check_context_ids, read_ids
+    from kvexport.importers.nvidia_ranking import ImportOptions
 
     config_out = config_out or output.with_suffix(".yaml")
     features = tuple(f.strip() for f in contextual.split(",") if f.strip())
@@ -464,15 +460,10 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
              "--history-time": history_time}
     _check_trainer_flags(trainer, given)
     if trainer == "nvidia":
-        from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
-
         options = ImportOptions(item_table=item_table, action_table=action_table or "action_weights",
                                 table_rows=dict(table_rows),
                                 contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
-        imported = import_nvidia(source, trainer_config, options, name or output.stem)
     else:
-        from kvexport.importers.meta_dlrmv3 import MetaOptions, check_context_ids, import_meta, read_ids
-
         check_context_ids((feature for feature, _ in context_ids), features)  # before any file is read
         options = MetaOptions(num_heads=num_heads, max_history_length=max_history_length,
                               max_num_candidates=max_candidates, item_table=item_table,
@@ -481,17 +472,7 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                               context_ids={feature: read_ids(path) for feature, path in context_ids},
                               history_time=history_time or "zero",
                               history_positions=history_positions or "from_max")
-        imported = import_meta(source, options, name or output.stem)
-    config = config_from_dict(imported.config)  # the written config must load as it is
-    with torch.device("meta"):  # the model's shapes only, without allocating its tables
-        check_state_dict(imported.state_dict, HSTURanker(config), output)
-    write_atomically(output, lambda tmp: torch.save(imported.state_dict, tmp), "checkpoint")
-    try:
-        write_atomically(config_out, lambda tmp: tmp.write_text(yaml.safe_dump(imported.config, sort_keys=False)),
-                         "config")
-    except BaseException:
-        output.unlink(missing_ok=True)
-        raise
+    imported = run_import(trainer, source, options, output, config_out, name or output.stem, trainer_config)
     for note in imported.notes:
         click.echo(note)
     click.echo(f"wrote {output} and {config_out} ({trainer}; "
@@ -626,7 +607,7 @@ def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, r
     Exit 0 when every batch is ok; 2 when any was refused (the file is still written) or the input
     is unusable.
     """
-    from kvexport.request_file import OK, score_request_file
+    from kvexport.commands.request_file import OK, score_request_file
 
     results = score_request_file(out, requests_path, output_path, remote=_remote_url(remote, remote_password_file),
                                  remote_write=remote_write)
@@ -645,7 +626,7 @@ def inspect(target: Path, as_json: bool) -> None:
     """Show metadata, signature, dims, required libraries, sizes and versions of OUT or a model.pt2."""
     import json
 
-    from kvexport.describe import describe
+    from kvexport.commands.describe import describe
     from kvexport.serving.signature import from_package_signature
 
     info = describe(target)
@@ -759,7 +740,7 @@ def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: f
            rtol: float | None, remote: str | None, remote_write: str, remote_password_file: Path | None,
            route: str) -> None:
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
-    from kvexport.replay import run_replay
+    from kvexport.trace.replay import run_replay
 
     if remote_password_file is not None:
         _remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
@@ -787,7 +768,7 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
          json_path: Path | None, remote: str | None, remote_write: str, remote_password_file: Path | None,
          route: tuple[int, int]) -> None:
     """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
-    from kvexport.soak import soak as run_soak
+    from kvexport.trace.soak import soak as run_soak
 
     remote = _remote_url(remote, remote_password_file)
     report = run_soak(out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write,

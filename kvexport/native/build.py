@@ -3,16 +3,16 @@
 Sources live in `csrc/` beside the package (a source checkout, installed with `pip install -e`);
 outputs go to `build/` there, and the op library is installed into `kvexport/_lib/`.
 
-The compiler is kvexport.toolchain's choice (CXX if it builds libraries that share torch's C++
+The compiler is kvexport.native.toolchain's choice (CXX if it builds libraries that share torch's C++
 runtime, else a g++ on PATH that does); a build directory configured with another one is configured
-again. Each new op library is self-tested in a fresh interpreter (kvexport.selftest) before it is
+again. Each new op library is self-tested in a fresh interpreter (kvexport.native.selftest) before it is
 installed.
 
 The attention kernel is compiled for this host's CPU (`-march=native`) unless a portable baseline
 is asked for: `python -m kvexport.native --isa x86-64-v3` builds the op library into its own
 directory, `build/csrc-x86-64-v3/` (never installed over the native one), with the kernel's hot
 loops also compiled for x86-64-v4 and picked at load time (GCC function multiversioning;
-`--no-multiversion` leaves the baseline alone). kvexport/isa.py reads what a build was made for.
+`--no-multiversion` leaves the baseline alone). kvexport/native/isa.py reads what a build was made for.
 """
 
 from __future__ import annotations
@@ -27,21 +27,15 @@ from pathlib import Path
 
 import torch
 
-from kvexport import elf, toolchain
 from kvexport.errors import UserError
-from kvexport.selftest import run_self_test
+from kvexport.native import elf, toolchain
+from kvexport.native.paths import (BUILD_DIR, NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, PORTABLE_ISAS,
+                                   SOURCE_DIR)
+from kvexport.native import selftest
+from kvexport.native.selftest import run_self_test
 
 log = logging.getLogger(__name__)
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCE_DIR = PACKAGE_DIR.parent / "csrc"
-BUILD_DIR = PACKAGE_DIR.parent / "build" / "csrc"
-OPS_LIBRARY_NAME = "libkvexport_ops.so"
-OPS_LIBRARY = PACKAGE_DIR / "_lib" / OPS_LIBRARY_NAME
-REPLAY_BINARY = BUILD_DIR / "replay" / "kvexport_replay"
-NATIVE_ISA = "native"
-# Portable baselines a build may ask for (the x86-64 psABI levels GCC and Clang accept in -march).
-PORTABLE_ISAS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 
 
 class NativeBuildError(UserError):
@@ -165,12 +159,12 @@ def _check_runtime(path: Path, compiler: toolchain.Compiler, build_dir: Path) ->
 
 
 def _self_test_once(library: Path, compiler: toolchain.Compiler) -> None:
-    """kvexport.selftest's op-library check, once per built file (a stamp beside it records which)."""
+    """kvexport.native.selftest's op-library check, once per built file (a stamp beside it records which)."""
     stamp = library.with_name(library.name + ".selftest")
     built = f"{library.stat().st_mtime_ns} {library.stat().st_size}"
     if stamp.exists() and stamp.read_text() == built:
         return
-    run_self_test("op-library", library, compiler.path)
+    run_self_test(selftest.__name__, library, compiler.path)
     stamp.write_text(built)
 
 
@@ -184,7 +178,7 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _main() -> None:
+def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args()
     started = time.perf_counter()
@@ -199,6 +193,3 @@ def _main() -> None:
         log.error("error: %s", exc)
         raise SystemExit(exc.exit_code) from None
 
-
-if __name__ == "__main__":
-    _main()

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from kvexport.artifact import open_artifact
 from kvexport.errors import UserError
-from kvexport.native import REPLAY_BINARY, build_native
+from kvexport.host.package_file import LIBRARIES
+from kvexport.native.build import build_native
+from kvexport.native.paths import REPLAY_BINARY
 from kvexport.ops import jagged
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy
-from kvexport.export.package import LIBRARIES
 
 
 @functools.cache

@@ -91,7 +91,7 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     only the requests a seeded router sends to process I of N; N processes with the same seed and
     remote tier together score the whole stream, each user's requests landing on any of them.
     """
-    import kvexport
+    from kvexport.host.package import load
 
     if num_requests < 1 or num_users < 1:
         raise UserError("--requests and --users must be >= 1")
@@ -100,7 +100,7 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     artifact = open_artifact(out)
     check_integrity(artifact)
     model = eager_model_for(artifact, checkpoint)
-    with kvexport.load(artifact, check_files=False, remote=remote,  # files checked just above
+    with load(artifact, check_files=False, remote=remote,  # files checked just above
                        remote_write=remote_write) as runner:
         return _soak(artifact, runner, model, num_requests, num_users, seed, route)
 

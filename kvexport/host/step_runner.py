@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from kvexport.host.program import load_program
 from kvexport.model.batch import Batch
 from kvexport.ops import wrappers as kv
-from kvexport.program import load_program
 
 log = logging.getLogger(__name__)
 

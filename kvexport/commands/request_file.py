@@ -10,8 +10,10 @@ import torch
 
 from kvexport.artifact import open_artifact
 from kvexport.errors import UserError
+from kvexport.errors import RequestError
+from kvexport.host.requests import check_batch
 from kvexport.io import first_line, load_tensor_file, write_atomically
-from kvexport.model.batch import Batch, RequestError, check_batch
+from kvexport.model.batch import Batch
 from kvexport.remote import DEFAULT_WRITE_POLICY
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def _score_batch(package, batch: Batch, index: int) -> dict:
     so the batches before and after it keep their outputs (a refused batch leaves the cache as it was)."""
     rows = batch.user_ids.repeat_interleave(batch.num_candidates)
     try:
-        logits = package.run(batch).contiguous()
+        logits = package.run(batch, index).contiguous()
     except UserError as exc:
         log.debug("batch %d refused", index, exc_info=True)
         return {"status": first_line(exc), "logits": None, "user_ids": rows}
@@ -49,14 +51,14 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path, *, rem
     and no logits, and the following batches still run. Returns the entries written. remote,
     remote_write: a shared remote KV tier, as kvexport.load takes them.
     """
-    import kvexport
+    from kvexport.host.package import load
 
     artifact = open_artifact(out)
     batches = load_requests(requests_path, artifact.config)
     if not output_path.resolve().parent.is_dir():
         raise UserError(f"cannot write output {output_path}: its directory does not exist")
     # Files are not hashed here (`kvexport verify` does); the shipped op library is still checked.
-    with kvexport.load(artifact, check_files=False, remote=remote, remote_write=remote_write) as package:
+    with load(artifact, check_files=False, remote=remote, remote_write=remote_write) as package:
         results = [_score_batch(package, batch, index) for index, batch in enumerate(batches)]
     write_atomically(output_path, lambda tmp: torch.save(results, tmp), "output")
     return results

@@ -5,8 +5,7 @@
         per_user = pkg.score_users([request, ...])  # one dict per user, merged into one batch
         counters = pkg.stats()                  # named cache counters
 
-The CLI's verify, run and soak score through the same class (`kvexport.runner.PackageRunner` is
-another name for it).
+The CLI's verify, run and soak score through the same class.
 """
 
 from __future__ import annotations
@@ -24,16 +23,17 @@ from kvexport.artifact import LIB_DIR, Artifact, check_files as check_artifact_f
     check_manifest_against_package, open_artifact, sha256_of
 from kvexport.config import Config
 from kvexport.errors import RequestError, RequestFailed, UserError
-from kvexport.export.package import check_shared_objects
+from kvexport.host.package_file import check_shared_objects
+from kvexport.host.program import load_program
+from kvexport.host.requests import check_structure, check_user_request, where
+from kvexport.host.step_runner import StepRunner
 from kvexport.io import first_line
-from kvexport.isa import check_device, check_host
-from kvexport.model.batch import Batch, UserRequest, check_batch, check_user_request
-from kvexport.native import OPS_LIBRARY_NAME
+from kvexport.model.batch import Batch, UserRequest
+from kvexport.native.isa import check_device, check_host
+from kvexport.native.paths import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
-from kvexport.program import load_program
 from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy, redact_url
-from kvexport.step_runner import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -234,19 +234,26 @@ class Package:
                     raise RequestError(f"requests {first[user.user_id]} and {i} are both user {user.user_id}; "
                                        "each user may appear once per request")
                 first[user.user_id] = i
-            logits = self._score(Batch.concat(users))
+            logits = self._run(Batch.concat(users))
             return list(logits.split([len(u.candidate_ids) for u in users]))
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Scores a Batch already validated by check_batch (the package still checks it itself);
-        the low-level call of score, refusals as there."""
+    def run(self, batch: Batch, index: int | None = None) -> torch.Tensor:
+        """Scores a Batch whose structure is checked (kvexport.host.requests.check_structure or
+        check_batch): the low-level call of score, whose refusals it raises too. The package checks
+        the values itself."""
         with self._request():
-            return self._run(batch)
+            return self._run(batch, index)
 
     def stats(self) -> dict[str, int]:
         """The cache runtime's named counters and occupancy (kvexport::runtime_stats, names as stat_names)."""
         with self._request():
             return kv.runtime_stats(self.runtime_name)
+
+    def reset(self) -> None:
+        """Empties the cache runtime (device and host tiers; the remote tier is shared and left as it
+        is) and zeroes its counters: for a host that warms the package up before real traffic."""
+        with self._request():
+            kv.reset_runtime(self.runtime_name)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -284,9 +291,11 @@ class Package:
         return _InFlight(self)
 
     def _score(self, batch: Batch | dict[str, torch.Tensor], index: int | None = None) -> torch.Tensor:
-        return self._run(check_batch(batch, self.config, index, runtime=self.runtime_name))
+        return self._run(check_structure(batch, index), index)
 
-    def _run(self, batch: Batch) -> torch.Tensor:
+    def _run(self, batch: Batch, index: int | None = None) -> torch.Tensor:
+        """The request's one value check is the package's own (model.pt2's check_request, or the
+        step runner's before it plans); a refusal's code and message come from the runtime."""
         try:
             if self._step is not None:
                 return self._step.run(batch)
@@ -296,6 +305,8 @@ class Package:
             code, message = kv.last_error(self.runtime_name)
             if code == "ok":
                 raise
+            if code == "invalid_request":
+                raise RequestError(f"{where(index)}{message}") from exc
             raise RequestFailed(code, message) from exc
 
 
@@ -308,7 +319,7 @@ def _load_compiled(package: Path, device_index: int):
     package is opened. kvexport checks the host itself, and refuses rather than warns (check_host,
     check_device), so it skips that probe. The loader's arguments are those aoti_load_package
     passes for a package path (model "model", one runner), and its call spec is read once
-    (kvexport.program).
+    (kvexport.host.program).
     """
     return load_program(package, device_index)
 
@@ -374,7 +385,7 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
     step_program: score through the artifact's step.pt2 when it has one (CUDA packages by default;
     docs/design.md 3.9): the host plans each request and runs the device part on its own, on a GPU
     as a CUDA graph captured per bucket of sizes when cuda_graphs (at most
-    kvexport.step_runner.MAX_GRAPHS kept). False: model.pt2 runs the whole request, as plain hosts do.
+    kvexport.host.step_runner.MAX_GRAPHS kept). False: model.pt2 runs the whole request, as plain hosts do.
 
     Loading empties the cache runtime of any other copy of the same package in this process.
     """

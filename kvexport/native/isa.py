@@ -25,7 +25,7 @@ import subprocess
 from pathlib import Path
 
 from kvexport.errors import UserError
-from kvexport.native import NATIVE_ISA, OPS_LIBRARY
+from kvexport.native.paths import NATIVE_ISA, OPS_LIBRARY
 
 log = logging.getLogger(__name__)
 
