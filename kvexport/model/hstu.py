@@ -122,6 +122,84 @@ class ItemTowerHead(nn.Module):
         user = self.user_norm(self.combiner(states) + self.time_embedding(codes))
         return self.mlp(user * self.tower_embedding(item_rows))
 
+    def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: "HSTURanker") -> torch.Tensor:
+        """Final states [T, d] of checked candidate ids [T] -> [T, num_tasks]: each reads its item's
+        tower row and its query time's code."""
+        items = model.candidates.items(candidate_ids)
+        return self(states, model.item_rows(items), model.candidates.codes(candidate_ids))
+
+
+class MlpHead(nn.Sequential):
+    """model.head: mlp (docs/design.md §1.5): the L2-normalised state through Linear, the
+    activation, Linear (a Sequential, so that its weights keep the names head.0 and head.2)."""
+
+    def __init__(self, m: ModelConfig):
+        activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
+        super().__init__(nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(),
+                         nn.Linear(m.mlp_hidden_size, m.num_tasks))
+
+    def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: "HSTURanker") -> torch.Tensor:
+        """Final states [T, d] -> [T, num_tasks]; the candidate ids play no part."""
+        return self(nn.functional.normalize(states, dim=-1))
+
+
+class PairEvents:
+    """model.event_tokens pairs: an event is two tokens, its item's then its action's."""
+
+    action_bits = None  # prefix_tokens' layout of pairs
+
+    def embed(self, model: "HSTURanker", token_ids: torch.Tensor, positions: torch.Tensor,
+              is_context: torch.Tensor) -> torch.Tensor:
+        """History tokens [N] at their positions [N] -> [N, d] (rows of context tokens are zeros)."""
+        is_item = ~is_context & ((positions - model.num_contextual_features) % 2 == 0)
+        is_action = ~is_context & ~is_item
+        item = model.item_embedding(model.item_rows(torch.where(is_item, token_ids, 0)))
+        action = model.action_embedding(torch.where(is_action, token_ids, 0))
+        return torch.where(is_item.unsqueeze(1), item, action)
+
+
+class CombinedEvents:
+    """model.event_tokens combined: an event is one token (item << action_bits) | action, its item's
+    row plus its action's."""
+
+    def __init__(self, action_bits: int):
+        self.action_bits = action_bits
+
+    def embed(self, model: "HSTURanker", token_ids: torch.Tensor, positions: torch.Tensor,
+              is_context: torch.Tensor) -> torch.Tensor:
+        event = torch.where(is_context, 0, token_ids)
+        item = model.item_embedding(model.item_rows(event >> self.action_bits))
+        return item + model.action_embedding(event & ((1 << self.action_bits) - 1))
+
+
+class PlainCandidates:
+    """model.head mlp: a checked candidate id is its item id."""
+
+    def checked(self, batch: Batch) -> torch.Tensor:
+        return batch.candidate_ids
+
+    def items(self, candidate_ids: torch.Tensor) -> torch.Tensor:
+        return candidate_ids
+
+
+class TimeCodedCandidates:
+    """model.head item_tower: a checked candidate id carries its user's query-time code in its low
+    bits, (item << time_code_bits) | code, as kvexport::check_request writes it."""
+
+    def __init__(self, m: ModelConfig):
+        self.periods, self.bits, self.query_time_column = m.query_time_periods, m.time_code_bits, m.num_contextual_features
+
+    def checked(self, batch: Batch) -> torch.Tensor:
+        codes = time_codes(batch.context_ids[:, self.query_time_column], self.periods)
+        codes = torch.repeat_interleave(codes, batch.num_candidates, output_size=batch.candidate_ids.shape[0])
+        return (batch.candidate_ids << self.bits) | codes
+
+    def items(self, candidate_ids: torch.Tensor) -> torch.Tensor:
+        return candidate_ids >> self.bits
+
+    def codes(self, candidate_ids: torch.Tensor) -> torch.Tensor:
+        return candidate_ids & ((1 << self.bits) - 1)
+
 
 class HSTULayer(nn.Module):
     """One HSTU layer, split around its attention so the cached path can put its ops there.
@@ -133,7 +211,8 @@ class HSTULayer(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.num_heads, self.head_dim = m.num_heads, m.head_dim
-        self.silu_on, self.layer_output = m.silu_on, m.layer_output
+        self.activate = _silu_uvqk if m.silu_on == "uvqk" else _silu_u
+        self.combine = _concat_output if m.layer_output == "concat" else _gated_output
         size = m.num_heads * m.head_dim
         self.input_norm = nn.LayerNorm(m.hidden_size, eps=m.layer_norm_eps)
         self.uvqk = nn.Linear(m.hidden_size, 4 * size)
@@ -142,19 +221,34 @@ class HSTULayer(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> u, v, q, k, each [N, H, dh]."""
-        uvqk = self.uvqk(self.input_norm(x))
-        if self.silu_on == "uvqk":  # one activation over all four (the default, and the eager hot path)
-            u, v, q, k = nn.functional.silu(uvqk).chunk(4, dim=1)
-        else:
-            u, v, q, k = uvqk.chunk(4, dim=1)
-            u = nn.functional.silu(u)
+        u, v, q, k = self.activate(self.uvqk(self.input_norm(x)))
         return tuple(t.unflatten(1, (self.num_heads, self.head_dim)) for t in (u, v, q, k))
 
     def finish(self, x: torch.Tensor, u: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Residual update x + (u * LN(o)) W_o, or x + [u, o, u * LN(o)] W_o; u, o [N, H, dh]."""
         u, o = u.flatten(1), o.flatten(1)
-        gated = u * self.attention_norm(o)
-        return x + self.output(torch.cat([u, o, gated], dim=1) if self.layer_output == "concat" else gated)
+        return x + self.output(self.combine(u, o, u * self.attention_norm(o)))
+
+
+def _silu_uvqk(uvqk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """model.silu_on uvqk: one activation over all four (the default, and the eager hot path)."""
+    return nn.functional.silu(uvqk).chunk(4, dim=1)
+
+
+def _silu_u(uvqk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """model.silu_on u: only u is activated."""
+    u, v, q, k = uvqk.chunk(4, dim=1)
+    return nn.functional.silu(u), v, q, k
+
+
+def _gated_output(u: torch.Tensor, o: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+    """model.layer_output gated: u * LN(o)."""
+    return gated
+
+
+def _concat_output(u: torch.Tensor, o: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+    """model.layer_output concat: [u, o, u * LN(o)]."""
+    return torch.cat([u, o, gated], dim=1)
 
 
 def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int,
@@ -198,12 +292,11 @@ class HSTURanker(nn.Module):
         self.alpha = 1.0 / math.sqrt(m.head_dim)
         self.scaling_seqlen = m.scaling_seqlen
         self.max_prefix_length = m.max_prefix_length
-        self.action_bits = m.action_bits if m.event_tokens == "combined" else None
+        self.events = CombinedEvents(m.action_bits) if m.event_tokens == "combined" else PairEvents()
         self.shared_candidate_row = m.candidate_position == "shared_row"
         self.context_rows_see_prefix = m.context_rows_see_prefix
-        # model.head: item_tower: checked candidate ids carry a query-time code in these low bits.
-        self.query_time_periods = m.query_time_periods if m.head == "item_tower" else None
-        self.time_code_bits = m.time_code_bits
+        # model.head: item_tower: checked candidate ids carry a query-time code in their low bits.
+        self.candidates = TimeCodedCandidates(m) if m.head == "item_tower" else PlainCandidates()
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
@@ -224,13 +317,7 @@ class HSTURanker(nn.Module):
         self.layers = nn.ModuleList(
             HSTULayer(m) for _ in range(m.num_layers)
         )
-        if m.head == "item_tower":
-            self.head = ItemTowerHead(m)
-        else:
-            activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
-            self.head = nn.Sequential(
-                nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
-            )
+        self.head = ItemTowerHead(m) if m.head == "item_tower" else MlpHead(m)
 
     def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
         """The item table's rows of a request's item ids: the ids themselves, or (model.item_ids:
@@ -252,17 +339,8 @@ class HSTURanker(nn.Module):
         is_context = positions < self.num_contextual_features
         context = self.context_embedding(self.context_rows(torch.where(is_context, token_ids, 0),
                                                            torch.where(is_context, positions, 0)))
-        if self.action_bits is not None:  # combined: each event token holds its item and action
-            event = torch.where(is_context, 0, token_ids)
-            item = self.item_embedding(self.item_rows(event >> self.action_bits))
-            events = item + self.action_embedding(event & ((1 << self.action_bits) - 1))
-            tokens = torch.where(is_context.unsqueeze(1), context, events)
-            return tokens * self.embedding_scale + self.position_embedding(positions)
-        is_item = ~is_context & ((positions - self.num_contextual_features) % 2 == 0)
-        is_action = ~is_context & ~is_item
-        item = self.item_embedding(self.item_rows(torch.where(is_item, token_ids, 0)))
-        action = self.action_embedding(torch.where(is_action, token_ids, 0))
-        tokens = torch.where(is_context.unsqueeze(1), context, torch.where(is_item.unsqueeze(1), item, action))
+        events = self.events.embed(self, token_ids, positions, is_context)
+        tokens = torch.where(is_context.unsqueeze(1), context, events)
         return tokens * self.embedding_scale + self.position_embedding(positions)
 
     def embed_candidates(self, candidate_ids: torch.Tensor, token_lengths: torch.Tensor,
@@ -271,43 +349,27 @@ class HSTURanker(nn.Module):
         positions = torch.repeat_interleave(token_lengths, num_candidates, output_size=candidate_ids.shape[0])
         return self.embed_candidates_at(candidate_ids, positions)
 
-    def candidate_items(self, candidate_ids: torch.Tensor) -> torch.Tensor:
-        """The item ids of checked candidate ids (which carry a query-time code with an item_tower head)."""
-        return candidate_ids >> self.time_code_bits if self.query_time_periods is not None else candidate_ids
-
-    def checked_candidates(self, batch: Batch) -> torch.Tensor:
-        """A batch's candidate ids as kvexport::check_request returns them: with an item_tower head
-        each (item << time_code_bits) | the code of its user's query time (context_ids' last column)."""
-        if self.query_time_periods is None:
-            return batch.candidate_ids
-        codes = time_codes(batch.context_ids[:, self.num_contextual_features], self.query_time_periods)
-        codes = torch.repeat_interleave(codes, batch.num_candidates, output_size=batch.candidate_ids.shape[0])
-        return (batch.candidate_ids << self.time_code_bits) | codes
-
     def embed_candidates_at(self, candidate_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Checked candidates [T] at their users' prefix lengths [T] -> [T, d]; with
         model.candidate_position shared_row every candidate reads the position table's last row,
         which no prefix token reads."""
-        rows = self.item_embedding(self.item_rows(self.candidate_items(candidate_ids))) * self.embedding_scale
+        rows = self.item_embedding(self.item_rows(self.candidates.items(candidate_ids))) * self.embedding_scale
         if self.shared_candidate_row:
             return rows + self.position_embedding.weight[-1]
         return rows + self.position_embedding(positions)
 
     def score(self, candidate_states: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
         """Final candidate states [T, d] of checked candidate ids [T] -> float32 logits [T, num_tasks]."""
-        if self.query_time_periods is None:
-            return self.head(nn.functional.normalize(candidate_states, dim=-1)).float()
-        codes = candidate_ids & ((1 << self.time_code_bits) - 1)
-        return self.head(candidate_states, self.item_rows(self.candidate_items(candidate_ids)), codes).float()
+        return self.head.score(candidate_states, candidate_ids, self).float()
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Full recompute: every token of every user, no cache."""
         token_ids, positions, token_lengths, _ = prefix_tokens(
             batch.history_lengths, batch.item_ids, batch.action_ids,
-            batch.context_ids[:, :self.num_contextual_features], self.action_bits
+            batch.context_ids[:, :self.num_contextual_features], self.events.action_bits
         )
         num_candidates = batch.num_candidates
-        candidate_ids = self.checked_candidates(batch)
+        candidate_ids = self.candidates.checked(batch)
         prefix = self.embed_prefix(token_ids, positions)
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         rows, offsets = _user_major_rows(token_lengths, num_candidates)
