@@ -193,9 +193,37 @@ def _unmapped(state: dict[str, Any], used: set[str]) -> None:
         _refuse(f"checkpoint tensor {key} has no counterpart in kvexport's model (unknown key)")
 
 
-def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, name: str) -> Imported:
-    """Maps a recsys-examples ranking checkpoint onto kvexport's model (docs/checkpoint.md)."""
-    directory = iteration_directory(source, options.iteration)
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """What the trainer's gin file fixes about the model, checked against what kvexport can serve."""
+
+    num_layers: int
+    num_heads: int
+    hidden: int
+    head_dim: int
+    head_arch: list[int]         # RankingArgs.prediction_head_arch: [hidden units, num_tasks]
+    activation: str
+    head_bias: bool
+    dtype: str
+    layer_norm_eps: float
+    max_history: int
+    max_candidates: int
+    num_context: int
+    num_position_buckets: int
+    scaling: int
+    scaling_from: str            # how scaling was found, for the notes
+
+    @property
+    def num_tasks(self) -> int:
+        return self.head_arch[-1]
+
+    @property
+    def longest_prefix(self) -> int:
+        return self.num_context + 2 * self.max_history
+
+
+def read_network(trainer_config: Path, options: ImportOptions) -> Network:
+    """The gin file's bindings, refused in one line where kvexport's model cannot take them."""
     gin = _gin(trainer_config)
     layers, heads = gin["NetworkArgs.num_layers"], gin["NetworkArgs.num_attention_heads"]
     hidden, head_dim = gin["NetworkArgs.hidden_size"], gin["NetworkArgs.kv_channels"]
@@ -231,49 +259,67 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
     else:
         _refuse(f"trainer config {trainer_config}: NetworkArgs.scaling_seqlen = {scaling!r} is neither -1 nor a "
                 "positive integer")
-    state = read_model_state(directory / "torch_module")
-    used: set[str] = set()
-    out: dict[str, torch.Tensor] = {}
-    notes = [f"read {directory / 'torch_module'}", f"attention normaliser S = {scaling} ({derived})"]
-    for i in range(layers):
-        shapes = {"_linear_uvqk_weight": (hidden, 4 * hidden), "_linear_uvqk_bias": (4 * hidden,),
-                  "_input_layernorm_weight": (hidden,), "_input_layernorm_bias": (hidden,),
-                  "_output_layernorm_weight": (hidden,), "_output_layernorm_bias": (hidden,),
-                  "_linear_proj_weight": (hidden, hidden)}
+    return Network(layers, heads, hidden, head_dim, arch, activation, bool(gin["RankingArgs.prediction_head_bias"]),
+                   dtype, float(gin["NetworkArgs.norm_epsilon"]), max_history, max_candidates, num_context,
+                   gin["NetworkArgs.num_position_buckets"], scaling, derived)
+
+
+class _Fold:
+    """The kvexport state dict being built from the trainer's, and which of the trainer's keys it read."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+        self.out: dict[str, torch.Tensor] = {}
+        self.used: set[str] = set()
+        self.notes: list[str] = []
+
+    def take(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        self.used.add(key)
+        return _tensor(self.state, key, shape)
+
+
+def fold_layers(fold: _Fold, net: Network) -> None:
+    """The STU layers (NVIDIA's output projection has no bias: a zero one)."""
+    hidden = net.hidden
+    shapes = {"_linear_uvqk_weight": (hidden, 4 * hidden), "_linear_uvqk_bias": (4 * hidden,),
+              "_input_layernorm_weight": (hidden,), "_input_layernorm_bias": (hidden,),
+              "_output_layernorm_weight": (hidden,), "_output_layernorm_bias": (hidden,),
+              "_linear_proj_weight": (hidden, hidden)}
+    for i in range(net.num_layers):
         for theirs, (ours, transposed) in LAYER_TENSORS.items():
-            key = f"{LAYER_PREFIX}{i}.{theirs}"
-            value = _tensor(state, key, shapes[theirs])
-            out[f"layers.{i}.{ours}"] = value.t().contiguous() if transposed else value
-            used.add(key)
-        out[f"layers.{i}.output.bias"] = torch.zeros(hidden)  # NVIDIA's projection has no bias
-    extra_layer = f"{LAYER_PREFIX}{layers}."
-    if any(k.startswith(extra_layer) for k in state):
-        _refuse(f"checkpoint has a layer {layers} but NetworkArgs.num_layers is {layers}")
-    buckets = gin["NetworkArgs.num_position_buckets"]
-    positions = _tensor(state, POSITIONS, (buckets, hidden))
-    used.add(POSITIONS)
-    longest = num_context + 2 * max_history
-    # NVIDIA reads row min(position, buckets - 1); kvexport's table has a row per position.
-    rows = torch.arange(longest + 1).clamp(max=buckets - 1)
-    out["position_embedding.weight"] = positions[rows]
+            value = fold.take(f"{LAYER_PREFIX}{i}.{theirs}", shapes[theirs])
+            fold.out[f"layers.{i}.{ours}"] = value.t().contiguous() if transposed else value
+        fold.out[f"layers.{i}.output.bias"] = torch.zeros(hidden)
+    if any(k.startswith(f"{LAYER_PREFIX}{net.num_layers}.") for k in fold.state):
+        _refuse(f"checkpoint has a layer {net.num_layers} but NetworkArgs.num_layers is {net.num_layers}")
+
+
+def fold_positions(fold: _Fold, net: Network) -> None:
+    """NVIDIA reads row min(position, buckets - 1); kvexport's table has a row per position."""
+    positions = fold.take(POSITIONS, (net.num_position_buckets, net.hidden))
+    longest, buckets = net.longest_prefix, net.num_position_buckets
+    fold.out["position_embedding.weight"] = positions[torch.arange(longest + 1).clamp(max=buckets - 1)]
     if longest >= buckets:
-        notes.append(f"positions {buckets - 1}..{longest} share row {buckets - 1}, as the trainer clamps them")
-    bias = gin["RankingArgs.prediction_head_bias"]
-    for index, shape in ((0, (arch[0], hidden)), (2, (tasks, arch[0]))):
-        weight = f"{HEAD}{index}.weight"
-        out[f"head.{index}.weight"] = _tensor(state, weight, shape)
-        used.add(weight)
-        if bias:
-            out[f"head.{index}.bias"] = _tensor(state, f"{HEAD}{index}.bias", (shape[0],))
-            used.add(f"{HEAD}{index}.bias")
-        else:
-            out[f"head.{index}.bias"] = torch.zeros(shape[0])
-    flat = _flat_tables(state, hidden, options.table_rows)
-    used.update(k for k in state if FLAT_TABLES.fullmatch(k))
+        fold.notes.append(f"positions {buckets - 1}..{longest} share row {buckets - 1}, as the trainer clamps them")
+
+
+def fold_head(fold: _Fold, net: Network) -> None:
+    """The prediction MLP (zero biases when the trainer has none)."""
+    for index, shape in ((0, (net.head_arch[0], net.hidden)), (2, (net.num_tasks, net.head_arch[0]))):
+        fold.out[f"head.{index}.weight"] = fold.take(f"{HEAD}{index}.weight", shape)
+        fold.out[f"head.{index}.bias"] = (fold.take(f"{HEAD}{index}.bias", (shape[0],)) if net.head_bias
+                                          else torch.zeros(shape[0]))
+
+
+def fold_tables(fold: _Fold, net: Network, options: ImportOptions, directory: Path) -> str:
+    """The action, contextual and item tables, data-parallel or dumped dynamic ones; returns the
+    config's model.item_ids (rows, or keys for a dynamic item table)."""
+    flat = _flat_tables(fold.state, net.hidden, options.table_rows)
+    fold.used.update(k for k in fold.state if FLAT_TABLES.fullmatch(k))
     if options.action_table not in flat:
         _refuse(f"action table {options.action_table} is not among the data-parallel tables "
                 f"({', '.join(flat) or 'none'})")
-    out["action_embedding.weight"] = flat.pop(options.action_table)
+    fold.out["action_embedding.weight"] = flat.pop(options.action_table)
     dumps = directory / "dynamicemb_module"
     dynamic = _dynamic_tables(dumps)
     if options.item_table not in flat and options.item_table not in dynamic:
@@ -290,58 +336,85 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
                 "without them as recsys-examples' inference runs with disable_contextual_features "
                 "(--no-contextual-features)")
     if unused:
-        notes.append(f"left out (no contextual features): tables {', '.join(unused)}")
+        fold.notes.append(f"left out (no contextual features): tables {', '.join(unused)}")
+    _fold_context(fold, net, options, flat, dynamic)
+    return _fold_items(fold, net, options, flat, dynamic)
+
+
+def _fold_context(fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor],
+                  dynamic: dict[str, Path]) -> None:
     context_rows, context_keys = [], []
     for feature, table_name in enumerate(options.contextual_features):
         if table_name in flat:
             rows = flat[table_name]
             keys = torch.arange(rows.shape[0])
         else:
-            table = read_dynamic_table(dynamic[table_name], table_name, hidden)
+            table = read_dynamic_table(dynamic[table_name], table_name, net.hidden)
             rows, keys = table.values, table.keys
         if keys.numel() and (int(keys[0]) < 0 or int(keys[-1]) >= MAX_CONTEXT_KEY):
             bad = int(keys[0]) if int(keys[0]) < 0 else int(keys[-1])
             _refuse(f"contextual feature {table_name} has key {bad}; kvexport takes context keys in [0, 2^56)")
         context_rows.append(rows)
         context_keys.append((feature << CONTEXT_FEATURE_SHIFT) | keys)
-    if num_context:
+    if net.num_context:
         # Every pair a feature's table lacks reads zeros, as the trainer's evaluation answers a
         # missing key of a dynamic table (an id past a data-parallel table's rows too: documented).
-        out["context_embedding.weight"] = torch.cat([*context_rows, torch.zeros(1, hidden)])
-        out["context_keys"] = torch.cat(context_keys)
-        notes.append(f"contextual features, in token order: {', '.join(options.contextual_features)}")
+        fold.out["context_embedding.weight"] = torch.cat([*context_rows, torch.zeros(1, net.hidden)])
+        fold.out["context_keys"] = torch.cat(context_keys)
+        fold.notes.append(f"contextual features, in token order: {', '.join(options.contextual_features)}")
     else:
-        out["context_embedding.weight"] = torch.zeros(1, hidden)
+        fold.out["context_embedding.weight"] = torch.zeros(1, net.hidden)
+
+
+def _fold_items(fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor],
+                dynamic: dict[str, Path]) -> str:
     if options.item_table in flat:
-        out["item_embedding.weight"] = flat.pop(options.item_table)
-        item_ids = "rows"
-    else:
-        holder = dynamic[options.item_table]
-        # Every id the table lacks reads a zero last row, as recsys-examples' evaluation answers a
-        # missing key: read in place as the table's spare row (the table is the import's bulk).
-        table = read_dynamic_table(holder, options.item_table, hidden, spare_rows=1)
-        if table.keys.numel() and int(table.keys[0]) < 0:
-            _refuse(f"item table {options.item_table} holds a negative key ({int(table.keys[0])}); kvexport "
-                    "takes keys >= 0")
-        out["item_embedding.weight"] = table.values
-        out["item_keys"] = table.keys
-        item_ids = "keys"
-        notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
-                     "unknown ids read a zero row")
-    _unmapped(state, used)
-    config = {
+        fold.out["item_embedding.weight"] = flat.pop(options.item_table)
+        return "rows"
+    holder = dynamic[options.item_table]
+    # Every id the table lacks reads a zero last row, as recsys-examples' evaluation answers a
+    # missing key: read in place as the table's spare row (the table is the import's bulk).
+    table = read_dynamic_table(holder, options.item_table, net.hidden, spare_rows=1)
+    if table.keys.numel() and int(table.keys[0]) < 0:
+        _refuse(f"item table {options.item_table} holds a negative key ({int(table.keys[0])}); kvexport "
+                "takes keys >= 0")
+    fold.out["item_embedding.weight"] = table.values
+    fold.out["item_keys"] = table.keys
+    fold.notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
+                      "unknown ids read a zero row")
+    return "keys"
+
+
+def _config(name: str, net: Network, out: dict[str, torch.Tensor], item_ids: str) -> dict[str, Any]:
+    return {
         "name": name,
         "model": {
-            "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "head_dim": head_dim,
-            "num_contextual_features": num_context, "max_history_length": max_history,
-            "max_num_candidates": max_candidates, "scaling_seqlen": scaling, "num_tasks": tasks,
-            "dtype": dtype, "context_vocab_size": out["context_embedding.weight"].shape[0],
+            "num_layers": net.num_layers, "hidden_size": net.hidden, "num_heads": net.num_heads,
+            "head_dim": net.head_dim, "num_contextual_features": net.num_context,
+            "max_history_length": net.max_history, "max_num_candidates": net.max_candidates,
+            "scaling_seqlen": net.scaling, "num_tasks": net.num_tasks, "dtype": net.dtype,
+            "context_vocab_size": out["context_embedding.weight"].shape[0],
             "item_vocab_size": out["item_embedding.weight"].shape[0],
-            "action_vocab_size": out["action_embedding.weight"].shape[0], "mlp_hidden_size": arch[0],
-            "head_activation": activation, "layer_norm_eps": float(gin["NetworkArgs.norm_epsilon"]),
+            "action_vocab_size": out["action_embedding.weight"].shape[0], "mlp_hidden_size": net.head_arch[0],
+            "head_activation": net.activation, "layer_norm_eps": net.layer_norm_eps,
             "silu_on": "uvqk", "layer_output": "gated", "item_ids": item_ids,
-            "context_ids": "keys" if num_context else "rows",
+            "context_ids": "keys" if net.num_context else "rows",
         },
-        **deployment_sections(longest, max_history, max_candidates),
+        **deployment_sections(net.longest_prefix, net.max_history, net.max_candidates),
     }
-    return Imported(config, out, notes)
+
+
+def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, name: str) -> Imported:
+    """Maps a recsys-examples ranking checkpoint onto kvexport's model (docs/checkpoint.md), in
+    stages: the network the gin file fixes, then the layers, positions, head and tables folded in,
+    every key of the trainer's state read or refused."""
+    directory = iteration_directory(source, options.iteration)
+    net = read_network(trainer_config, options)
+    fold = _Fold(read_model_state(directory / "torch_module"))
+    fold.notes += [f"read {directory / 'torch_module'}", f"attention normaliser S = {net.scaling} ({net.scaling_from})"]
+    fold_layers(fold, net)
+    fold_positions(fold, net)
+    fold_head(fold, net)
+    item_ids = fold_tables(fold, net, options, directory)
+    _unmapped(fold.state, fold.used)
+    return Imported(_config(name, net, fold.out, item_ids), fold.out, fold.notes)
