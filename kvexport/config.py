@@ -265,6 +265,10 @@ class Config:
                 "context_vocab_size": m.context_id_limit,
                 "item_vocab_size": m.item_id_limit,
                 "action_vocab_size": m.action_vocab_size,
+                # Derived here once; the op library lays out and shifts by them as given.
+                "tokens_per_event": m.tokens_per_event,
+                "context_width": m.context_width,
+                "time_code_bits": m.time_code_bits,
                 # Only when combined: a package of pairs keeps the limits every build had before.
                 **({"combined_action_bits": m.action_bits} if m.event_tokens == "combined" else {}),
                 **({"query_time_periods": [list(p) for p in m.query_time_periods]} if m.head == "item_tower" else {}),

@@ -192,7 +192,7 @@ def test_upload_on_the_host_copies_and_checks(runtime):
 
 LIMITS = json.dumps({"max_batch_size": 4, "max_history_length": 8, "max_num_candidates": 4,
                      "num_contextual_features": 2, "context_vocab_size": 10, "item_vocab_size": 300,
-                     "action_vocab_size": 300})
+                     "action_vocab_size": 300, "tokens_per_event": 2, "context_width": 2, "time_code_bits": 0})
 
 
 def layout_request():
@@ -219,7 +219,8 @@ def test_check_request_lays_out_the_models_prefix_tokens(runtime):
     assert kv.last_error(runtime) == ("ok", "")
 
 
-COMBINED_LIMITS = json.dumps({**json.loads(LIMITS), "action_vocab_size": 5, "combined_action_bits": 3})
+COMBINED_LIMITS = json.dumps({**json.loads(LIMITS), "action_vocab_size": 5, "combined_action_bits": 3,
+                              "tokens_per_event": 1})
 
 
 def test_check_request_lays_out_combined_event_tokens(runtime):
@@ -242,6 +243,23 @@ def test_check_request_lays_out_combined_event_tokens(runtime):
     overflowing = json.dumps({**json.loads(COMBINED_LIMITS), "item_vocab_size": 2**61})
     with pytest.raises(RuntimeError, match="items do not fit a token of combined_action_bits 3"):
         kv.check_request(runtime, overflowing, *request)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tokens_per_event": 2}, "tokens_per_event 2 and context_width 2 do not fit"),
+    ({"context_width": 3}, "tokens_per_event 1 and context_width 3 do not fit"),
+    ({"query_time_periods": [[3600, 24]], "context_width": 3, "time_code_bits": 4},
+     "time_code_bits 4 cannot hold 24 query time codes"),
+    ({"time_code_bits": 2}, "time_code_bits 2 cannot hold 1 query time codes"),
+])
+def test_limits_whose_derived_sizes_disagree_are_refused(runtime, change, message):
+    """The token layout's sizes come from kvexport.config; the op library lays out and shifts by them
+    only when they fit the event tokens, context features and query time periods they describe."""
+    request = list(layout_request())
+    request[3] = torch.tensor([0, 4, 1, 3, 2])
+    limits = json.dumps({**json.loads(COMBINED_LIMITS), **change})
+    with pytest.raises(RuntimeError, match=message):
+        kv.check_request(runtime, limits, *request)
 
 
 @pytest.mark.parametrize("item,action,expected", [
@@ -360,16 +378,17 @@ def test_opcheck_read_user_kv_and_drop(runtime):
 
 
 def test_the_op_list_is_the_librarys():
-    """library.OPS (checked when a library is loaded) is exactly what register.cpp defines, and every
-    fake is for one of them."""
+    """library.OPS (checked when a library is loaded) is exactly what register.cpp defines; each op
+    has its typed wrapper in wrappers.py, and each one a graph may hold its fake beside it."""
     import re
 
     from tests.conftest import ROOT
 
     defined = re.findall(r'm\.def\("(\w+)\(', (ROOT / "csrc" / "ops" / "register.cpp").read_text())
     assert list(library.OPS) == defined
-    faked = re.findall(r'register_fake\("kvexport::(\w+)"\)', (ROOT / "kvexport" / "ops" / "fakes.py").read_text())
-    assert faked and set(faked) <= set(library.OPS)
+    assert all(callable(getattr(kv, name, None)) for name in library.OPS)
+    # last_error and stat_names answer the host in strings: no graph holds them, so they need no fake.
+    assert library.faked_ops() == [name for name in library.OPS if name not in ("last_error", "stat_names")]
     library.load()
     assert all(hasattr(torch.ops.kvexport, name) for name in library.OPS)
 

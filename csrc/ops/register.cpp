@@ -1,5 +1,5 @@
 // Every kvexport:: op: schemas in one TORCH_LIBRARY block, thin kernels that call the runtime.
-// Fakes: kvexport/ops/fakes.py. Typed wrappers: kvexport/ops/wrappers.py.
+// Typed wrappers, each with its fake beside it: kvexport/ops/wrappers.py; the list of ops: kvexport/ops/library.py.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

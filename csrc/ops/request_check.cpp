@@ -38,10 +38,12 @@ struct RequestLimits {
   // model.head: item_tower: context_ids' last column is the query time, and each checked candidate
   // id carries its calendar code in its low time_code_bits bits, (item << bits) | code.
   std::vector<std::pair<int64_t, int64_t>> query_time_periods;  // [seconds per unit, units per cycle]
+  // Derived in Python (kvexport.config.ModelConfig) and passed in, never derived again here: parse_limits
+  // only checks that they are safe to lay out and shift by.
+  int64_t tokens_per_event = 2;  // prefix tokens of one event
+  int64_t context_width = 0;     // columns of context_ids
   int64_t time_code_bits = 0;
-  int64_t tokens_per_event() const { return combined_action_bits < 0 ? 2 : 1; }
   bool reads_query_time() const { return !query_time_periods.empty(); }
-  int64_t context_width() const { return num_contextual_features + (reads_query_time() ? 1 : 0); }
 };
 
 // Upstream's float32 arithmetic, as torch computes it (c10::div_floor_floating, then remainder), so
@@ -99,7 +101,20 @@ RequestLimits parse_limits(const std::string& json) {
     l.query_time_periods.emplace_back(unit, units);
     num_codes *= units;
   }
-  while (l.reads_query_time() && (int64_t{1} << l.time_code_bits) < num_codes) ++l.time_code_bits;
+  l.tokens_per_event = j.at("tokens_per_event").get<int64_t>();
+  l.context_width = j.at("context_width").get<int64_t>();
+  l.time_code_bits = j.at("time_code_bits").get<int64_t>();
+  if (l.tokens_per_event != (l.combined_action_bits < 0 ? 2 : 1) ||
+      l.context_width != l.num_contextual_features + (l.reads_query_time() ? 1 : 0)) {
+    throw std::invalid_argument("kvexport: request limits: tokens_per_event " + std::to_string(l.tokens_per_event) +
+                                " and context_width " + std::to_string(l.context_width) +
+                                " do not fit the event tokens and context features they describe");
+  }
+  if (l.time_code_bits < 0 || l.time_code_bits > 16 || (int64_t{1} << l.time_code_bits) < num_codes ||
+      (!l.reads_query_time() && l.time_code_bits != 0)) {
+    throw std::invalid_argument("kvexport: request limits: time_code_bits " + std::to_string(l.time_code_bits) +
+                                " cannot hold " + std::to_string(num_codes) + " query time codes");
+  }
   if (l.reads_query_time() && !fits_shifted(l.item_vocab_size, l.time_code_bits)) {
     throw std::invalid_argument("kvexport: request limits: " + std::to_string(l.item_vocab_size) +
                                 " items leave no room for a " + std::to_string(l.time_code_bits) +
@@ -204,7 +219,7 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
                                         const at::Tensor& actions, const at::Tensor& context,
                                         const RequestLimits& l) {
   const int64_t num_users = context.size(0), num_context = l.num_contextual_features, width = context.size(1);
-  const int64_t per_event = l.tokens_per_event();
+  const int64_t per_event = l.tokens_per_event;
   auto tokens = at::empty({num_users * num_context + per_event * items.size(0)}, at::kLong);
   int64_t* out = tokens.data_ptr<int64_t>();
   const int64_t* length = history_lengths.const_data_ptr<int64_t>();
@@ -336,7 +351,7 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   check_rows("history_lengths", history, num_users);
   check_rows("num_candidates", counts, num_users);
   check_rows("context_ids", context, num_users);
-  if (context.size(1) != l.context_width()) {
+  if (context.size(1) != l.context_width) {
     refuse("context_ids has " + std::to_string(context.size(1)) + " features, the model has " +
            std::to_string(l.num_contextual_features) + (l.reads_query_time() ? " and the query time" : ""));
   }
@@ -365,7 +380,7 @@ RequestTensors check_request(const std::string& limits_json, const at::Tensor& u
   const auto* length = history.const_data_ptr<int64_t>();
   auto* token_length = token_lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < num_users; ++b) {
-    token_length[b] = l.num_contextual_features + l.tokens_per_event() * length[b];
+    token_length[b] = l.num_contextual_features + l.tokens_per_event * length[b];
   }
   // Copies of the small tensors for the rest of the graph (contiguous() may have returned the input).
   return {users.clone(), std::move(token_lengths), std::move(*tokens), counts.clone(),

@@ -1,7 +1,8 @@
 """Loads the kvexport op library and declares what torch.export must know about its ops.
 
 Loading does three things, always together and before any export or compile:
-the .so (schemas + kernels), the fakes (kvexport/ops/fakes.py), and an ORDERED effect on
+the .so (schemas + kernels), the fakes (each declared beside its op's wrapper in
+kvexport/ops/wrappers.py with `fake`), and an ORDERED effect on
 every op that touches runtime state — without it, export/AOTI drop ops whose outputs are
 unused (docs/design.md §3.1). The effect flag is not saved with an ExportedProgram, so whatever
 exports or compiles (or re-exports a saved program) loads it through this module. The stateful
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch._library.effects import EffectType
@@ -34,6 +36,28 @@ STATEFUL_OPS = ("begin_batch", "paged_attention", "end_batch")
 STEP_OPS = ("paged_attention_step",)
 _lock = threading.Lock()
 _loaded: Path | None = None
+_fakes: dict[str, Callable] = {}
+
+
+def fake(name: str) -> Callable[[Callable], Callable]:
+    """Declares the fake (meta) implementation of op `name` for torch.export and AOTInductor, beside
+    its wrapper; torch learns it when the library loads (at once if it is loaded already)."""
+    if name not in OPS:
+        raise RuntimeError(f"kvexport bug: a fake for {NAMESPACE}::{name}, which is not in library.OPS")
+
+    def declare(implementation: Callable) -> Callable:
+        with _lock:
+            _fakes[name] = implementation
+            if _loaded is not None:
+                torch.library.register_fake(f"{NAMESPACE}::{name}")(implementation)
+        return implementation
+
+    return declare
+
+
+def faked_ops() -> list[str]:
+    """The ops whose fake is declared (in OPS order)."""
+    return [name for name in OPS if name in _fakes]
 
 
 def load(path: Path = OPS_LIBRARY) -> Path:
@@ -51,8 +75,8 @@ def load(path: Path = OPS_LIBRARY) -> Path:
             raise UserError(f"{path} is an op library of another kvexport version (it lacks "
                             f"{NAMESPACE}::{lacking[0]}): rebuild the artifact (or the op library: "
                             "python -m kvexport.native) with this kvexport")
-        from kvexport.ops import fakes  # noqa: F401  (registers the fakes)
-
+        for name, implementation in _fakes.items():
+            torch.library.register_fake(f"{NAMESPACE}::{name}")(implementation)
         for name in STATEFUL_OPS + STEP_OPS:
             torch.library._register_effectful_op(f"{NAMESPACE}::{name}", EffectType.ORDERED)
         _loaded = path

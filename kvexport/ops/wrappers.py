@@ -1,4 +1,5 @@
 """Typed Python wrappers of the kvexport:: ops: the only way the model touches the cache runtime.
+Each op's fake (meta) implementation for torch.export sits right after its wrapper (library.fake).
 
 A *runtime* is named by a string (the model's config name); each process holds at most one
 runtime per name. The stateful ops of one request run in this order:
@@ -10,6 +11,7 @@ the model computes with on the device from one pinned staging buffer, asynchrono
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import NamedTuple
 
@@ -45,6 +47,21 @@ def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, histor
                                 context_ids, num_candidates, candidate_ids)
 
 
+@library.fake("check_request")
+def _check_request_fake(runtime, limits, user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
+                   candidate_ids):
+    # One batch size for every per-user input, and the jagged sizes the checks guarantee.
+    torch._check(history_lengths.shape[0] == user_ids.shape[0], lambda: "history_lengths must match user_ids")
+    torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must match user_ids")
+    torch._check(context_ids.shape[0] == user_ids.shape[0], lambda: "context_ids must match user_ids")
+    torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
+    limits = json.loads(limits)  # the token layout's sizes, as kvexport.config derives them
+    num_tokens = context_ids.shape[0] * limits["num_contextual_features"] + limits["tokens_per_event"] * item_ids.shape[0]
+    token_ids = item_ids.new_empty(num_tokens)
+    return (torch.empty_like(user_ids), torch.empty_like(history_lengths), token_ids,
+            torch.empty_like(num_candidates), torch.empty_like(candidate_ids))
+
+
 def last_error(runtime: str) -> tuple[str, str]:
     """Why this thread's last request on `runtime` failed: (code, one-line message).
 
@@ -75,11 +92,28 @@ def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_id
     return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
 
 
+@library.fake("begin_batch")
+def _begin_batch_fake(runtime, config, user_ids, token_ids, token_lengths, num_candidates, placement):
+    torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
+    torch._check(token_lengths.shape[0] == user_ids.shape[0], lambda: "token_lengths must have one entry per user")
+    torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must have one entry per user")
+    # How many tokens are not cached is known only when the runtime has planned the batch; the op
+    # returns their index and positions, so the model needs no data-dependent op of its own.
+    num_new = torch.library.get_ctx().new_dynamic_size()
+    torch._check(num_new <= token_ids.shape[0], lambda: "more uncached tokens than tokens")
+    return token_ids.new_empty(2, num_new, dtype=torch.int64)
+
+
 def upload(runtime: str, host: list[torch.Tensor], placement: torch.Tensor) -> list[torch.Tensor]:
     """Contiguous copies of int64 host tensors on placement's device: on a GPU staged in one pinned
     buffer and copied asynchronously on the current stream, so the host does not wait for the
     device. A failure is one of request `runtime`'s (last_error; its batch is released)."""
     return _ops().upload(runtime, host, placement)
+
+
+@library.fake("upload")
+def _upload_fake(runtime, host, placement):
+    return [t.new_empty(t.shape, device=placement.device) for t in host]
 
 
 def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,6 +124,13 @@ def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, 
     Prefix rows read the cache up to themselves; candidates read the whole prefix and their own k, v.
     """
     return _ops().paged_attention(runtime, layer, q, k, v, alpha, inv_scaling_seqlen)
+
+
+@library.fake("paged_attention")
+def _paged_attention_fake(runtime, layer, q, k, v, alpha, inv_scaling_seqlen):
+    torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
+    torch._check(q.shape == k.shape and q.shape == v.shape, lambda: "q, k and v must have one shape")
+    return torch.empty_like(q)
 
 
 class StepPlan(NamedTuple):
@@ -179,6 +220,14 @@ def begin_step(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids
     return staged, StepLayout(*values[:-1])
 
 
+@library.fake("begin_step")
+def _begin_step_fake(runtime, config, user_ids, token_ids, token_lengths, num_candidates, candidate_ids, placement,
+                max_prefix_length):
+    torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
+    staged = token_ids.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+    return staged, torch.empty(7, dtype=torch.int64)
+
+
 def paged_attention_step(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          plan: StepPlan, max_keys: int, alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
     """paged_attention with the plan as tensors (a step program's): stores the layer's prefix rows
@@ -189,6 +238,16 @@ def paged_attention_step(runtime: str, layer: int, q: torch.Tensor, k: torch.Ten
     return _ops().paged_attention_step(runtime, layer, q, k, v, *plan, max_keys, alpha, inv_scaling_seqlen)
 
 
+@library.fake("paged_attention_step")
+def _paged_attention_step_fake(runtime, layer, q, k, v, page_table, row_user, row_keys, row_candidate, write_slots,
+                          value_slots, row_order, tiles, max_keys, alpha, inv_scaling_seqlen):
+    torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
+    torch._check(q.shape == k.shape and q.shape == v.shape, lambda: "q, k and v must have one shape")
+    # The plan's sizes are the step program's own inputs (rows = candidate rows + prefix rows); the
+    # op checks them against q when it runs.
+    return torch.empty_like(q)
+
+
 def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None:
     """Commits the request: the users' caches now hold their whole prefix.
 
@@ -196,6 +255,11 @@ def end_batch(runtime: str, user_ids: torch.Tensor, after: torch.Tensor) -> None
     depend on every layer by data.
     """
     _ops().end_batch(runtime, user_ids, after)
+
+
+@library.fake("end_batch")
+def _end_batch_fake(runtime, user_ids, after):
+    torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
 
 
 def abort_batch(runtime: str) -> None:
@@ -208,6 +272,11 @@ def abort_batch(runtime: str) -> None:
     _ops().abort_batch(runtime)
 
 
+@library.fake("abort_batch")
+def _abort_batch_fake(runtime):
+    return None
+
+
 def hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
                          alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
     """The kernel behind paged_attention with every input explicit (no runtime state).
@@ -218,9 +287,22 @@ def hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_can
                                        alpha, inv_scaling_seqlen)
 
 
+@library.fake("hstu_paged_attention")
+def _hstu_paged_attention_fake(q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen):
+    torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
+    torch._check(cache.dim() == 5, lambda: f"cache must be [pages, 2, page_size, H, dh], got {cache.dim()}-D")
+    torch._check(row_user.shape[0] == q.shape[0], lambda: "row_user must have one entry per row of q")
+    return torch.empty_like(q)
+
+
 def create_runtime(runtime: str, config_json: str, device: torch.device | str = "cpu") -> None:
     """Creates the named runtime (no-op when it exists with the same config and device)."""
     _ops().create_runtime(runtime, config_json, torch.device(device))
+
+
+@library.fake("create_runtime")
+def _create_runtime_fake(runtime, config, device):
+    return None
 
 
 def runtime_stats(runtime: str) -> dict[str, int]:
@@ -229,9 +311,19 @@ def runtime_stats(runtime: str) -> dict[str, int]:
     return dict(zip(stat_names(), values, strict=True))
 
 
+@library.fake("runtime_stats")
+def _runtime_stats_fake(runtime):
+    return torch.empty(len(torch.ops.kvexport.stat_names()), dtype=torch.int64)
+
+
 def reset_runtime(runtime: str) -> None:
     """Empties both tiers and zeroes the counters."""
     _ops().reset_runtime(runtime)
+
+
+@library.fake("reset_runtime")
+def _reset_runtime_fake(runtime):
+    return None
 
 
 def evict_user(runtime: str, user_id: int) -> bool:
@@ -240,9 +332,19 @@ def evict_user(runtime: str, user_id: int) -> bool:
     return _ops().evict_user(runtime, user_id)
 
 
+@library.fake("evict_user")
+def _evict_user_fake(runtime, user_id):
+    return False
+
+
 def cached_length(runtime: str, user_id: int) -> int:
     """Prefix tokens cached for a user on either tier (0 if none)."""
     return _ops().cached_length(runtime, user_id)
+
+
+@library.fake("cached_length")
+def _cached_length_fake(runtime, user_id):
+    return 0
 
 
 def device_users_lru(runtime: str) -> list[int]:
@@ -250,9 +352,21 @@ def device_users_lru(runtime: str) -> list[int]:
     return _ops().device_users_lru(runtime).tolist()
 
 
+@library.fake("device_users_lru")
+def _device_users_lru_fake(runtime):
+    return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+
+
 def read_user_kv(runtime: str, user_id: int) -> torch.Tensor:
     """A device-tier user's cached k/v, [layers, 2, cached_length, H, dh] (a copy)."""
     return _ops().read_user_kv(runtime, user_id)
+
+
+@library.fake("read_user_kv")
+def _read_user_kv_fake(runtime, user_id):
+    ctx = torch.library.get_ctx()
+    layers, length, heads, head_dim = (ctx.new_dynamic_size() for _ in range(4))
+    return torch.empty(layers, 2, length, heads, head_dim)
 
 
 def drop_runtime(runtime: str) -> bool:
@@ -260,11 +374,21 @@ def drop_runtime(runtime: str) -> bool:
     return _ops().drop_runtime(runtime)
 
 
+@library.fake("drop_runtime")
+def _drop_runtime_fake(runtime):
+    return False
+
+
 def gpu_info(device: torch.device) -> tuple[str, str]:
     """The CUDA device's compute capability ("major.minor") and name as the op library sees them;
     ("", "") for a CPU device, a device this host lacks, or an op library built without CUDA.
     The replay harness checks a CUDA package's build GPU with it."""
     return tuple(_ops().gpu_info(device))
+
+
+@library.fake("gpu_info")
+def _gpu_info_fake(device):
+    return "", ""
 
 
 def attach_remote(runtime: str, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> bool:
@@ -287,7 +411,18 @@ def attach_remote(runtime: str, url: str, write_policy: str = DEFAULT_WRITE_POLI
     return attached
 
 
+@library.fake("attach_remote")
+def _attach_remote_fake(runtime, url, write_policy):
+    return False
+
+
 def flush_remote(runtime: str, timeout_ms: int) -> bool:
     """Waits up to timeout_ms (without the GIL) for the remote tier's queued writes to reach the
     server; False if some are still queued. True at once when the runtime has no remote tier."""
     return _ops().flush_remote(runtime, timeout_ms)
+
+
+
+@library.fake("flush_remote")
+def _flush_remote_fake(runtime, timeout_ms):
+    return True
