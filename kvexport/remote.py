@@ -11,6 +11,7 @@ import re
 import stat
 from urllib.parse import quote, unquote
 
+from kvexport.artifact import CONTRACT, contract_failure
 from kvexport.errors import UserError
 
 # The write policies kvexport::attach_remote accepts: users the host tier lets go ("on_evict"), or
@@ -42,40 +43,37 @@ def redact_url(url: str) -> str:
     return (scheme.group(0) if scheme else "") + "***@" + tail
 
 
-# A password file larger than this is not one (a wrong path to a key or a certificate, say).
-MAX_PASSWORD_FILE_BYTES = 4096
-
-
 def read_password_file(path: str | os.PathLike) -> str:
     """The password a file holds (a mounted secret, so that it never appears in a process list):
     its UTF-8 text less one trailing newline ("\\n" or "\\r\\n"). UserError naming the problem for a
-    file that does not exist, cannot be read, is not a regular file, is over 4 KiB, starts with a
-    byte-order mark, is not UTF-8, is empty or holds more than one line. The C++ harness reads it
-    by the same rules, with the same messages."""
+    file that does not exist, cannot be read, is not a regular file, is over the contract's size,
+    starts with a byte-order mark, is not UTF-8, is empty or holds more than one line: the rules and
+    messages of kvexport/contract.json's password_file, which the C++ harness follows too."""
     path = os.fspath(path)  # as given: "pw/" names no file, as it does for the harness
-    what = f"the remote tier's password file {path}"
+    max_bytes = CONTRACT["password_file"]["max_bytes"]
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
-            raise UserError(f"{what} is not a regular file")
+            raise contract_failure("password_file_not_regular", path=path)
         with open(path, "rb") as file:
-            data = file.read(MAX_PASSWORD_FILE_BYTES + 1)  # one byte past the limit tells a file over it
+            data = file.read(max_bytes + 1)  # one byte past the limit tells a file over it
     except (FileNotFoundError, NotADirectoryError):
-        raise UserError(f"{what} does not exist") from None
+        raise contract_failure("password_file_missing", path=path) from None
     except OSError as exc:
-        raise UserError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from None
-    if len(data) > MAX_PASSWORD_FILE_BYTES:
-        raise UserError(f"{what} is over {MAX_PASSWORD_FILE_BYTES} bytes: not a password file")
+        raise contract_failure("password_file_unreadable", path=path,
+                               reason=exc.strerror or type(exc).__name__) from None
+    if len(data) > max_bytes:
+        raise contract_failure("password_file_too_large", path=path, max_bytes=max_bytes)
     if data.startswith(b"\xef\xbb\xbf"):
-        raise UserError(f"{what} starts with a byte-order mark: save it without one")
+        raise contract_failure("password_file_bom", path=path)
     data = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
     if not data:
-        raise UserError(f"{what} is empty")
+        raise contract_failure("password_file_empty", path=path)
     if b"\n" in data or b"\r" in data:
-        raise UserError(f"{what} holds more than one line")
+        raise contract_failure("password_file_lines", path=path)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"{what} is not UTF-8 text") from None
+        raise contract_failure("password_file_not_utf8", path=path) from None
 
 
 def url_with_password(url: str, password: str) -> str:

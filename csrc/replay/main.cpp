@@ -178,37 +178,34 @@ bool is_utf8(const std::string& text) {
   return true;
 }
 
-// The password a file holds, by kvexport.remote.read_password_file's rules: a regular file of at
-// most 4 KiB, UTF-8 without a byte-order mark, one line; one trailing "\n" or "\r\n" is dropped.
+// The password a file holds, by the rules and messages of kvexport/contract.json's password_file
+// (kvexport.remote.read_password_file follows them too).
 std::string read_password_file(const fs::path& path) {
-  const std::string what = "the remote tier's password file " + path.string();
+  const std::map<std::string, std::string> named{{"path", path.string()}};
   std::error_code error;
   const auto status = fs::status(path, error);
-  if (status.type() == fs::file_type::not_found) throw ReplayError(kUnusable, what + " does not exist");
-  if (error) throw ReplayError(kUnusable, "cannot read " + what + ": " + error.message());
-  if (!fs::is_regular_file(status)) throw ReplayError(kUnusable, what + " is not a regular file");
-  constexpr std::streamsize kMaxBytes = 4096;
+  if (status.type() == fs::file_type::not_found) throw contract_failure("password_file_missing", named);
+  if (error) throw contract_failure("password_file_unreadable", {{"path", path.string()}, {"reason", error.message()}});
+  if (!fs::is_regular_file(status)) throw contract_failure("password_file_not_regular", named);
+  const auto max_bytes = contract().at("password_file").at("max_bytes").get<std::streamsize>();
   errno = 0;
   std::ifstream in(path, std::ios::binary);
-  std::string password(kMaxBytes + 1, '\0');
-  in.read(password.data(), kMaxBytes + 1);  // one byte past the limit tells a file over it
+  std::string password(static_cast<size_t>(max_bytes) + 1, '\0');
+  in.read(password.data(), max_bytes + 1);  // one byte past the limit tells a file over it
   password.resize(static_cast<size_t>(in.gcount()));
   if (!in.is_open() || in.bad()) {
-    throw ReplayError(kUnusable, "cannot read " + what + ": " + std::strerror(errno ? errno : EIO));
+    throw contract_failure("password_file_unreadable",
+                           {{"path", path.string()}, {"reason", std::strerror(errno ? errno : EIO)}});
   }
-  if (static_cast<std::streamsize>(password.size()) > kMaxBytes) {
-    throw ReplayError(kUnusable, what + " is over " + std::to_string(kMaxBytes) + " bytes: not a password file");
+  if (static_cast<std::streamsize>(password.size()) > max_bytes) {
+    throw contract_failure("password_file_too_large", {{"path", path.string()}, {"max_bytes", std::to_string(max_bytes)}});
   }
-  if (password.starts_with("\xEF\xBB\xBF")) {
-    throw ReplayError(kUnusable, what + " starts with a byte-order mark: save it without one");
-  }
+  if (password.starts_with("\xEF\xBB\xBF")) throw contract_failure("password_file_bom", named);
   if (password.ends_with("\r\n")) password.resize(password.size() - 2);
   else if (password.ends_with('\n')) password.pop_back();
-  if (password.empty()) throw ReplayError(kUnusable, what + " is empty");
-  if (password.find_first_of("\r\n") != std::string::npos) {
-    throw ReplayError(kUnusable, what + " holds more than one line");
-  }
-  if (!is_utf8(password)) throw ReplayError(kUnusable, what + " is not UTF-8 text");
+  if (password.empty()) throw contract_failure("password_file_empty", named);
+  if (password.find_first_of("\r\n") != std::string::npos) throw contract_failure("password_file_lines", named);
+  if (!is_utf8(password)) throw contract_failure("password_file_not_utf8", named);
   return password;
 }
 
