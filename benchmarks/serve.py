@@ -55,9 +55,10 @@ def free_port() -> int:
 
 class Served:
     """A server on free ports of 127.0.0.1, in its own session: `kvexport serve` (route "serve") or a
-    plain tritonserver on `kvexport triton-repo`'s repository (route "repository")."""
+    plain tritonserver on `kvexport triton-repo`'s repository (route "repository", `instances` model
+    instances)."""
 
-    def __init__(self, artifact: Path, route: str, batching: bool, work: Path):
+    def __init__(self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1):
         self.grpc, self.metrics = free_port(), free_port()
         http = free_port()
         flag = "--batching" if batching else "--no-batching"
@@ -72,9 +73,9 @@ class Served:
             return
         from kvexport.serving import tritonserver
 
-        repo, server = work / f"repo-{flag[2:]}", work / f"server-{flag[2:]}"
+        repo, server = work / f"repo-{flag[2:]}-{instances}", work / f"server-{flag[2:]}-{instances}"
         subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(artifact), "-o", str(repo),
-                        "--this-python", flag], check=True, capture_output=True)
+                        "--this-python", flag, "--instances", str(instances)], check=True, capture_output=True)
         command, env = tritonserver.prepare(server)
         self.process = subprocess.Popen(
             [*command, "--model-repository", str(repo), "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",

@@ -269,7 +269,7 @@ class Config:
                 "tokens_per_event": m.tokens_per_event,
                 "context_width": m.context_width,
                 "time_code_bits": m.time_code_bits,
-                # Only when combined: a package of pairs keeps the limits every build had before.
+                # Only when combined or with an item tower: absent, the op library reads pairs and no query time.
                 **({"combined_action_bits": m.action_bits} if m.event_tokens == "combined" else {}),
                 **({"query_time_periods": [list(p) for p in m.query_time_periods]} if m.head == "item_tower" else {}),
             },

@@ -251,13 +251,15 @@ def test_check_request_lays_out_combined_event_tokens(runtime):
     ({"query_time_periods": [[3600, 24]], "context_width": 3, "time_code_bits": 4},
      "time_code_bits 4 cannot hold 24 query time codes"),
     ({"time_code_bits": 2}, "time_code_bits 2 cannot hold 1 query time codes"),
+    ({"context_width": None}, "request limits lack context_width: the package was built by an older kvexport"),
 ])
 def test_limits_whose_derived_sizes_disagree_are_refused(runtime, change, message):
     """The token layout's sizes come from kvexport.config; the op library lays out and shifts by them
     only when they fit the event tokens, context features and query time periods they describe."""
     request = list(layout_request())
     request[3] = torch.tensor([0, 4, 1, 3, 2])
-    limits = json.dumps({**json.loads(COMBINED_LIMITS), **change})
+    limits = {**json.loads(COMBINED_LIMITS), **change}
+    limits = json.dumps({key: value for key, value in limits.items() if value is not None})
     with pytest.raises(RuntimeError, match=message):
         kv.check_request(runtime, limits, *request)
 

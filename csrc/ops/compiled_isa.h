@@ -1,7 +1,7 @@
 // What CPU the attention kernel's translation unit was compiled for, and how its hot loop is
 // multiversioned. Included by paged_attention.cpp only: that file alone is built with
 // -march=KVEXPORT_KERNEL_ARCH (csrc/CMakeLists.txt), so its predefined macros describe what the
-// op library requires of a host. kvexport/isa.py reads the resulting string from the .so file.
+// op library requires of a host. kvexport/native/isa.py reads the resulting string from the .so file.
 #pragma once
 
 #include <array>
@@ -37,7 +37,7 @@ namespace kvexport::ops::isa {
 #define KVEXPORT_IS_SET(macro) KVEXPORT_IS_SET_2(macro)
 
 struct Feature {
-  std::string_view name;  // the names kvexport/isa.py and csrc/replay/isa.cpp check
+  std::string_view name;  // the names kvexport/native/isa.py and csrc/replay/isa.cpp check
   bool enabled;
 };
 

@@ -38,8 +38,9 @@ struct RequestLimits {
   // model.head: item_tower: context_ids' last column is the query time, and each checked candidate
   // id carries its calendar code in its low time_code_bits bits, (item << bits) | code.
   std::vector<std::pair<int64_t, int64_t>> query_time_periods;  // [seconds per unit, units per cycle]
-  // Derived in Python (kvexport.config.ModelConfig) and passed in, never derived again here: parse_limits
-  // only checks that they are safe to lay out and shift by.
+  // Derived in Python (kvexport.config.ModelConfig) and passed in: parse_limits lays out and shifts by
+  // them as given, after checking that they fit the fields they describe (a limits string written by
+  // hand must not make the layout write past its tensors).
   int64_t tokens_per_event = 2;  // prefix tokens of one event
   int64_t context_width = 0;     // columns of context_ids
   int64_t time_code_bits = 0;
@@ -100,6 +101,12 @@ RequestLimits parse_limits(const std::string& json) {
     }
     l.query_time_periods.emplace_back(unit, units);
     num_codes *= units;
+  }
+  for (const char* key : {"tokens_per_event", "context_width", "time_code_bits"}) {
+    if (!j.contains(key)) {
+      throw std::invalid_argument(std::string("kvexport: request limits lack ") + key +
+                                  ": the package was built by an older kvexport; rebuild it with this one");
+    }
   }
   l.tokens_per_event = j.at("tokens_per_event").get<int64_t>();
   l.context_width = j.at("context_width").get<int64_t>();

@@ -7,7 +7,7 @@ namespace kvexport::replay {
 
 namespace {
 
-// Feature names as kvexport/isa.py and csrc/ops/compiled_isa.h spell them. __builtin_cpu_supports
+// Feature names as kvexport/native/isa.py and csrc/ops/compiled_isa.h spell them. __builtin_cpu_supports
 // takes a literal only, hence one entry per feature; it also checks that the OS saves the AVX and
 // AVX-512 registers, as /proc/cpuinfo's flags do.
 std::vector<std::pair<std::string, bool>> host_features() {

@@ -102,7 +102,7 @@ std::string decimal_sum(uint64_t start, uint64_t length) {
   return digits;
 }
 
-// The contract's elf_* failures, as kvexport.elf.check_elf raises them.
+// The contract's elf_* failures, as kvexport.native.elf.check_elf raises them.
 void check_elf(MemberReader& member, const std::string& name) {
   const uint64_t size = member.size();
   const auto header = member.read(0, kElfHeader);
@@ -197,7 +197,7 @@ std::pair<bool, bool> runtime_symbols(MemberReader& member) {
 }
 
 // The member must use the host's C++ runtime (the contract's cxx_runtime rule), as
-// kvexport.elf.carries_own_cxx_runtime decides.
+// kvexport.native.elf.carries_own_cxx_runtime decides.
 void check_cxx_runtime(MemberReader& member, const std::string& name) {
   const auto library = contract().at("cxx_runtime").at("library").get<std::string>();
   const auto needed = needed_libraries(member);

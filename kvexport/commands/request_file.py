@@ -54,11 +54,12 @@ def score_request_file(out: Path, requests_path: Path, output_path: Path, *, rem
     from kvexport.host.package import load
 
     artifact = open_artifact(out)
-    batches = load_requests(requests_path, artifact.config)
     if not output_path.resolve().parent.is_dir():
         raise UserError(f"cannot write output {output_path}: its directory does not exist")
     # Files are not hashed here (`kvexport verify` does); the shipped op library is still checked.
+    # Loaded before the requests are checked: the check is that library's (a portable build's own).
     with load(artifact, check_files=False, remote=remote, remote_write=remote_write) as package:
+        batches = load_requests(requests_path, artifact.config)
         results = [_score_batch(package, batch, index) for index, batch in enumerate(batches)]
     write_atomically(output_path, lambda tmp: torch.save(results, tmp), "output")
     return results

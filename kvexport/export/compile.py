@@ -11,7 +11,7 @@ from torch.export import ExportedProgram
 
 from kvexport.host.package_file import LIBRARIES, read_package
 from kvexport.native import toolchain
-from kvexport.ops import library
+from kvexport.ops import library, wrappers  # noqa: F401  (wrappers: the fakes a compile needs)
 
 
 def graph_custom_ops(ep: ExportedProgram) -> Counter[str]:

@@ -1,11 +1,13 @@
 """Loads the kvexport op library and declares what torch.export must know about its ops.
 
-Loading does three things, always together and before any export or compile:
-the .so (schemas + kernels), the fakes (each declared beside its op's wrapper in
-kvexport/ops/wrappers.py with `fake`), and an ORDERED effect on
-every op that touches runtime state — without it, export/AOTI drop ops whose outputs are
-unused (docs/design.md §3.1). The effect flag is not saved with an ExportedProgram, so whatever
-exports or compiles (or re-exports a saved program) loads it through this module. The stateful
+Loading does three things, always together and before any export or compile: the .so (schemas +
+kernels), the fakes, and an ORDERED effect on every op that touches runtime state — without it,
+export/AOTI drop ops whose outputs are unused (docs/design.md §3.1). The fakes are declared beside
+each op's wrapper (kvexport/ops/wrappers.py, `fake`) and registered as the library loads or, when it
+is loaded already, as they are declared: whatever exports or compiles imports the wrappers (the model
+does; export.compile does for a saved program). The effect flag is not saved with an
+ExportedProgram, so whatever exports or compiles (or re-exports a saved program) loads it through
+this module. The stateful
 ops are also chained by data, because Inductor has been seen to reorder effectful ops that were
 ordered by their effect alone. A host that only runs a compiled package needs the .so, nothing here.
 """

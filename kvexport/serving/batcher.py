@@ -2,14 +2,16 @@
 
 Triton queues the requests of the model in the order they reach it and, whenever the model's one
 instance is free, hands it the oldest ones, up to the package's max_batch_size (a jagged batch: each
-user's history has its own length). The batch is checked request by request (kvexport's own request
-check, the one every package runs inside itself), so a bad request is refused alone. The valid ones
-are scored in sub-batches of distinct users (take_batch): when a user sent two requests that landed
-in one batch, the second is scored after the first, in a later package call, and sees the cache the
-first left. One instance, batches scored one after the other: a user's requests run in the order
-they reached the server. When the package refuses a merged sub-batch (say, its users together exceed
-the device tier of the KV cache) each of its users is scored alone, so a request fails only for a
-reason of its own.
+user's history has its own length). Each request's arrays are checked here (names, dtypes, shapes);
+the requests are scored in sub-batches of distinct users (take_batch): when a user sent two requests
+that landed in one batch, the second is scored after the first, in a later package call, and sees
+the cache the first left. One instance, batches scored one after the other: a user's requests run in
+the order they reached the server. A request's values (limits, vocabularies) are checked once, by the
+package itself as the merged call runs. A request fails only for a reason of its own: when the
+package refuses a merged call as an invalid request, each of its users is checked alone (the op
+library's check, nothing runs), the bad ones are refused and the others scored together again; when
+it refuses it for another reason (say, its users together exceed the device tier of the KV cache),
+each of its users is scored alone.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 import torch
 
 from kvexport.errors import RequestError, RequestFailed
-from kvexport.model.batch import UserRequest
+from kvexport.host.requests import check_batch
+from kvexport.model.batch import Batch, UserRequest
 from kvexport.serving.signature import ACTION_IDS, CANDIDATE_IDS, CONTEXT_IDS, INPUT_NAMES, ITEM_IDS, USER_ID
 
 log = logging.getLogger(__name__)
@@ -120,6 +123,9 @@ class BatchScorer:
         try:
             logits = self._package.score_users([user for _, user in batch])
         except RequestFailed as refused:
+            if len(batch) > 1 and refused.code == "invalid_request":
+                self._refuse_invalid(batch, results)
+                return
             if len(batch) > 1:
                 log.debug("batch of %d users refused (%s); scoring them one at a time", len(batch), refused)
                 self._count(split_batches=1)
@@ -132,6 +138,24 @@ class BatchScorer:
         self._count(batches=1, batch_users=len(batch), requests_ok=len(batch))
         for (index, _), user_logits in zip(batch, logits):
             results[index] = user_logits
+
+    def _refuse_invalid(self, batch: list[tuple[int, UserRequest]], results: list) -> None:
+        """A merged call refused as invalid: each user checked alone (nothing runs), the bad ones
+        refused, the others scored together again."""
+        valid = []
+        for index, user in batch:
+            try:
+                check_batch(Batch.concat([user]), self._package.config)
+            except RequestFailed as refused:
+                self._count(requests_refused=1)
+                results[index] = refused
+            else:
+                valid.append((index, user))
+        if len(valid) == len(batch):  # each user is valid alone: score them alone
+            for entry in batch:
+                self._score([entry], results)
+        elif valid:
+            self._score(valid, results)
 
     def _count(self, **increments: int) -> None:
         with self._counters_lock:

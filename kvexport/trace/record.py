@@ -215,7 +215,7 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
                 full, expected = model(request).cpu(), reference(request).cpu()
             worst = max(worst, max_abs_error(expected, cached, full))
             tensors.update({EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()})
-            # A file of its own: the step file's other keys are the request (kvexport.host.package reads them so).
+            # A file of its own: the step file's other keys are the request (load_trace_step reads them so).
             entry[TRACE_KEYS["reference_file"]] = f"{trace_dir.name}/{name}.reference.pt"
             torch.save({EXPECTED_REFERENCE: expected.contiguous()}, trace_dir / f"{name}.reference.pt")
         torch.save(tensors, trace_dir / f"{name}.pt")
