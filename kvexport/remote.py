@@ -7,7 +7,6 @@ torch-free, so the CLI can check an option without importing torch.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from urllib.parse import quote, unquote
 
@@ -27,20 +26,6 @@ def check_write_policy(policy: str, what: str = "remote_write") -> str:
     if policy not in WRITE_POLICIES:
         raise UserError(f"{what} {policy!r}: expected one of {', '.join(WRITE_POLICIES)}")
     return policy
-
-
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
-
-
-def redact_url(url: str) -> str:
-    """`url` for a message or a log, as the op library writes it: everything between its scheme (an
-    RFC 3986 "scheme://", else none) and its last '@' (the user and the password of
-    redis://user:password@host, however malformed the URL) as ***."""
-    head, at, tail = url.rpartition("@")
-    if not at:
-        return url
-    scheme = _SCHEME.match(head)
-    return (scheme.group(0) if scheme else "") + "***@" + tail
 
 
 def read_password_file(path: str | os.PathLike) -> str:

@@ -18,7 +18,7 @@ import yaml
 
 from kvexport.ops import wrappers as kv
 from kvexport.errors import UserError
-from kvexport.remote import WRITE_POLICIES, read_password_file, redact_url, url_with_password
+from kvexport.remote import WRITE_POLICIES, read_password_file, url_with_password
 from tests.conftest import ROOT, TINY, scratch_runtime, scratch_runtime_name
 from tests.redis_server import RedisServer, Resp, free_port, need_redis
 from tests.test_runtime import kv_values, request
@@ -395,17 +395,18 @@ def test_an_error_reply_at_attach_is_a_refusal_only_when_it_rejects_the_settings
     ("pw:x://y@127.0.0.1", "***@127.0.0.1"),  # "pw:x" is no scheme
     ("redis://:p@w@[::1]:6379/2", "redis://***@[::1]:6379/2"),
 ])
-def test_python_hides_credentials_by_the_op_library_rule(url, shown):
-    assert redact_url(url) == shown
+def test_the_op_library_hides_credentials(url, shown):
+    """The one statement of the rule (csrc/runtime/url_redaction.cpp), which Python calls."""
+    assert kv.redact_url(url) == shown
 
 
 @pytest.mark.parametrize("url", ["redis://kv:pw@127.0.0.1:70000", "redis://:s3%40cr@[::1]:70000/2",
                                  "redis://127.0.0.1:70000"])
-def test_python_hides_credentials_as_the_op_library_does(url):
+def test_attach_remote_names_the_url_as_redact_url_shows_it(url):
     with scratch_runtime(CONFIG) as name:
         with pytest.raises(ValueError) as refused:
             kv.attach_remote(name, url, "on_evict")
-    assert str(refused.value) == f"remote URL '{redact_url(url)}': port 70000 outside 1..65535"
+    assert str(refused.value) == f"remote URL '{kv.redact_url(url)}': port 70000 outside 1..65535"
 
 
 def test_an_unreachable_server_is_logged_without_its_password(caplog):

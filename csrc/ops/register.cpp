@@ -17,6 +17,7 @@
 #endif
 #include "ops/request_check.h"
 #include "runtime/kv_runtime.h"
+#include "runtime/url_redaction.h"
 #ifdef KVEXPORT_WITH_REMOTE
 #include "runtime/remote_tier.h"
 #endif
@@ -279,6 +280,8 @@ bool attach_remote(const std::string& name, const std::string& url, const std::s
   });
 }
 
+std::string redact_url_op(const std::string& url) { return runtime::redact_url(url); }
+
 bool flush_remote(const std::string& name, int64_t timeout_ms) {
   return management_op([&] {
     if (timeout_ms < 0) throw std::invalid_argument("flush timeout must be >= 0 ms, got " + std::to_string(timeout_ms));
@@ -356,6 +359,8 @@ TORCH_LIBRARY(kvexport, m) {
   m.def("attach_remote(str runtime, str url, str write_policy) -> bool");
   // Waits up to timeout_ms for the remote tier's queued writes; False if some are still queued.
   m.def("flush_remote(str runtime, int timeout_ms) -> bool");
+  // A remote tier's URL for a message or a log, its credentials as *** (the one statement of the rule).
+  m.def("redact_url(str url) -> str");
   // Pure kernel behind paged_attention, with every input explicit.
   m.def("hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
         "Tensor row_keys, Tensor row_candidate, float alpha, float inv_scaling_seqlen) -> Tensor");
@@ -406,6 +411,7 @@ TORCH_LIBRARY_IMPL(kvexport, CompositeExplicitAutograd, m) {
   m.impl("gpu_info", &gpu_info);
   m.impl("attach_remote", &attach_remote);
   m.impl("flush_remote", &flush_remote);
+  m.impl("redact_url", &redact_url_op);
 }
 
 }  // namespace kvexport::ops

@@ -1,5 +1,7 @@
 #include "runtime/redis_connection.h"
 
+#include "runtime/url_redaction.h"
+
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
@@ -57,13 +59,6 @@ bool is_refusal(const std::string& error) {
                      [&](const char* prefix) { return error.rfind(prefix, 0) == 0; });
 }
 
-// The length of url's "scheme://" (RFC 3986 scheme), or 0.
-size_t scheme_length(const std::string& url) {
-  static const std::regex scheme(R"(^[A-Za-z][A-Za-z0-9+.\-]*://)");
-  std::smatch match;
-  return std::regex_search(url, match, scheme) ? static_cast<size_t>(match.length(0)) : 0;
-}
-
 // A URL that does not parse, for its error message: its scheme, then the rest only where it is made
 // of host-name characters and '/' alone, which can hold no credential (redis://:password:host,
 // redis://host/0?password=... and redis://user%3Apassword@host all show as redis://***).
@@ -76,15 +71,6 @@ std::string redact_unparsed(const std::string& url) {
 }
 
 }  // namespace
-
-std::string redact_url(const std::string& url) {
-  // Everything before the last '@' may be a credential, however malformed the rest of the URL.
-  const auto at = url.rfind('@');
-  if (at == std::string::npos) return url;
-  const auto scheme = scheme_length(url);
-  const auto keep = scheme <= at ? scheme : 0;
-  return url.substr(0, keep) + "***" + url.substr(at);
-}
 
 RedisEndpoint RedisEndpoint::parse(const std::string& url) {
   static const std::regex pattern(

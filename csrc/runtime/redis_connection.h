@@ -28,10 +28,6 @@ struct RedisEndpoint {
   std::string display() const;
 };
 
-// `url` for a message: everything between its scheme (an RFC 3986 "scheme://", else none) and its
-// last '@' (user and password, however malformed the URL) as ***.
-std::string redact_url(const std::string& url);
-
 class RedisConnection {
  public:
   enum class Status {

@@ -20,7 +20,7 @@ import click
 
 from kvexport import __version__
 from kvexport.errors import UserError
-from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, redact_url, url_with_password
+from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
 
 log = logging.getLogger("kvexport")
 
@@ -779,6 +779,8 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     click.echo(f"counters: {counters}")
     click.echo(f"workload: {', '.join(f'{k} {v}' for k, v in sorted(report.workload.items()))}")
     if remote and report.remote_hit_ratio is not None:
+        from kvexport.ops.wrappers import redact_url
+
         click.echo(f"remote: hit ratio {report.remote_hit_ratio:.3f} ({report.counters['remote_hits']} users served "
                    f"from {redact_url(remote)}, {report.counters['remote_hit_tokens']} tokens)")
     verdict = "PASS" if report.passed else f"FAIL ({report.mismatches} mismatches, first at request {report.first_mismatch})"

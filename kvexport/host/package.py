@@ -33,7 +33,7 @@ from kvexport.native.isa import check_device, check_host
 from kvexport.native.paths import OPS_LIBRARY_NAME
 from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
-from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy, redact_url
+from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ def _attach_remote(runtime: str, url: str, write_policy: str) -> str | None:
     except ValueError as exc:
         kv.drop_runtime(runtime)
         raise UserError(first_line(exc)) from None
-    return redact_url(url) if attached else None
+    return kv.redact_url(url) if attached else None
 
 
 class _InFlight:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from kvexport.ops import library
-from kvexport.remote import DEFAULT_WRITE_POLICY, redact_url
+from kvexport.remote import DEFAULT_WRITE_POLICY
 
 log = logging.getLogger(__name__)
 
@@ -414,6 +414,13 @@ def attach_remote(runtime: str, url: str, write_policy: str = DEFAULT_WRITE_POLI
 @library.fake("attach_remote")
 def _attach_remote_fake(runtime, url, write_policy):
     return False
+
+
+def redact_url(url: str) -> str:
+    """`url` for a message or a log, as the op library writes it: everything between its scheme (an
+    RFC 3986 "scheme://", else none) and its last '@' (the user and the password of
+    redis://user:password@host, however malformed the URL) as ***."""
+    return _ops().redact_url(url)
 
 
 def flush_remote(runtime: str, timeout_ms: int) -> bool:
