@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 from serve import Served, drive
@@ -32,9 +33,21 @@ from kvexport.artifact import open_artifact
 CLIENTS = 16
 
 
+METRICS_TIMEOUT_S = 30
+
+
 def cache_counters(served: Served) -> dict[str, float]:
-    return {name: served.metric(f"kvexport_cache_{name}_total")
-            for name in ("hit_tokens", "recomputed_tokens", "prefix_truncations", "lookups")}
+    """kvexport's cache counters, summed over the instances; the metrics port may open a moment after
+    Triton reports ready."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        try:
+            return {name: served.metric(f"kvexport_cache_{name}_total")
+                    for name in ("hit_tokens", "recomputed_tokens", "prefix_truncations", "lookups")}
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def main() -> None:
@@ -62,10 +75,12 @@ def main() -> None:
             delta = {name: after[name] - before[name] for name in after}
             prefix_tokens = delta["hit_tokens"] + delta["recomputed_tokens"]
             row.update(instances=instances, hit_ratio=round(delta["hit_tokens"] / max(prefix_tokens, 1), 3),
+                       recomputed_tokens_per_request=round(delta["recomputed_tokens"] / max(row["requests"], 1), 1),
                        prefix_truncations=int(delta["prefix_truncations"]), lookups=int(delta["lookups"]))
             results["rows"].append(row)
             print(f"K = {instances}: {row['throughput_rps']:7.1f} req/s, p50 {row['p50_ms']:6.2f} ms, "
-                  f"p99 {row['p99_ms']:6.2f} ms, hit ratio {row['hit_ratio']:.3f}, prefix truncations "
+                  f"p99 {row['p99_ms']:6.2f} ms, hit ratio {row['hit_ratio']:.3f}, recomputed tokens per request "
+                  f"{row['recomputed_tokens_per_request']}, prefix truncations "
                   f"{row['prefix_truncations']} of {row['lookups']} lookups, mean batch {row['mean_batch']}",
                   flush=True)
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
