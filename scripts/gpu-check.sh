@@ -117,7 +117,7 @@ step native "$python" -m kvexport.native || exit 1
 # The environment as the run found it: no variable of it is changed here (LD_PRELOAD included).
 "$python" - > "$out/environment.txt" 2>&1 <<'EOF'
 import os, platform, torch
-from kvexport import toolchain
+from kvexport.native import toolchain
 print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())
 print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 print("CXX", os.environ.get("CXX", "(unset)"), "CC", os.environ.get("CC", "(unset)"))
