@@ -251,6 +251,14 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
     assert values['kvexport_cache_hit_tokens_total{model="hstu-tiny"}'] > 0
     assert values['kvexport_batches_total{model="hstu-tiny"}'] >= 1
     assert "# TYPE kvexport_cache_device_pages_used gauge" in text
+    # Triton counts a request the model answers with its own error response as a success: its failure
+    # counter does not move, so alerts read kvexport_requests_total{result="refused"} (README, Metrics).
+    def triton_total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and 'model="hstu-tiny"' in line)
+
+    assert triton_total("nv_inference_request_failure") == 0
+    assert triton_total("nv_inference_request_success") >= 3
 
 
 @needs_pytriton
