@@ -187,7 +187,8 @@ class TimeCodedCandidates:
     bits, (item << time_code_bits) | code, as kvexport::check_request writes it."""
 
     def __init__(self, m: ModelConfig):
-        self.periods, self.bits, self.query_time_column = m.query_time_periods, m.time_code_bits, m.num_contextual_features
+        self.periods, self.bits = m.query_time_periods, m.time_code_bits
+        self.query_time_column = m.num_contextual_features  # context_ids' last column
 
     def checked(self, batch: Batch) -> torch.Tensor:
         codes = time_codes(batch.context_ids[:, self.query_time_column], self.periods)
