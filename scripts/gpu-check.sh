@@ -2,8 +2,9 @@
 # One command for a GPU host: builds the native code with its CUDA kernels, runs the CUDA tests,
 # times the attention kernel (alone and beside torch's fused attention), then builds, verifies,
 # replays (model.pt2, and step.pt2 as CUDA graphs) and soaks the tiny and the kuairand-1k configs
-# on the GPU and benchmarks them. Every step runs even if an earlier one
-# failed (unless it needs that one's artifact); each writes OUT/STEP.log, the JSON reports go to
+# on the GPU and benchmarks them; serves the tiny one through Triton when the serve extra is
+# installed. Every step runs even if an earlier one failed (unless it needs that one's artifact);
+# each writes OUT/STEP.log, the JSON reports go to
 # OUT/, packages to OUT/artifacts/, and OUT/summary.txt says how each step ended.
 #   scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]
 # PYTHON: the interpreter that has torch with CUDA and kvexport importable (default python3).
@@ -70,7 +71,7 @@ kept() {
   for config in $rebuilt; do
     case $name in
       verify-$config | replay-$config | replay-graphs-$config | soak-$config | request-bench-$config | \
-        host-phases-$config | bench-$config) return 1 ;;
+        host-phases-$config | bench-$config | serve-$config) return 1 ;;
     esac
   done
   return 0
@@ -138,6 +139,10 @@ fi
 package tiny configs/hstu-tiny.yaml 500 40
 step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 96 \
   --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
+# The CUDA package behind Triton (`kvexport serve`, the serve extra's tritonserver), when installed.
+if "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("pytriton") is None)'; then
+  step serve-tiny "$python" benchmarks/h200/serve_gpu.py "$out/artifacts/tiny" --json "$out/serve-tiny.json"
+fi
 if [[ $quick == 0 ]]; then
   package kuairand configs/hstu-kuairand-1k.yaml 500 400
   # Its 1 GB item table inside the package's .so (as built) or beside it: size, compile, load.

@@ -35,7 +35,8 @@ fi
 exit 0
 """
 
-TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "replay-graphs-tiny", "soak-tiny", "request-bench-tiny"}
+TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "replay-graphs-tiny", "soak-tiny", "request-bench-tiny",
+              "serve-tiny"}
 
 
 @pytest.fixture
@@ -136,7 +137,7 @@ def test_a_failed_build_is_rebuilt_with_all_its_steps(tmp_path, script, stand_in
     out = tmp_path / "out"
     code, first = gpu_check(script, out, stand_in, "--quick", failing="hstu-tiny.yaml")
     assert code == 1 and first["build-tiny"] == "failed"
-    assert not TINY_STEPS - {"build-tiny", "request-bench-tiny"} & set(first)  # they need its package
+    assert not TINY_STEPS - {"build-tiny", "request-bench-tiny", "serve-tiny"} & set(first)  # they need its package
     code, second = gpu_check(script, out, stand_in, "--quick", "--resume")
     assert code == 0 and ran(second) == {"native"} | TINY_STEPS
 
