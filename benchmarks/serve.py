@@ -60,6 +60,7 @@ class Served:
 
     def __init__(self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1):
         self.grpc, self.metrics = free_port(), free_port()
+        self.instances = instances
         http = free_port()
         flag = "--batching" if batching else "--no-batching"
         if route == "serve":
@@ -87,10 +88,16 @@ class Served:
                 raise SystemExit(f"tritonserver did not start on {repo}")
             time.sleep(0.2)
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, models: tuple[str, ...] = ()) -> float:
+        """The sum of the metric's samples (every instance's: each labels its own), of the given
+        Triton models only when named."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as response:
             text = response.read().decode()
-        return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+        samples = re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)
+        if not samples:
+            raise LookupError(f"no sample of {name}")
+        return sum(float(value) for labels, value in samples
+                   if not models or any(f'model="{m}"' in labels.split(",") for m in models))
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) of every process of the server's session: kvexport, tritonserver, stub."""
@@ -170,7 +177,9 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     latencies: list[list[float]] = [[] for _ in range(clients)]
     time.sleep(0.2)  # the model publishes its counters a moment after each batch
     batches, users = served.metric("kvexport_batches_total"), served.metric("kvexport_batch_users_total")
-    triton = {name: served.metric(name) for name in TRITON_COUNTERS}
+    # Triton's counters of the models that score: the shards behind a router, or the one model.
+    scoring = tuple(f"{model}_shard{i}" for i in range(served.instances)) if served.instances > 1 else (model,)
+    triton = {name: served.metric(name, scoring) for name in TRITON_COUNTERS}
     server_cpu, client_cpu = served.cpu_seconds(), time.process_time()
     start = time.monotonic()
     stop = start + seconds
@@ -196,7 +205,7 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     server_cpu, client_cpu = served.cpu_seconds() - server_cpu, time.process_time() - client_cpu
     flat = np.array([value for values in latencies for value in values]) * 1e3
     time.sleep(0.2)
-    triton = {name: served.metric(name) - before for name, before in triton.items()}
+    triton = {name: served.metric(name, scoring) - before for name, before in triton.items()}
     # Triton adds a batch's compute time once per request of the batch: once per execution is the busy time.
     busy_us = triton["nv_inference_compute_infer_duration_us"] * triton["nv_inference_exec_count"] / max(
         triton["nv_inference_request_success"], 1)

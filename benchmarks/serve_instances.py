@@ -1,16 +1,17 @@
-"""Serving with K model instances: what a returning user finds in the cache when Triton hands each
-request to whichever instance is free (`kvexport triton-repo --instances K`, each instance its own
-process with its own cache runtime).
+"""Serving with K cache shards (`kvexport triton-repo --instances K`: K shard models, each one instance
+in its own process with its own cache runtime, behind the router that sends each user's requests to
+one shard): what a returning user finds in the cache. (Before the router, Triton handed each
+request to whichever of K instances was free: RESULTS.md keeps that run's row.)
 
 For K = 1, 2, 4 one plain tritonserver on the repository, driven by 16 clients (serve.py's workload:
 each client one request at a time, its own 4 users returning with 4 more events each visit, so a
 user's requests never overlap in time and reach the server in the order they were sent) for the
 same time: throughput, p50 / p99, and from kvexport's counters, summed over the instances (each
-instance adds what it counted to the model's one counter): the cache hit ratio (prefix tokens read
+labels its own samples): the cache hit ratio (prefix tokens read
 from a cache over all prefix tokens of the requests), and the prefix truncations (requests whose
 history does not extend what their instance had cached: the workload's histories start over after
 the longest, at any K). This workload cannot send two requests of one user at once, so it says
-nothing of concurrent requests of a user; with K > 1 nothing keeps them apart.
+nothing of concurrent requests of a user (tests/test_triton_repo.py holds those on one shard).
 
     .venv/bin/python benchmarks/serve_instances.py artifacts/hstu-bench --json benchmarks/serve-instances.json
 """
@@ -44,7 +45,7 @@ def cache_counters(served: Served) -> dict[str, float]:
         try:
             return {name: served.metric(f"kvexport_cache_{name}_total")
                     for name in ("hit_tokens", "recomputed_tokens", "prefix_truncations", "lookups")}
-        except OSError:
+        except (OSError, LookupError):  # not published yet
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

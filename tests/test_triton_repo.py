@@ -34,14 +34,14 @@ def test_the_repository_is_a_triton_model_config_and_the_artifact(tiny_artifact,
     from tritonclient.grpc import model_config_pb2
 
     repo = tmp_path / "repo"
-    write_repo(tiny_artifact, repo, "--instances", "2")
+    write_repo(tiny_artifact, repo)
     model = repo / "hstu-tiny"
     config = text_format.Parse((model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert (config.name, config.backend, config.max_batch_size) == ("hstu-tiny", "python", 4)
     ragged = {i.name for i in config.input if i.allow_ragged_batch}
     assert ragged == {"item_ids", "action_ids", "candidate_ids"}
     assert {i.name: list(i.dims) for i in config.input}["context_ids"] == [3]
-    assert list(config.output[0].dims) == [-1, 3] and config.instance_group[0].count == 2
+    assert list(config.output[0].dims) == [-1, 3] and config.instance_group[0].count == 1
     assert config.HasField("dynamic_batching") and "python_path" not in config.parameters
     assert (model / "1" / "model.py").is_file()
     assert (model / "1" / "artifact" / "manifest.json").read_bytes() == (tiny_artifact / "manifest.json").read_bytes()
@@ -128,13 +128,13 @@ TritonPythonModel.initialize = _initialize_with_a_failing_user
 
 
 @contextlib.contextmanager
-def plain_tritonserver(artifact, work, patch: str = ""):
-    """tritonserver --model-repository REPO (127.0.0.1, free ports) on the artifact's repository,
-    this venv's Python; yields (ports, server log path)."""
+def plain_tritonserver(artifact, work, patch: str = "", options: tuple[str, ...] = ()):
+    """tritonserver --model-repository REPO (127.0.0.1, free ports) on the artifact's repository
+    (`triton-repo --this-python` and options), this venv's Python; yields (ports, server log path)."""
     from kvexport.serving import tritonserver
 
     repo = work / "repo"
-    write_repo(artifact, repo, "--this-python")
+    write_repo(artifact, repo, "--this-python", *options)
     if patch:
         model = next(repo.iterdir()) / "1" / "model.py"
         model.write_text(model.read_text() + patch)
@@ -239,17 +239,16 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
             client.infer(bad)
     finally:
         client.close()
-    def values(text: str) -> dict[str, float]:
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if line.startswith("kvexport_")}
+    def refused(text: str) -> float:
+        return metric(text, "kvexport_requests_total", model="hstu-tiny", result="refused")
 
-    text = scrape_when(served_repo.metrics, lambda text: values(text).get(
-        'kvexport_requests_total{model="hstu-tiny",result="refused"}', 0) >= 1)
-    values = values(text)
-    assert values['kvexport_requests_total{model="hstu-tiny",result="refused"}'] >= 1
-    assert values['kvexport_requests_total{model="hstu-tiny",result="ok"}'] >= 1
-    assert values['kvexport_cache_hit_tokens_total{model="hstu-tiny"}'] > 0
-    assert values['kvexport_batches_total{model="hstu-tiny"}'] >= 1
+    text = scrape_when(served_repo.metrics, lambda text: "kvexport_requests_total" in text and refused(text) >= 1)
+    # Every sample names the model and the Triton model instance that published it.
+    instance = {"model": "hstu-tiny", "instance": "hstu-tiny_0_0"}
+    assert metric(text, "kvexport_requests_total", **instance, result="refused") >= 1
+    assert metric(text, "kvexport_requests_total", **instance, result="ok") >= 1
+    assert metric(text, "kvexport_cache_hit_tokens_total", **instance) > 0
+    assert metric(text, "kvexport_batches_total", **instance) >= 1
     assert "# TYPE kvexport_cache_device_pages_used gauge" in text
     # Triton counts a request the model answers with its own error response as a success: its failure
     # counter does not move, so alerts read kvexport_requests_total{result="refused"} (README, Metrics).
@@ -322,3 +321,91 @@ def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_pat
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
     assert log_text.count(f"RuntimeError: a bug for user {FAILING_USER}") == 1
     assert log_text.count("kvexport: a request failed unexpectedly") == 1
+
+
+def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_artifact_is_copied_once(
+        tiny_artifact, tmp_path):
+    repo = tmp_path / "repo"
+    write_repo(tiny_artifact, repo, "--instances", "3", "--python-path", str(tmp_path))
+    assert sorted(p.name for p in repo.iterdir()) == ["hstu-tiny", "hstu-tiny_shard0", "hstu-tiny_shard1",
+                                                      "hstu-tiny_shard2"]
+    router = (repo / "hstu-tiny" / "config.pbtxt").read_text()
+    assert 'parameters: { key: "shards" value: { string_value: "hstu-tiny_shard0,hstu-tiny_shard1,hstu-tiny_shard2" } }' \
+        in router
+    assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in router
+    assert (repo / "hstu-tiny" / "1" / "model.py").read_text().startswith('"""kvexport\'s routing model')
+    assert (repo / "hstu-tiny" / "artifact" / "manifest.json").is_file()
+    for i in range(3):
+        shard = repo / f"hstu-tiny_shard{i}"
+        config = (shard / "config.pbtxt").read_text()
+        assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in config
+        assert 'key: "artifact" value: { string_value: "../../hstu-tiny/artifact" }' in config
+        assert 'key: "routed" value: { string_value: "true" }' in config
+        assert not (shard / "1" / "artifact").exists()
+        # The parameter is relative to model.py's folder, as the model reads it.
+        assert (shard / "1" / "../../hstu-tiny/artifact").resolve() == (repo / "hstu-tiny" / "artifact").resolve()
+
+
+def test_gpus_are_refused_for_a_cpu_package_in_one_line(tiny_artifact, tmp_path):
+    result = CliRunner().invoke(main, ["triton-repo", str(tiny_artifact), "-o", str(tmp_path / "repo"), "--gpus", "2"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --gpus 2: the artifact runs on cpu; only a CUDA package spreads over GPUs"]
+    assert not (tmp_path / "repo").exists()
+
+
+def test_shard_of_spreads_users_evenly_and_never_moves_one():
+    from kvexport.serving.triton_router import shard_of
+
+    for shards in (2, 3, 4):
+        for ids in (range(0, 12_000), range(0, 12_000 * 64, 64), range(-6_000, 6_000)):
+            counts = np.bincount([shard_of(u, shards) for u in ids], minlength=shards)
+            assert counts.size == shards and counts.min() > 0.9 * len(ids) / shards, (shards, counts)
+    assert [shard_of(u, 4) for u in (5, 2**62, -1)] == [shard_of(u, 4) for u in (5, 2**62, -1)]
+    assert all(shard_of(u, 1) == 0 for u in range(100))
+
+
+def test_a_shards_refusal_keeps_its_code_through_the_router():
+    from kvexport.serving.triton_router import shard_error
+
+    assert shard_error("kvexport-code=invalid_request item_ids has 7, outside") == ("INVALID_ARG", "item_ids has 7, outside")
+    assert shard_error("kvexport-code=capacity_exceeded 9 pages") == ("UNAVAILABLE", "9 pages")
+    assert shard_error("kvexport-code=internal oops") == ("INTERNAL", "oops")
+    assert shard_error("Triton: model unavailable") == ("INTERNAL", "Triton: model unavailable")
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager_recompute(
+        tiny_artifact, tiny_config, tmp_path, eager):
+    """16 clients, 24 returning users, 3 shards behind the router: every answer equals the eager
+    full recompute, each shard served exactly the requests of the users that hash to it (Triton's
+    own per-model counts), and a refusal is still the client's 400."""
+    from tritonclient.utils import InferenceServerException
+
+    from kvexport.serving.triton_router import shard_of
+
+    plans = _returning_users_plan(tiny_config, clients=16, per_client=10, users=24, seed=11)
+    requests = [r for plan in plans for r in plan]
+    expected = eager(requests)
+    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "3")) as (ports, _):
+        got = run_clients(ports, plans)
+        assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
+        want = np.bincount([shard_of(r.user_id, 3) for r in requests], minlength=3)
+        assert (want > 0).all()
+        after = scrape_when(ports.metrics, lambda text: sum(
+            metric(text, "nv_inference_request_success", model=f"hstu-tiny_shard{i}") for i in range(3)) >= 160)
+        served = [metric(after, "nv_inference_request_success", model=f"hstu-tiny_shard{i}") for i in range(3)]
+        assert served == want.tolist()
+        hostile = user_arrays(requests[0])
+        hostile["item_ids"] = hostile["item_ids"].copy()
+        hostile["item_ids"][-1] = tiny_config.model.item_vocab_size
+        client = Client("http", ports, "hstu-tiny")
+        try:
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer(hostile)
+        finally:
+            client.close()
+    assert refused.value.status() == "400"
+    assert refused.value.message() == (f"item_ids has {tiny_config.model.item_vocab_size}, outside the item "
+                                       f"vocabulary [0, {tiny_config.model.item_vocab_size - 1}]")

@@ -485,7 +485,11 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
               help="Model repository to write (a new or empty directory).")
 @click.option("--name", help="The Triton model's name (default: the artifact's config name).")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Model instances (each loads the package and keeps its own cache).")
+              help="Cache shards per GPU (or on the host, for a CPU package): each one model instance with its "
+                   "own cache. With more than one shard in all, a routing model named after the artifact sends "
+                   "every request to the shard its user id hashes to, so a user's requests meet their cache.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="GPUs a CUDA package's shards spread over (shard i on GPU i mod N).")
 @click.option("--python-path", "python_path", multiple=True, type=click.Path(path_type=Path),
               help="A site directory for the Python backend's interpreter (repeatable): where torch and "
                    "kvexport are installed, when that is not the interpreter's own site-packages.")
@@ -496,7 +500,7 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
 @threads_option
 @remote_options
 @_handle_errors
-def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_path: tuple[Path, ...],
+def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: int, python_path: tuple[Path, ...],
                 this_python: bool, batching: bool, threads: int, remote: str | None, remote_write: str,
                 remote_password_file: Path | None) -> None:
     """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
@@ -514,7 +518,7 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, python_
         raise UserError("--remote-password-file needs --remote URL")
     paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
-    model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads)
+    model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus)
     click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
 
 

@@ -1,11 +1,11 @@
 """kvexport's metrics, published by the Triton model through the Python backend's custom metrics
 API, so that Triton's own metrics port serves them beside its own:
 
-    kvexport_cache_<counter>_total{model="NAME"}   the cache runtime's counters (lookups, hit_tokens, ...)
-    kvexport_cache_<level>{model="NAME"}           its occupancy (device_pages_used, device_users, ...)
+    kvexport_cache_<counter>_total{model="NAME",instance="I"}   the cache runtime's counters (lookups, ...)
+    kvexport_cache_<level>{model="NAME",instance="I"}           its occupancy (device_pages_used, ...)
     kvexport_batches_total / kvexport_batch_users_total    package calls and the users they scored
     kvexport_split_batches_total                           merged batches refused, then scored per user
-    kvexport_requests_total{model="NAME",result="ok|refused"}
+    kvexport_requests_total{model="NAME",instance="I",result="ok|refused"}
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ class Sample:
     value: int
 
 
-def samples(model: str, cache: dict[str, int], batches) -> list[Sample]:
-    """kvexport's metrics (cache: Package.stats(); batches: BatchCounters), families in order."""
-    label = (("model", model),)
+def samples(model: str, cache: dict[str, int], batches, instance: str = "") -> list[Sample]:
+    """kvexport's metrics (cache: Package.stats(); batches: BatchCounters), families in order;
+    instance: the Triton model instance's name, a label beside the model's (each instance publishes
+    its own levels: one label set for all would leave the last publisher's)."""
+    label = (("model", model),) + ((("instance", instance),) if instance else ())
     out: list[Sample] = []
     for stat, value in cache.items():
         if stat.endswith(LEVEL_SUFFIXES):

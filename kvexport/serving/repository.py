@@ -8,8 +8,20 @@
     REPO/<name>/1/artifact/         the artifact, copied (checked against its manifest first), unless
                                     the `artifact` parameter names it where it is
 
+With several shards (--instances K on the host, or --gpus N, each GPU a shard: K x N of them) the
+clients' model is a router (kvexport/serving/triton_router.py, one instance) in front of the shards:
+    REPO/<name>/1/model.py          kvexport/serving/triton_router.py: each user's requests to the
+                                    shard their user id hashes to, so they meet their cache
+    REPO/<name>/artifact/           the artifact, copied once (a model's non-numeric folder, which
+                                    Triton does not read as a version)
+    REPO/<name>_shard<i>/           a model as above with one instance (on GPU i mod N for a CUDA
+                                    package), its `artifact` parameter the router's copy, relative
+
 The model's parameters (Triton's `parameters`, strings; triton_model.py reads them):
-    artifact                the artifact's path, when it is not copied beside model.py
+    artifact                the artifact's path (relative: to model.py's folder), when it is not
+                            copied beside model.py
+    shards                  the router's: its shard models' names, in shard order
+    routed                  "true" in a shard: its refusals carry their code for the router
     python_path             site directories for the Python backend's interpreter (os.pathsep)
     threads                 intra-op CPU threads of each instance (torch.set_num_threads)
     remote, remote_write    the shared remote KV tier's URL (never with a password: Triton serves the
@@ -37,6 +49,7 @@ from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_pass
 from kvexport.serving.signature import serving_signature
 
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
+ROUTER_FILE = Path(__file__).with_name("triton_router.py")
 # One intra-op thread per instance: a server's concurrency comes from batching and instances, and
 # torch's default (one thread per core) only spins. hstu-tiny in one process, 2 cores: 1.11 ms of CPU
 # per user at batch 1 with 2 threads, 0.58 ms with 1, for the same 0.56 ms of wall time.
@@ -79,12 +92,15 @@ def _tensor_config(spec: dict, is_input: bool) -> str:
 
 
 def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: int, device: str,
-                 instances: int, parameters: dict[str, str] | None = None, batching: bool = True) -> str:
-    """config.pbtxt of the repository's model (Triton's text protobuf); without batching, one user
-    per model execution (max_batch_size 1, no dynamic batcher)."""
+                 instances: int, parameters: dict[str, str] | None = None, batching: bool = True,
+                 gpu: int | None = None) -> str:
+    """config.pbtxt of one of the repository's models (Triton's text protobuf); without batching, one
+    user per model execution (max_batch_size 1, no dynamic batcher). device "cuda": the instances
+    on GPU `gpu` (every GPU when None)."""
     signature = serving_signature(name, context_width, num_tasks)
     inputs = ",\n".join(_tensor_config(spec, True) for spec in signature["inputs"])
     kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+    gpus = f" gpus: [ {gpu} ]" if kind == "KIND_GPU" and gpu is not None else ""
     lines = [
         f'name: "{name}"',
         'backend: "python"',
@@ -92,7 +108,7 @@ def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: 
         f"input [\n{inputs}\n]",
         f"output [\n{_tensor_config(signature['output'], False)}\n]",
         *(["dynamic_batching { }"] if batching else []),
-        f"instance_group [ {{ kind: {kind} count: {instances} }} ]",
+        f"instance_group [ {{ kind: {kind} count: {instances}{gpus} }} ]",
     ]
     lines += [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
               for key, value in (parameters or {}).items()]
@@ -101,11 +117,13 @@ def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: 
 
 def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, instances: int = 1,
                      python_path: Sequence[str] = (), batching: bool = True, remote: Remote | None = None,
-                     copy_artifact: bool = True, threads: int = DEFAULT_THREADS) -> Path:
+                     copy_artifact: bool = True, threads: int = DEFAULT_THREADS, gpus: int = 1) -> Path:
     """Writes the repository for the artifact OUT (a path or an opened Artifact); returns the
-    model's directory. copy_artifact=False names OUT (resolved) in the `artifact` parameter instead
-    of copying it, and leaves the check of its files to the model's load (which checks them
-    anyway). threads: each instance's intra-op CPU threads."""
+    directory of the model clients call (the router's, with several shards). copy_artifact=False
+    names OUT (resolved) in the `artifact` parameter instead of copying it, and leaves the check of
+    its files to the model's load (which checks them anyway). threads: each instance's intra-op CPU
+    threads. instances x gpus shards, each one instance with its own cache (gpus > 1: a CUDA
+    package's, shard i on GPU i mod gpus)."""
     artifact = out if isinstance(out, Artifact) else open_artifact(out)
     if copy_artifact:
         from kvexport.trace.verify import check_integrity  # imports torch: not when the CLI starts
@@ -119,29 +137,52 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
         raise UserError(f"--instances must be >= 1, got {instances}")
     if threads < 1:
         raise UserError(f"--threads must be >= 1, got {threads}")
+    device = artifact.manifest.get("device", config.serving.device)
+    if gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {gpus}")
+    if gpus > 1 and device != "cuda":
+        raise UserError(f"--gpus {gpus}: the artifact runs on {device}; only a CUDA package spreads over GPUs")
     if repo.exists() and any(repo.iterdir()):
         raise UserError(f"{repo} exists and is not empty: give a new directory")
     for directory in python_path:
         if not Path(directory).is_dir():
             raise UserError(f"--python-path {directory}: no such directory")
+    shards = instances * gpus
+    common = {"python_path": os.pathsep.join(str(p) for p in python_path)} if python_path else {}
     parameters = {} if copy_artifact else {"artifact": str(Path(artifact.root).resolve())}
     parameters["threads"] = str(threads)
-    if python_path:
-        parameters["python_path"] = os.pathsep.join(str(p) for p in python_path)
+    parameters.update(common)
     if remote is not None:
         parameters.update(remote.parameters())
+    dims = (config.model.context_width, config.model.num_tasks)
+    max_batch_size = config.serving.max_batch_size
     repo.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{repo.name}.", dir=repo.parent))
     try:
         model = staging / name
         (model / "1").mkdir(parents=True)
-        device = artifact.manifest.get("device", config.serving.device)
-        (model / "config.pbtxt").write_text(model_config(
-            name, config.serving.max_batch_size, config.model.context_width, config.model.num_tasks,
-            device, instances, parameters, batching))
-        shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
-        if copy_artifact:
-            shutil.copytree(artifact.root, model / "1" / "artifact")
+        if shards == 1:
+            (model / "config.pbtxt").write_text(model_config(name, max_batch_size, *dims, device, 1, parameters,
+                                                             batching, gpu=0))
+            shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
+            if copy_artifact:
+                shutil.copytree(artifact.root, model / "1" / "artifact")
+        else:
+            names = [f"{name}_shard{i}" for i in range(shards)]
+            # The router always batches (it only forwards): its batch may fill every shard's.
+            (model / "config.pbtxt").write_text(model_config(
+                name, (max_batch_size if batching else 1) * shards, *dims, "cpu", 1,
+                {"shards": ",".join(names), **common}, batching=True))
+            shutil.copyfile(ROUTER_FILE, model / "1" / "model.py")
+            if copy_artifact:
+                shutil.copytree(artifact.root, model / "artifact")
+                parameters["artifact"] = os.path.join("..", "..", name, "artifact")
+            parameters["routed"] = "true"
+            for i, shard in enumerate(names):
+                (staging / shard / "1").mkdir(parents=True)
+                (staging / shard / "config.pbtxt").write_text(model_config(
+                    shard, max_batch_size, *dims, device, 1, parameters, batching, gpu=i % gpus))
+                shutil.copyfile(MODEL_FILE, staging / shard / "1" / "model.py")
         if repo.exists():
             repo.rmdir()
         staging.rename(repo)

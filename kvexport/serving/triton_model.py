@@ -29,15 +29,18 @@ PUBLISH_INTERVAL_S = 0.05
 
 class TritonPythonModel:
     def initialize(self, args):
-        # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
-        # stub defines TritonError once the model is being initialised, not at import.
-        self.error_codes = {"invalid_request": pb_utils.TritonError.INVALID_ARG,
-                            "capacity_exceeded": pb_utils.TritonError.UNAVAILABLE}
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
             site.addsitedir(directory)  # its .pth files too (an editable install's)
         import torch
+
+        from kvexport.serving.triton_router import ROUTED_CODE_PREFIX, TRITON_CODES
+
+        # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
+        # stub defines TritonError once the model is being initialised, not at import.
+        self.error_codes = {code: getattr(pb_utils.TritonError, name) for code, name in TRITON_CODES.items()}
+        self.routed_code_prefix = ROUTED_CODE_PREFIX
 
         from kvexport.errors import RequestFailed
         from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
@@ -50,8 +53,11 @@ class TritonPythonModel:
         self.torch, self.request_failed, self.metric_samples = torch, RequestFailed, samples
 
         self.logger = pb_utils.Logger
+        self.instance_name = args.get("model_instance_name", "")
+        self.routed = parameters.get("routed") == "true"  # a shard behind kvexport's router
         self.input_names, self.output_name = INPUT_NAMES, LOGITS
-        artifact = parameters.get("artifact") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifact")
+        # Relative to this file's folder (a shard's names its router's copy); "artifact" beside it by default.
+        artifact = os.path.join(os.path.dirname(os.path.abspath(__file__)), parameters.get("artifact") or "artifact")
         remote = parameters.get("remote") or None
         if remote and parameters.get("remote_password_file"):
             remote = url_with_password(remote, read_password_file(parameters["remote_password_file"]))
@@ -86,7 +92,8 @@ class TritonPythonModel:
     def _publish_metrics(self):
         """Triton's metrics: a counter moves by what it grew since the last update, a gauge is set
         when it changed."""
-        for sample in self.metric_samples(self.package.name, self.package.stats(), self.scorer.counters()):
+        for sample in self.metric_samples(self.package.name, self.package.stats(), self.scorer.counters(),
+                                          self.instance_name):
             family = self.metric_families.get(sample.name)
             if family is None:
                 kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
@@ -118,7 +125,10 @@ class TritonPythonModel:
     def _response(self, result):
         if isinstance(result, self.request_failed):
             code = self.error_codes.get(result.code, pb_utils.TritonError.INTERNAL)
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result).splitlines()[0], code))
+            message = str(result).splitlines()[0]
+            if self.routed:  # a BLS response loses its error's code: the router reads it from the message
+                message = f"{self.routed_code_prefix}{result.code} {message}"
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
         if isinstance(result, BaseException):
             message = f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
