@@ -58,9 +58,10 @@ class Served:
     plain tritonserver on `kvexport triton-repo`'s repository (route "repository", `instances` model
     instances)."""
 
-    def __init__(self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1):
+    def __init__(self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1,
+                 routing: bool = True):
         self.grpc, self.metrics = free_port(), free_port()
-        self.instances = instances
+        self.shards = instances if routing else 1
         http = free_port()
         flag = "--batching" if batching else "--no-batching"
         if route == "serve":
@@ -76,7 +77,8 @@ class Served:
 
         repo, server = work / f"repo-{flag[2:]}-{instances}", work / f"server-{flag[2:]}-{instances}"
         subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(artifact), "-o", str(repo),
-                        "--this-python", flag, "--instances", str(instances)], check=True, capture_output=True)
+                        "--this-python", flag, "--instances", str(instances),
+                        "--routing" if routing else "--no-routing"], check=True, capture_output=True)
         command, env = tritonserver.prepare(server)
         self.process = subprocess.Popen(
             [*command, "--model-repository", str(repo), "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
@@ -178,7 +180,7 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     time.sleep(0.2)  # the model publishes its counters a moment after each batch
     batches, users = served.metric("kvexport_batches_total"), served.metric("kvexport_batch_users_total")
     # Triton's counters of the models that score: the shards behind a router, or the one model.
-    scoring = tuple(f"{model}_shard{i}" for i in range(served.instances)) if served.instances > 1 else (model,)
+    scoring = tuple(f"{model}_shard{i}" for i in range(served.shards)) if served.shards > 1 else (model,)
     triton = {name: served.metric(name, scoring) for name in TRITON_COUNTERS}
     server_cpu, client_cpu = served.cpu_seconds(), time.process_time()
     start = time.monotonic()

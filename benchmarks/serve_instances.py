@@ -1,7 +1,7 @@
 """Serving with K cache shards (`kvexport triton-repo --instances K`: K shard models, each one instance
 in its own process with its own cache runtime, behind the router that sends each user's requests to
-one shard): what a returning user finds in the cache. (Before the router, Triton handed each
-request to whichever of K instances was free: RESULTS.md keeps that run's row.)
+one shard): what a returning user finds in the cache; --no-routing: K instances of one model, Triton
+handing each request to whichever is free (as before the router).
 
 For K = 1, 2, 4 one plain tritonserver on the repository, driven by 16 clients (serve.py's workload:
 each client one request at a time, its own 4 users returning with 4 more events each visit, so a
@@ -56,16 +56,18 @@ def main() -> None:
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--instances", default="1,2,4", help="comma-separated instance counts")
     parser.add_argument("--seconds", type=float, default=20.0, help="driving time per instance count")
+    parser.add_argument("--no-routing", dest="routing", action="store_false",
+                        help="K instances of one model, no router (Triton hands a request to any instance)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     config = artifact.config
     results = {"model": config.name, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-               "clients": CLIENTS, "seconds": args.seconds, "load_before": [round(x, 2) for x in os.getloadavg()],
+               "clients": CLIENTS, "seconds": args.seconds, "routing": args.routing, "load_before": [round(x, 2) for x in os.getloadavg()],
                "rows": []}
     with tempfile.TemporaryDirectory(prefix="kvexport-serve-instances-") as work:
         for instances in (int(k) for k in args.instances.split(",")):
-            served = Served(args.artifact, "repository", True, Path(work), instances)
+            served = Served(args.artifact, "repository", True, Path(work), instances, args.routing)
             try:
                 before = cache_counters(served)
                 row = drive(served, config.name, config, CLIENTS, args.seconds)

@@ -346,6 +346,15 @@ def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_arti
         assert (shard / "1" / "../../hstu-tiny/artifact").resolve() == (repo / "hstu-tiny" / "artifact").resolve()
 
 
+def test_without_routing_k_instances_share_one_model(tiny_artifact, tmp_path):
+    repo = tmp_path / "repo"
+    write_repo(tiny_artifact, repo, "--instances", "3", "--no-routing")
+    assert [p.name for p in repo.iterdir()] == ["hstu-tiny"]
+    config = (repo / "hstu-tiny" / "config.pbtxt").read_text()
+    assert "instance_group [ { kind: KIND_CPU count: 3 } ]" in config and "routed" not in config
+    assert (repo / "hstu-tiny" / "1" / "model.py").read_text().startswith('"""kvexport\'s model for Triton')
+
+
 def test_gpus_are_refused_for_a_cpu_package_in_one_line(tiny_artifact, tmp_path):
     result = CliRunner().invoke(main, ["triton-repo", str(tiny_artifact), "-o", str(tmp_path / "repo"), "--gpus", "2"])
     assert result.exit_code == 2
@@ -365,13 +374,23 @@ def test_shard_of_spreads_users_evenly_and_never_moves_one():
     assert all(shard_of(u, 1) == 0 for u in range(100))
 
 
-def test_a_shards_refusal_keeps_its_code_through_the_router():
-    from kvexport.serving.triton_router import shard_error
+def test_a_pack_of_users_unpacks_to_the_same_users_in_the_same_order(tiny_config):
+    """The router packs a shard's users into the package's batch format; the shard unpacks them."""
+    from kvexport.model.batch import random_user
+    from kvexport.serving.triton_router import PACKED_INPUTS, pack, unpack
 
-    assert shard_error("kvexport-code=invalid_request item_ids has 7, outside") == ("INVALID_ARG", "item_ids has 7, outside")
-    assert shard_error("kvexport-code=capacity_exceeded 9 pages") == ("UNAVAILABLE", "9 pages")
-    assert shard_error("kvexport-code=internal oops") == ("INTERNAL", "oops")
-    assert shard_error("Triton: model unavailable") == ("INTERNAL", "Triton: model unavailable")
+    generator = torch.Generator().manual_seed(5)
+    users = [user_arrays(random_user(tiny_config.model, generator, uid, length, candidates))
+             for uid, length, candidates in ((7, 5, 2), (3, 0, 1), (7, 9, 4))]  # one user twice, one empty history
+    packed = pack(torch, [{name: torch.from_numpy(a).reshape(1, -1) for name, a in u.items()} for u in users])
+    assert tuple(packed) == PACKED_INPUTS and packed["history_lengths"].tolist() == [5, 0, 9]
+    unpacked = unpack(np, {name: t.numpy() for name, t in packed.items()})
+    assert len(unpacked) == 3
+    for got, want in zip(unpacked, users):
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name].reshape(-1), want[name].reshape(-1))
+            assert got[name].shape[0] == 1
 
 
 @needs_pytriton
@@ -379,8 +398,8 @@ def test_a_shards_refusal_keeps_its_code_through_the_router():
 def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager_recompute(
         tiny_artifact, tiny_config, tmp_path, eager):
     """16 clients, 24 returning users, 3 shards behind the router: every answer equals the eager
-    full recompute, each shard served exactly the requests of the users that hash to it (Triton's
-    own per-model counts), and a refusal is still the client's 400."""
+    full recompute, each shard scored exactly the requests of the users that hash to it (its
+    instance's kvexport counters), and a refusal is still the client's 400, alone."""
     from tritonclient.utils import InferenceServerException
 
     from kvexport.serving.triton_router import shard_of
@@ -393,10 +412,13 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
         assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
         want = np.bincount([shard_of(r.user_id, 3) for r in requests], minlength=3)
         assert (want > 0).all()
-        after = scrape_when(ports.metrics, lambda text: sum(
-            metric(text, "nv_inference_request_success", model=f"hstu-tiny_shard{i}") for i in range(3)) >= 160)
-        served = [metric(after, "nv_inference_request_success", model=f"hstu-tiny_shard{i}") for i in range(3)]
-        assert served == want.tolist()
+
+        def served(text: str) -> list[float]:  # the requests each shard's one instance scored
+            return [metric(text, "kvexport_requests_total", instance=f"hstu-tiny_shard{i}_0_0", result="ok")
+                    for i in range(3)]
+
+        after = scrape_when(ports.metrics, lambda text: "kvexport_requests_total" in text and sum(served(text)) >= 160)
+        assert served(after) == want.tolist()
         hostile = user_arrays(requests[0])
         hostile["item_ids"] = hostile["item_ids"].copy()
         hostile["item_ids"][-1] = tiny_config.model.item_vocab_size

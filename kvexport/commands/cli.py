@@ -490,6 +490,10 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
                    "every request to the shard its user id hashes to, so a user's requests meet their cache.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs a CUDA package's shards spread over (shard i on GPU i mod N).")
+@click.option("--routing/--no-routing", default=True, show_default=True,
+              help="Route each user to one shard (off: one model of K instances per GPU, Triton handing each "
+                   "request to whichever instance is free: no router hop, but a returning user finds their "
+                   "cache about 1/K of the time).")
 @click.option("--python-path", "python_path", multiple=True, type=click.Path(path_type=Path),
               help="A site directory for the Python backend's interpreter (repeatable): where torch and "
                    "kvexport are installed, when that is not the interpreter's own site-packages.")
@@ -500,8 +504,8 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
 @threads_option
 @remote_options
 @_handle_errors
-def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: int, python_path: tuple[Path, ...],
-                this_python: bool, batching: bool, threads: int, remote: str | None, remote_write: str,
+def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: int, routing: bool,
+                python_path: tuple[Path, ...], this_python: bool, batching: bool, threads: int, remote: str | None, remote_write: str,
                 remote_password_file: Path | None) -> None:
     """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
 
@@ -518,7 +522,8 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: i
         raise UserError("--remote-password-file needs --remote URL")
     paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
-    model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus)
+    model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus,
+                             routing=routing)
     click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
 
 

@@ -14,14 +14,15 @@ clients' model is a router (kvexport/serving/triton_router.py, one instance) in 
                                     shard their user id hashes to, so they meet their cache
     REPO/<name>/artifact/           the artifact, copied once (a model's non-numeric folder, which
                                     Triton does not read as a version)
-    REPO/<name>_shard<i>/           a model as above with one instance (on GPU i mod N for a CUDA
-                                    package), its `artifact` parameter the router's copy, relative
+    REPO/<name>_shard<i>/           one instance (on GPU i mod N for a CUDA package) of the model
+                                    above, taking the router's packs of users (shard_config), its
+                                    `artifact` parameter the router's copy, relative
 
 The model's parameters (Triton's `parameters`, strings; triton_model.py reads them):
     artifact                the artifact's path (relative: to model.py's folder), when it is not
                             copied beside model.py
     shards                  the router's: its shard models' names, in shard order
-    routed                  "true" in a shard: its refusals carry their code for the router
+    routed                  "true" in a shard: it takes the router's packs of users
     python_path             site directories for the Python backend's interpreter (os.pathsep)
     threads                 intra-op CPU threads of each instance (torch.set_num_threads)
     remote, remote_write    the shared remote KV tier's URL (never with a password: Triton serves the
@@ -47,6 +48,7 @@ from kvexport.artifact import Artifact, open_artifact
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
 from kvexport.serving.signature import serving_signature
+from kvexport.serving.triton_router import ERRORS, PACKED_INPUTS
 
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
 ROUTER_FILE = Path(__file__).with_name("triton_router.py")
@@ -93,14 +95,14 @@ def _tensor_config(spec: dict, is_input: bool) -> str:
 
 def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: int, device: str,
                  instances: int, parameters: dict[str, str] | None = None, batching: bool = True,
-                 gpu: int | None = None) -> str:
+                 gpus: Sequence[int] = (0,)) -> str:
     """config.pbtxt of one of the repository's models (Triton's text protobuf); without batching, one
-    user per model execution (max_batch_size 1, no dynamic batcher). device "cuda": the instances
-    on GPU `gpu` (every GPU when None)."""
+    user per model execution (max_batch_size 1, no dynamic batcher). device "cuda": `instances` on
+    each GPU of `gpus`."""
     signature = serving_signature(name, context_width, num_tasks)
     inputs = ",\n".join(_tensor_config(spec, True) for spec in signature["inputs"])
     kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
-    gpus = f" gpus: [ {gpu} ]" if kind == "KIND_GPU" and gpu is not None else ""
+    on_gpus = f" gpus: [ {', '.join(map(str, gpus))} ]" if kind == "KIND_GPU" else ""
     lines = [
         f'name: "{name}"',
         'backend: "python"',
@@ -108,22 +110,46 @@ def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: 
         f"input [\n{inputs}\n]",
         f"output [\n{_tensor_config(signature['output'], False)}\n]",
         *(["dynamic_batching { }"] if batching else []),
-        f"instance_group [ {{ kind: {kind} count: {instances}{gpus} }} ]",
+        f"instance_group [ {{ kind: {kind} count: {instances}{on_gpus} }} ]",
     ]
     lines += [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
               for key, value in (parameters or {}).items()]
     return "\n".join(lines) + "\n"
 
 
+def shard_config(name: str, context_width: int, num_tasks: int, device: str, parameters: dict[str, str],
+                 gpu: int) -> str:
+    """config.pbtxt of a shard behind the router: one instance, no batcher of its own (the router's
+    waves are its batches, in order), a pack of users in, their logits and refusals out
+    (kvexport.serving.triton_router)."""
+    inputs = ",\n".join(f'  {{ name: "{n}" data_type: TYPE_INT64 dims: [ {"-1, " + str(context_width) if n == "context_ids" else "-1"} ] }}'
+                        for n in PACKED_INPUTS)
+    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+    lines = [
+        f'name: "{name}"',
+        'backend: "python"',
+        "max_batch_size: 0",
+        f"input [\n{inputs}\n]",
+        f'output [\n  {{ name: "logits" data_type: TYPE_FP32 dims: [ -1, {num_tasks} ] }},\n'
+        f'  {{ name: "{ERRORS}" data_type: TYPE_UINT8 dims: [ -1 ] }}\n]',
+        f"instance_group [ {{ kind: {kind} count: 1{f' gpus: [ {gpu} ]' if kind == 'KIND_GPU' else ''} }} ]",
+    ]
+    lines += [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
+              for key, value in parameters.items()]
+    return "\n".join(lines) + "\n"
+
+
 def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, instances: int = 1,
                      python_path: Sequence[str] = (), batching: bool = True, remote: Remote | None = None,
-                     copy_artifact: bool = True, threads: int = DEFAULT_THREADS, gpus: int = 1) -> Path:
+                     copy_artifact: bool = True, threads: int = DEFAULT_THREADS, gpus: int = 1,
+                     routing: bool = True) -> Path:
     """Writes the repository for the artifact OUT (a path or an opened Artifact); returns the
     directory of the model clients call (the router's, with several shards). copy_artifact=False
     names OUT (resolved) in the `artifact` parameter instead of copying it, and leaves the check of
     its files to the model's load (which checks them anyway). threads: each instance's intra-op CPU
     threads. instances x gpus shards, each one instance with its own cache (gpus > 1: a CUDA
-    package's, shard i on GPU i mod gpus)."""
+    package's, shard i on GPU i mod gpus), behind the router; routing=False: one model of
+    `instances` instances on each GPU, Triton handing each request to whichever is free."""
     artifact = out if isinstance(out, Artifact) else open_artifact(out)
     if copy_artifact:
         from kvexport.trace.verify import check_integrity  # imports torch: not when the CLI starts
@@ -161,17 +187,17 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
     try:
         model = staging / name
         (model / "1").mkdir(parents=True)
-        if shards == 1:
-            (model / "config.pbtxt").write_text(model_config(name, max_batch_size, *dims, device, 1, parameters,
-                                                             batching, gpu=0))
+        if shards == 1 or not routing:
+            (model / "config.pbtxt").write_text(model_config(name, max_batch_size, *dims, device, instances,
+                                                             parameters, batching, range(gpus)))
             shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "1" / "artifact")
         else:
             names = [f"{name}_shard{i}" for i in range(shards)]
-            # The router always batches (it only forwards): its batch may fill every shard's.
+            # The router gathers a wave (one request without batching); a shard splits its pack in package calls.
             (model / "config.pbtxt").write_text(model_config(
-                name, (max_batch_size if batching else 1) * shards, *dims, "cpu", 1,
+                name, max_batch_size * shards if batching else 1, *dims, "cpu", 1,
                 {"shards": ",".join(names), **common}, batching=True))
             shutil.copyfile(ROUTER_FILE, model / "1" / "model.py")
             if copy_artifact:
@@ -180,8 +206,8 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
             parameters["routed"] = "true"
             for i, shard in enumerate(names):
                 (staging / shard / "1").mkdir(parents=True)
-                (staging / shard / "config.pbtxt").write_text(model_config(
-                    shard, max_batch_size, *dims, device, 1, parameters, batching, gpu=i % gpus))
+                (staging / shard / "config.pbtxt").write_text(shard_config(shard, *dims, device, parameters,
+                                                                           gpu=i % gpus))
                 shutil.copyfile(MODEL_FILE, staging / shard / "1" / "model.py")
         if repo.exists():
             repo.rmdir()

@@ -10,7 +10,9 @@ adds site directories (a virtual environment's) to the stub's interpreter first.
 Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and answers
 every request alone: its logits, or its own error — a refused request its one-line message with
 INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure
-INTERNAL, logged once with its traceback. A moment after each batch (at most every 50 ms), a thread
+INTERNAL, logged once with its traceback. A shard behind kvexport's router (the `routed`
+parameter) takes packs instead, several users in the package's batch format, and answers each pack
+with their logits and refusals (kvexport.serving.triton_router). A moment after each batch (at most every 50 ms), a thread
 publishes kvexport's counters (the cache's, the batches', the requests') through the Python
 backend's custom metrics API, on Triton's own metrics port (kvexport.serving.metrics names them).
 """
@@ -33,28 +35,27 @@ class TritonPythonModel:
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
             site.addsitedir(directory)  # its .pth files too (an editable install's)
+        import numpy
         import torch
-
-        from kvexport.serving.triton_router import ROUTED_CODE_PREFIX, TRITON_CODES
-
-        # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
-        # stub defines TritonError once the model is being initialised, not at import.
-        self.error_codes = {code: getattr(pb_utils.TritonError, name) for code, name in TRITON_CODES.items()}
-        self.routed_code_prefix = ROUTED_CODE_PREFIX
 
         from kvexport.errors import RequestFailed
         from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
+        from kvexport.serving import triton_router
         from kvexport.serving.batcher import BatchScorer
         from kvexport.serving.metrics import samples
         from kvexport.serving.signature import INPUT_NAMES, LOGITS
         from kvexport.serving.warmup import load_warm
 
         # Imported once here (the backend's interpreter finds them only after python_path), used per batch.
-        self.torch, self.request_failed, self.metric_samples = torch, RequestFailed, samples
+        self.torch, self.numpy, self.router = torch, numpy, triton_router
+        self.request_failed, self.metric_samples = RequestFailed, samples
+        # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
+        # stub defines TritonError once the model is being initialised, not at import.
+        self.error_codes = {code: getattr(pb_utils.TritonError, name) for code, name in triton_router.TRITON_CODES.items()}
 
         self.logger = pb_utils.Logger
         self.instance_name = args.get("model_instance_name", "")
-        self.routed = parameters.get("routed") == "true"  # a shard behind kvexport's router
+        self.routed = parameters.get("routed") == "true"  # a shard behind kvexport's router: packs in and out
         self.input_names, self.output_name = INPUT_NAMES, LOGITS
         # Relative to this file's folder (a shard's names its router's copy); "artifact" beside it by default.
         artifact = os.path.join(os.path.dirname(os.path.abspath(__file__)), parameters.get("artifact") or "artifact")
@@ -65,6 +66,7 @@ class TritonPythonModel:
         device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else None
         self.package = load_warm(artifact, remote, parameters.get("remote_write") or DEFAULT_WRITE_POLICY, device)
         self.scorer = BatchScorer(self.package)
+        self.num_tasks = self.package.num_tasks
         self.metric_families, self.published = {}, {}
         self._publish_metrics()
         self.scored, self.finalizing = threading.Event(), threading.Event()
@@ -72,15 +74,47 @@ class TritonPythonModel:
         self.publisher.start()
 
     def execute(self, requests):
+        if self.routed:
+            return [self._execute_pack(request) for request in requests]
         inputs = [{name: self._array(request, name) for name in self.input_names} for request in requests]
-        try:
-            results = self.scorer.score(inputs)
-        except Exception:  # an unexpected failure: found below, request by request (logged there)
-            results = None
-        if results is None:
-            results = [self._score_alone(one) for one in inputs]
+        results = self._score(inputs)
         self.scored.set()
         return [self._response(result) for result in results]
+
+    def _score(self, inputs):
+        """Each user's logits or exception (kvexport.serving.batcher), in the order given."""
+        try:
+            return self.scorer.score(inputs)
+        except Exception:  # an unexpected failure: found below, request by request (logged there)
+            pass
+        return [self._score_alone(one) for one in inputs]
+
+    def _execute_pack(self, request):
+        """A shard's answer to its router's pack (kvexport.serving.triton_router): the users'
+        logits concatenated, a refused user's rows zero, and the refusals with their codes."""
+        np, torch = self.numpy, self.torch
+        packed = {name: self._array(request, name) for name in self.router.PACKED_INPUTS}
+        inputs = self.router.unpack(np, packed)
+        results = self._score(inputs)
+        self.scored.set()
+        rows, errors = [], []
+        for index, (one, result) in enumerate(zip(inputs, results)):
+            if isinstance(result, BaseException):
+                code = result.code if isinstance(result, self.request_failed) else "internal"
+                errors.append({"index": index, "code": code, "message": self._message(result)})
+                rows.append(torch.zeros(one["candidate_ids"].size, self.num_tasks))
+            else:
+                rows.append(result.detach().float().cpu())
+        logits = torch.cat(rows).contiguous()
+        encoded = torch.frombuffer(bytearray(json.dumps(errors).encode()), dtype=torch.uint8)
+        return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(self.output_name, logits),
+                                           pb_utils.Tensor.from_dlpack(self.router.ERRORS, encoded)])
+
+    def _message(self, result):
+        """A failure's one-line message for the client."""
+        if isinstance(result, self.request_failed):
+            return str(result).splitlines()[0]
+        return f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
 
     def _publish_while_serving(self):
         while not self.finalizing.is_set():
@@ -125,13 +159,10 @@ class TritonPythonModel:
     def _response(self, result):
         if isinstance(result, self.request_failed):
             code = self.error_codes.get(result.code, pb_utils.TritonError.INTERNAL)
-            message = str(result).splitlines()[0]
-            if self.routed:  # a BLS response loses its error's code: the router reads it from the message
-                message = f"{self.routed_code_prefix}{result.code} {message}"
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(self._message(result), code))
         if isinstance(result, BaseException):
-            message = f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(self._message(result),
+                                                                         pb_utils.TritonError.INTERNAL))
         logits = result.detach().float().cpu().contiguous()[None]  # [1, T, num_tasks]: Triton's batch dimension
         return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(self.output_name, logits)])
 

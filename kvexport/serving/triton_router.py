@@ -4,15 +4,22 @@ instance each, kvexport/serving/triton_model.py, each with its own cache), and c
 <name>. Every request goes to the shard its user id hashes to (shard_of), so a user's requests reach
 the one cache that holds their history, wherever Triton's scheduler would have sent them.
 
-Order: this model has one instance, and each of its executions sends its requests, in arrival
-order, before it waits for any answer; a shard's dynamic batcher queues them first in, first out,
-and scores two requests of one user one after the other (kvexport.serving.batcher). Batching: the
-router's dynamic batcher gathers the requests that arrive while the shards work, and each shard's
-batcher merges what it receives. A shard's answer, or its error with its code (a refusal stays HTTP
-400, a capacity refusal 503), is the client's.
+A wave: each execution of this model takes the requests Triton's dynamic batcher gathered (in
+arrival order), packs each shard's users into one request of the package's batch format
+(PACKED_INPUTS: their histories and candidates concatenated, with their lengths), sends the shards
+their packs at once (Triton's BLS API, async_exec) and answers each client from its shard's pack:
+its logits, or its own refusal with its code (a BLS response loses an error's code, so the pack
+carries each refused user's code and message in an `errors` output, JSON bytes). One BLS call per
+shard and wave, not per user: the hop costs the pack, not each request.
 
-The router runs no torch and loads no package: it applies the `python_path` parameter (a
-virtual environment's site directory) first, then imports numpy and the backend's utilities.
+Order: this model has one instance, so waves run one after the other; a shard has one instance and
+no batcher, so it scores its packs in the order they came; within a pack, two requests of one user
+are scored one after the other (kvexport.serving.batcher). A user's requests run in arrival order.
+
+The router loads no package: it applies the `python_path` parameter (a virtual environment's site
+directory) first, then imports torch and the backend's utilities. Tensors cross through DLPack and
+torch, as in the shards (the stub's own numpy conversion assumes the numpy ABI it was built with,
+and its DLPack import of a numpy array logs a traceback per tensor).
 """
 
 import asyncio
@@ -21,9 +28,13 @@ import os
 import site
 
 _MASK = (1 << 64) - 1
-# What triton_model.py puts before a shard's refusal when it serves behind this router, and the Triton
-# error code of each kvexport refusal code (kvexport.errors.RequestFailed.code).
-ROUTED_CODE_PREFIX = "kvexport-code="
+# A shard's request: the package's batch format (README, Request format), int64; its answer: the
+# users' logits concatenated (a refused user's rows zero) and `errors`, a JSON list of
+# {"index", "code", "message"} of the refused users, as UTF-8 bytes.
+PACKED_INPUTS = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
+                 "candidate_ids")
+ERRORS = "errors"
+# kvexport's refusal codes (kvexport.errors.RequestFailed.code) as Triton's error codes.
 TRITON_CODES = {"invalid_request": "INVALID_ARG", "capacity_exceeded": "UNAVAILABLE"}
 
 
@@ -36,50 +47,83 @@ def shard_of(user_id: int, shards: int) -> int:
     return (z ^ (z >> 31)) % shards
 
 
+def pack(torch, users: list[dict]) -> dict:
+    """Users' tensors (the serving signature's, each with Triton's batch dimension of 1) as one
+    request of the package's batch format."""
+    def joined(name):
+        return torch.cat([u[name].reshape(-1) for u in users])
+
+    def lengths(name):
+        return torch.tensor([u[name].numel() for u in users], dtype=torch.int64)
+
+    return {"user_ids": joined("user_id"), "history_lengths": lengths("item_ids"), "item_ids": joined("item_ids"),
+            "action_ids": joined("action_ids"), "context_ids": torch.cat([u["context_ids"] for u in users]),
+            "num_candidates": lengths("candidate_ids"), "candidate_ids": joined("candidate_ids")}
+
+
+def unpack(numpy, packed: dict) -> list[dict]:
+    """The inverse of pack, on the shard's numpy arrays: each user's, with Triton's batch dimension of 1."""
+    events = numpy.cumsum(packed["history_lengths"])[:-1]
+    candidates = numpy.cumsum(packed["num_candidates"])[:-1]
+    items, actions = numpy.split(packed["item_ids"], events), numpy.split(packed["action_ids"], events)
+    return [{"user_id": packed["user_ids"][i:i + 1].reshape(1, 1), "item_ids": item[None], "action_ids": action[None],
+             "context_ids": packed["context_ids"][i:i + 1], "candidate_ids": candidate[None]}
+            for i, (item, action, candidate) in enumerate(zip(items, actions,
+                                                              numpy.split(packed["candidate_ids"], candidates)))]
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
             site.addsitedir(directory)
-        import numpy
+        import torch
         import triton_python_backend_utils as pb_utils
 
-        self.pb, self.numpy = pb_utils, numpy
+        self.pb, self.torch = pb_utils, torch
         self.shards = parameters["shards"].split(",")
         self.input_names = [spec["name"] for spec in config["input"]]
         self.output_name = config["output"][0]["name"]
 
     async def execute(self, requests):
-        calls = [self._forward(request) for request in requests]
-        return list(await asyncio.gather(*calls))
+        pb, torch = self.pb, self.torch
+        members: dict[int, list[int]] = {}  # shard -> its requests' indices, in arrival order
+        users = []
+        for index, request in enumerate(requests):
+            tensors = {name: torch.from_dlpack(pb.get_input_tensor_by_name(request, name).to_dlpack())
+                       for name in self.input_names}
+            users.append(tensors)
+            members.setdefault(shard_of(int(tensors["user_id"].reshape(-1)[0]), len(self.shards)), []).append(index)
+        calls = []
+        for shard, indices in members.items():
+            packed = pack(torch, [users[i] for i in indices])
+            inputs = [pb.Tensor.from_dlpack(name, packed[name].contiguous()) for name in PACKED_INPUTS]
+            calls.append(pb.InferenceRequest(model_name=self.shards[shard], inputs=inputs,
+                                             requested_output_names=[self.output_name, ERRORS]).async_exec())
+        answers = await asyncio.gather(*calls)
+        responses = [None] * len(requests)
+        for indices, answer in zip(members.values(), answers):
+            for index, response in zip(indices, self._split(answer, [users[i] for i in indices])):
+                responses[index] = response
+        return responses
 
-    def _forward(self, request):
-        """The request sent on to its user's shard now; an awaitable of the client's response."""
-        pb = self.pb
-        inputs = [pb.get_input_tensor_by_name(request, name) for name in self.input_names]
-        # Read through DLPack by this interpreter's numpy: the stub's own conversion (as_numpy)
-        # assumes the numpy ABI it was built with (docs/hosting.md, Serving).
-        user_id = int(self.numpy.from_dlpack(inputs[self.input_names.index("user_id")]).flatten()[0])
-        shard = self.shards[shard_of(user_id, len(self.shards))]
-        answer = pb.InferenceRequest(model_name=shard, inputs=inputs,
-                                     requested_output_names=[self.output_name]).async_exec()
-        return self._response(answer)
-
-    async def _response(self, pending):
-        pb = self.pb
-        answer = await pending
-        if answer.has_error():
-            code, message = shard_error(answer.error().message())
-            return pb.InferenceResponse(error=pb.TritonError(message, getattr(pb.TritonError, code)))
-        return pb.InferenceResponse(output_tensors=[pb.get_output_tensor_by_name(answer, self.output_name)])
-
-
-def shard_error(message: str) -> tuple[str, str]:
-    """(Triton error code's name, the client's message) of a shard's error. A BLS response carries
-    its error's message but not its code (it arrives INTERNAL), so a shard's refusal begins with
-    ROUTED_CODE_PREFIX and kvexport's code; an error without it (Triton's own) stays INTERNAL."""
-    if message.startswith(ROUTED_CODE_PREFIX):
-        code, _, rest = message[len(ROUTED_CODE_PREFIX):].partition(" ")
-        return TRITON_CODES.get(code, "INTERNAL"), rest
-    return "INTERNAL", message
+    def _split(self, answer, users):
+        """Each user's response from its shard's answer to their pack."""
+        pb, torch = self.pb, self.torch
+        if answer.has_error():  # the whole pack failed (Triton's error, e.g. the shard is not loaded)
+            return [pb.InferenceResponse(error=pb.TritonError(answer.error().message())) for _ in users]
+        logits = torch.from_dlpack(pb.get_output_tensor_by_name(answer, self.output_name).to_dlpack())
+        errors = torch.from_dlpack(pb.get_output_tensor_by_name(answer, ERRORS).to_dlpack())
+        refused = {e["index"]: e for e in json.loads(bytes(errors.numpy().tobytes()) or b"[]")}
+        rows = logits.split([u["candidate_ids"].numel() for u in users])
+        out = []
+        for index, user_logits in enumerate(rows):
+            error = refused.get(index)
+            if error is not None:
+                code = getattr(pb.TritonError, TRITON_CODES.get(error["code"], "INTERNAL"))
+                out.append(pb.InferenceResponse(error=pb.TritonError(error["message"], code)))
+            else:
+                out.append(pb.InferenceResponse(
+                    output_tensors=[pb.Tensor.from_dlpack(self.output_name, user_logits[None].contiguous())]))
+        return out
