@@ -921,3 +921,32 @@ def test_a_stop_waits_until_the_processes_it_killed_have_ended():
         running.kill()
         killed.wait()
         running.wait()
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_dead_stub_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_path):
+    """Triton neither restarts a killed Python-backend stub nor stops reporting ready: the command
+    notices, says so in one line, exits 2 and leaves no process, port or workspace behind."""
+    from kvexport.serving.tritonserver import STUB
+
+    served = Served(tiny_artifact, free_ports(), tmp_path)
+    try:
+        served.wait_ready()
+        programs = {pid: Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]))
+                    for pid in served.session_processes()}
+        stubs = [pid for pid, program in programs.items() if program.name == STUB]
+        assert len(stubs) == 1
+        workspace = programs[stubs[0]].parents[2]  # WORKSPACE/backends/python/STUB
+        os.kill(int(stubs[0]), signal.SIGKILL)
+        code = served.process.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        if served.process.poll() is None:
+            served.terminate()
+    assert code == 2, served.output()
+    assert served.stderr.read_text().splitlines()[-1] == (
+        f"error: the Python-backend stub running hstu-tiny (pid {stubs[0]}) died; Triton would keep reporting "
+        "ready while failing every request")
+    assert served.session_processes() == [], "tritonserver outlived the command"
+    assert ports_free(served.ports)
+    assert workspace.name.startswith("kvexport-serve-") and not workspace.exists()

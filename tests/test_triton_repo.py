@@ -431,3 +431,30 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
     assert refused.value.status() == "400"
     assert refused.value.message() == (f"item_ids has {tiny_config.model.item_vocab_size}, outside the item "
                                        f"vocabulary [0, {tiny_config.model.item_vocab_size - 1}]")
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_refusal_names_the_tensors_the_client_sent(served_repo, tiny_config):
+    """Too long a history, too many candidates: the 400 names item_ids and candidate_ids (what a
+    Triton client sends), not the batch format's history_lengths and num_candidates."""
+    from tritonclient.utils import InferenceServerException
+
+    from kvexport.model.batch import random_user
+
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(9)
+    long_history = user_arrays(random_user(m, generator, 71, m.max_history_length + 1, 2))
+    many_candidates = user_arrays(random_user(m, generator, 72, 4, m.max_num_candidates + 1))
+    client = Client("http", served_repo, "hstu-tiny")
+    messages = []
+    try:
+        for request in (long_history, many_candidates):
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer(request)
+            assert refused.value.status() == "400"
+            messages.append(refused.value.message())
+    finally:
+        client.close()
+    assert messages == [f"item_ids has {m.max_history_length + 1} events, outside [0, {m.max_history_length}]",
+                        f"candidate_ids has {m.max_num_candidates + 1} candidates, outside [1, {m.max_num_candidates}]"]

@@ -8,6 +8,8 @@ candidate dimensions may differ between requests), which kvexport.serving.batche
 
 from __future__ import annotations
 
+import re
+
 # (name, Triton datatype, shape): "h" events, "T" candidates; the context width and the number of
 # tasks are the package's.
 USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS = (
@@ -33,3 +35,18 @@ def from_package_signature(name: str, signature: dict) -> dict | None:
         return serving_signature(name, int(shapes["context_ids"][1]), int(signature["output"]["shape"][1]))
     except (KeyError, IndexError, TypeError, ValueError):
         return None
+
+
+# The package's refusals name its batch format's lengths (README, Request format); a Triton client
+# sends each user's tensors instead, whose lengths those are.
+_BATCH_LENGTHS = (
+    (re.compile(r"history_lengths has (-?\d+), outside events (\[-?\d+, -?\d+\])"), ITEM_IDS, "events"),
+    (re.compile(r"num_candidates has (-?\d+), outside candidates (\[-?\d+, -?\d+\])"), CANDIDATE_IDS, "candidates"),
+)
+
+
+def client_message(message: str) -> str:
+    """A refusal's message in the names of the tensors a Triton client sent."""
+    for pattern, tensor, what in _BATCH_LENGTHS:
+        message = pattern.sub(lambda m: f"{tensor} has {m.group(1)} {what}, outside {m.group(2)}", message)
+    return message

@@ -15,6 +15,10 @@ kvexport's counters are published on Triton's own metrics port. Triton's endpoin
 reveal the server (model repository, statistics, trace, logging, shared memory) answer only requests
 that carry the access token generated at each start; the server uses them itself.
 
+While it serves, the model's Python-backend stub is watched: Triton neither restarts a stub that
+died nor stops reporting ready, so a dead stub ends the command (non-zero, one line), as a dead
+tritonserver does.
+
 Stop (Server.stop, on SIGTERM or SIGINT in the CLI): the model is unloaded through Triton's
 repository API, so Triton refuses new requests and answers those it has accepted; then tritonserver
 is stopped, whatever it left running from the workspace (Python-backend stubs ignore SIGTERM) is
@@ -48,6 +52,7 @@ from typing import Callable
 
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
+from kvexport.serving import tritonserver
 
 log = logging.getLogger(__name__)
 server_log = logging.getLogger("kvexport.serving.tritonserver")
@@ -110,6 +115,34 @@ def end_leftovers(workspace: Path, shm_prefix: str) -> None:
             region.unlink()
 
 
+def _stubs_of(workspace: Path) -> dict[int, str]:
+    """The Python-backend stubs started from this workspace: pid -> its start time (field 22 of
+    /proc/PID/stat), which tells a pid reused by another process from the stub."""
+    stubs = {}
+    for process in Path("/proc").glob("[0-9]*"):
+        try:
+            argv0 = (process / "cmdline").read_bytes().split(b"\0")[0]
+            if argv0 == os.fsencode(workspace / "backends" / "python" / tritonserver.STUB):
+                stubs[int(process.name)] = _start_time(process)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return stubs
+
+
+def _start_time(process: Path) -> str:
+    return (process / "stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def _running(pid: int, started: str) -> bool:
+    """Whether that process (pid and start time) still runs: not gone, not a zombie."""
+    process = Path(f"/proc/{pid}")
+    try:
+        fields = (process / "stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] != "Z" and fields[19] == started
+    except (OSError, IndexError):
+        return False
+
+
 def _wait_until_ended(processes: list[Path], timeout_s: float) -> None:
     """Waits (at most timeout_s) until each /proc entry is gone or a zombie: a process killed with
     SIGKILL ends a moment later, not when kill() returns."""
@@ -165,12 +198,11 @@ class Server:
         self._tail: collections.deque[str] = collections.deque(maxlen=SERVER_LOG_TAIL)
         self._serving = False
         self._stopping = threading.Lock()
+        self._stubs: dict[int, str] = {}  # the model's stub processes once it serves: pid -> start time
 
     # -- start -----------------------------------------------------------------------------------
 
     def start(self) -> "Server":
-        from kvexport.serving import tritonserver
-
         tritonserver.distribution()  # the serve extra, before anything else
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                              ("--metrics-port", self.metrics_port)):
@@ -186,6 +218,7 @@ class Server:
             self.stop()
             raise
         self._tail.clear()  # from now on: what tritonserver says while serving
+        self._stubs = _stubs_of(self.workspace)
         self._serving = True
         return self
 
@@ -262,6 +295,11 @@ class Server:
         """False once tritonserver has exited."""
         return self._process is not None and self._process.poll() is None
 
+    def dead_stub(self) -> int | None:
+        """The pid of a stub of the model that has died while serving, else None. Triton does not
+        restart it: its /v2/health/ready stays true while every request fails."""
+        return next((pid for pid, started in self._stubs.items() if not _running(pid, started)), None)
+
     def server_log_tail(self) -> list[str]:
         return list(self._tail)
 
@@ -307,7 +345,7 @@ class Server:
         """Drains and stops: requests in flight are answered, then everything started is released
         (tritonserver and its stub, the workspace, the ports). Idempotent."""
         with self._stopping:
-            if self._serving and self.alive():
+            if self._serving and self.alive() and self.dead_stub() is None:  # a dead stub cannot drain
                 try:
                     self._drain()
                 except (OSError, ValueError) as exc:  # stopping goes on: tritonserver waits for what is in flight
@@ -343,6 +381,10 @@ def serve(out: Path, ready: Callable[[Server], None], **options) -> None:
                     reason = failure_reason(server.server_log_tail())
                     raise UserError(f"tritonserver exited while serving {server.model_name}"
                                     + (f": {reason[:500]}" if reason else ""))
+                stub = server.dead_stub()
+                if stub is not None:
+                    raise UserError(f"the Python-backend stub running {server.model_name} (pid {stub}) died; "
+                                    "Triton would keep reporting ready while failing every request")
             log.debug("stopping: draining requests in flight")
     finally:
         for signum, handler in previous.items():

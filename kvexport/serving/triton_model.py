@@ -43,12 +43,12 @@ class TritonPythonModel:
         from kvexport.serving import triton_router
         from kvexport.serving.batcher import BatchScorer
         from kvexport.serving.metrics import samples
-        from kvexport.serving.signature import INPUT_NAMES, LOGITS
+        from kvexport.serving.signature import INPUT_NAMES, LOGITS, client_message
         from kvexport.serving.warmup import load_warm
 
         # Imported once here (the backend's interpreter finds them only after python_path), used per batch.
         self.torch, self.numpy, self.router = torch, numpy, triton_router
-        self.request_failed, self.metric_samples = RequestFailed, samples
+        self.request_failed, self.metric_samples, self.client_message = RequestFailed, samples, client_message
         # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
         # stub defines TritonError once the model is being initialised, not at import.
         self.error_codes = {code: getattr(pb_utils.TritonError, name) for code, name in triton_router.TRITON_CODES.items()}
@@ -113,7 +113,7 @@ class TritonPythonModel:
     def _message(self, result):
         """A failure's one-line message for the client."""
         if isinstance(result, self.request_failed):
-            return str(result).splitlines()[0]
+            return self.client_message(str(result).splitlines()[0])
         return f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
 
     def _publish_while_serving(self):

@@ -26,6 +26,9 @@ from pathlib import Path
 from kvexport.errors import UserError
 
 
+STUB = "triton_python_backend_stub"  # the Python backend's process that runs a model instance
+
+
 def distribution() -> Path:
     """The installed tritonserver distribution (nvidia-pytriton's package data; its Python API is not
     used); UserError when the serve extra is not installed."""
@@ -48,7 +51,7 @@ def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
     """(command prefix, environment) of tritonserver with its backends laid out under workdir."""
     dist = distribution()
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    stub = dist / "python_backend_stubs" / version / STUB
     if not stub.is_file():
         raise UserError(f"the installed tritonserver has no Python-backend stub for Python {version} ({stub})")
     backend = workdir / "backends" / "python"
@@ -57,7 +60,7 @@ def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
         target = backend / name
         if not target.exists():
             target.symlink_to(dist / "backends" / "python" / name)
-    shutil.copy2(stub, backend / "triton_python_backend_stub")
+    shutil.copy2(stub, backend / STUB)
     env = dict(os.environ)
     libs = dist.parent.parent / "nvidia_pytriton.libs"
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH", "")]))
