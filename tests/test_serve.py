@@ -36,6 +36,7 @@ from kvexport.errors import RequestError
 from kvexport.model import Batch, build_model
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.batcher import BatchScorer, take_batch
+from kvexport.serving.tritonserver import STUB
 
 ATOL = 1e-5  # server vs eager full recompute in float32 (measured ~1e-8)
 README_EXAMPLE = re.compile(r"<!-- example: tests/test_serve\.py[^>]*-->\n```python\n(.*?)```", re.S)
@@ -219,8 +220,7 @@ class Served:
     def stub(self) -> int:
         """The pid of the model's Python-backend stub (the server has one model instance)."""
         stubs = [int(pid) for pid in self.session_processes()
-                 if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name
-                 == "triton_python_backend_stub"]
+                 if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name == STUB]
         assert len(stubs) == 1, f"stubs {stubs}"
         return stubs[0]
 
@@ -530,7 +530,7 @@ def test_trace_through_the_server_matches_its_expected_outputs(server, tiny_arti
 @needs_pytriton
 @pytest.mark.slow
 def test_a_client_cannot_unload_the_model_or_read_the_servers_statistics(server):
-    """Triton's model repository and statistics endpoints need the start's access token."""
+    """Triton's model repository and statistics endpoints answer no client."""
     unload = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/repository/models/hstu-tiny/unload",
                                     data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -538,6 +538,30 @@ def test_a_client_cannot_unload_the_model_or_read_the_servers_statistics(server)
     assert refused.value.code == 403
     assert http_get(server.ports.http, "/v2/models/hstu-tiny/stats")[0] == 403
     assert http_get(server.ports.http, "/v2/health/ready")[0] == 200
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_nothing_on_a_command_line_opens_the_restricted_endpoints(server):
+    """Any local user reads the command lines of the server's processes (tritonserver, the stub):
+    every key=value found there, sent as a header, still gets 403 and cannot unload the model."""
+    pairs = set()
+    for pid in server.session_processes():
+        for argument in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+            for part in re.split(r"[:,]", os.fsdecode(argument)):
+                key, sep, value = part.partition("=")
+                if sep and re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", key):  # an HTTP header's name
+                    pairs.add((key, value.strip()))
+    assert ("kvexport-closed", "") in pairs  # the restricted endpoints' flags, read as a client would
+    base = f"http://127.0.0.1:{server.ports.http}"
+    for key, value in sorted(pairs):
+        for request in (urllib.request.Request(f"{base}/v2/repository/models/hstu-tiny/unload", data=b"{}",
+                                               method="POST", headers={key: value}),
+                        urllib.request.Request(f"{base}/v2/models/hstu-tiny/stats", headers={key: value})):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 403, (key, value, request.full_url)
+    assert http_get(server.ports.http, "/v2/models/hstu-tiny/ready")[0] == 200
 
 
 @needs_pytriton
@@ -838,7 +862,8 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
 
     Deterministic: the model's Python-backend stub is stopped (SIGSTOP) while the requests are sent,
     so none can be answered; SIGTERM is sent once Triton reports them pending, and the stub continues
-    once the drain has begun (Triton no longer ready)."""
+    once kvexport has asked the model to drain (its drain file exists): the model unloads itself with
+    every request still pending."""
     m = tiny_config.model
     generator = torch.Generator().manual_seed(9)
     requests = [random_user(m, generator, 9000 + i % 6, m.max_history_length - i, 4) for i in range(24)]
@@ -872,8 +897,8 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
                 assert pending >= queued, f"Triton holds {pending} requests, not {queued}"
                 assert answers.empty()
                 served.process.send_signal(signal.SIGTERM)
-                while http_get(ports.http, "/v2/health/ready")[0] == 200 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                while not (workspace / "drain").exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 assert answers.empty()
             finally:
                 os.kill(stub, signal.SIGCONT)
@@ -928,24 +953,19 @@ def test_a_stop_waits_until_the_processes_it_killed_have_ended():
 def test_a_dead_stub_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_path):
     """Triton neither restarts a killed Python-backend stub nor stops reporting ready: the command
     notices, says so in one line, exits 2 and leaves no process, port or workspace behind."""
-    from kvexport.serving.tritonserver import STUB
-
     served = Served(tiny_artifact, free_ports(), tmp_path)
     try:
         served.wait_ready()
-        programs = {pid: Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]))
-                    for pid in served.session_processes()}
-        stubs = [pid for pid, program in programs.items() if program.name == STUB]
-        assert len(stubs) == 1
-        workspace = programs[stubs[0]].parents[2]  # WORKSPACE/backends/python/STUB
-        os.kill(int(stubs[0]), signal.SIGKILL)
+        stub = served.stub()
+        workspace = Path(os.fsdecode(Path(f"/proc/{stub}/cmdline").read_bytes().split(b"\0")[0])).parents[2]
+        os.kill(stub, signal.SIGKILL)  # its program: WORKSPACE/backends/python/triton_python_backend_stub
         code = served.process.wait(timeout=STOP_TIMEOUT_S)
     finally:
         if served.process.poll() is None:
             served.terminate()
     assert code == 2, served.output()
     assert served.stderr.read_text().splitlines()[-1] == (
-        f"error: the Python-backend stub running hstu-tiny (pid {stubs[0]}) died; Triton would keep reporting "
+        f"error: the Python-backend stub running hstu-tiny (pid {stub}) died; Triton would keep reporting "
         "ready while failing every request")
     assert served.session_processes() == [], "tritonserver outlived the command"
     assert ports_free(served.ports)

@@ -23,6 +23,8 @@ The model's parameters (Triton's `parameters`, strings; triton_model.py reads th
                             copied beside model.py
     shards                  the router's: its shard models' names, in shard order
     routed                  "true" in a shard: it takes the router's packs of users
+    drain_file              a file whose appearance asks the model to unload itself (`kvexport serve`'s
+                            stop; needs Triton's explicit model control)
     python_path             site directories for the Python backend's interpreter (os.pathsep)
     threads                 intra-op CPU threads of each instance (torch.set_num_threads)
     remote, remote_write    the shared remote KV tier's URL (never with a password: Triton serves the
@@ -142,7 +144,7 @@ def shard_config(name: str, context_width: int, num_tasks: int, device: str, par
 def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, instances: int = 1,
                      python_path: Sequence[str] = (), batching: bool = True, remote: Remote | None = None,
                      copy_artifact: bool = True, threads: int = DEFAULT_THREADS, gpus: int = 1,
-                     routing: bool = True) -> Path:
+                     routing: bool = True, drain_file: Path | None = None) -> Path:
     """Writes the repository for the artifact OUT (a path or an opened Artifact); returns the
     directory of the model clients call (the router's, with several shards). copy_artifact=False
     names OUT (resolved) in the `artifact` parameter instead of copying it, and leaves the check of
@@ -178,6 +180,8 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
     parameters = {} if copy_artifact else {"artifact": str(Path(artifact.root).resolve())}
     parameters["threads"] = str(threads)
     parameters.update(common)
+    if drain_file is not None:
+        parameters["drain_file"] = str(drain_file)
     if remote is not None:
         parameters.update(remote.parameters())
     dims = (config.model.context_width, config.model.num_tasks)

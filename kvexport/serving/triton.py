@@ -12,15 +12,20 @@ score.
 The model has one instance, so batches never overlap and a user's requests run in the order they
 arrived; Triton's dynamic batcher with ragged inputs merges waiting users into one jagged batch.
 kvexport's counters are published on Triton's own metrics port. Triton's endpoints that change or
-reveal the server (model repository, statistics, trace, logging, shared memory) answer only requests
-that carry the access token generated at each start; the server uses them itself.
+reveal the server (model repository, statistics, trace, logging, shared memory) answer no client:
+they are restricted to a header value no HTTP or gRPC request can carry (it holds a line break), so
+nothing on tritonserver's command line, which any local user can read, opens them. The server
+needs none of them: the model unloads itself when asked to drain.
 
 While it serves, the model's Python-backend stub is watched: Triton neither restarts a stub that
 died nor stops reporting ready, so a dead stub ends the command (non-zero, one line), as a dead
 tritonserver does.
 
-Stop (Server.stop, on SIGTERM or SIGINT in the CLI): the model is unloaded through Triton's
-repository API, so Triton refuses new requests and answers those it has accepted; then tritonserver
+Stop (Server.stop, on SIGTERM or SIGINT in the CLI): kvexport creates the drain file in its private
+workspace, whose path the model's `drain_file` parameter names; the model's watcher sees it and
+unloads the model through the Python backend's model-loading API (Triton's C API, in-process: no
+endpoint, no token), so Triton refuses new requests, reports not ready and answers the requests it
+has accepted; once the model's stub has ended (its finalize done), tritonserver
 is stopped, whatever it left running from the workspace (Python-backend stubs ignore SIGTERM) is
 ended, their shared memory and the workspace are removed. tritonserver runs in its own process
 group: a Ctrl-C in the terminal reaches kvexport, which drains, not the server.
@@ -33,11 +38,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -63,6 +66,7 @@ STARTUP_POLL_S = 0.05
 # The longest a stop waits for the model's unload: the requests in flight, then the stub's shutdown.
 DRAIN_TIMEOUT_S = 30
 UNLOAD_POLL_S = 0.02
+DRAIN_FILE = "drain"  # in the workspace: its existence asks the model to unload itself (triton_model.py)
 # After the drain nothing is in flight; tritonserver would still wait this long for clients' idle
 # keep-alive connections before it exits (at 1 s: a whole second of every stop).
 TRITON_EXIT_TIMEOUT_S = 0
@@ -74,9 +78,11 @@ MONITOR_S = 0.5  # how often serve() checks that tritonserver is still running
 LEFTOVER_END_TIMEOUT_S = 5  # the longest a stop waits for the processes it killed to end
 SERVER_LOG_TAIL = 200  # tritonserver lines kept to say why a start failed
 # Triton's endpoints that change or reveal the server (loading and unloading models, statistics,
-# tracing, logging, shared memory) answer only requests carrying this header with the start's token.
+# tracing, logging, shared memory) answer only requests carrying this header with this value, which
+# no request can carry: an HTTP header value and a gRPC metadata value may not hold a line break.
+# Nothing secret: the command line shows it, and it opens nothing.
 RESTRICTED_APIS = "model-repository,statistics,trace,logging,shared-memory"
-ACCESS_HEADER = "kvexport-access-token"
+CLOSED = "kvexport-closed=\n"
 _LOG_PREFIX = re.compile(r'[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 
 
@@ -192,7 +198,6 @@ class Server:
         self._device = "cpu"
         self.workspace: Path | None = None
         self._shm_prefix = f"kvexport{os.getpid()}-{id(self):x}-"
-        self._access_token = secrets.token_urlsafe(24)
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=SERVER_LOG_TAIL)
@@ -241,7 +246,8 @@ class Server:
             remote = Remote(url, self.remote_write, password_file)
         artifact = open_artifact(self.out)
         model = write_repository(artifact, self.workspace / "repository", batching=self.batching, remote=remote,
-                                 python_path=site.getsitepackages(), copy_artifact=False, threads=self.threads)
+                                 python_path=site.getsitepackages(), copy_artifact=False, threads=self.threads,
+                                 drain_file=self.workspace / DRAIN_FILE)
         self.model_name = model.name
         self.max_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
         self._device = artifact.manifest.get("device", artifact.config.serving.device)
@@ -256,8 +262,8 @@ class Server:
             "--allow-metrics", "true", "--metrics-address", self.address, "--metrics-port", str(self.metrics_port),
             "--allow-gpu-metrics", "true" if self._device == "cuda" else "false",
             "--metrics-interval-ms", str(METRICS_INTERVAL_MS),
-            "--http-restricted-api", f"{RESTRICTED_APIS}:{ACCESS_HEADER}={self._access_token}",
-            "--grpc-restricted-protocol", f"{RESTRICTED_APIS}:{ACCESS_HEADER}={self._access_token}",
+            "--http-restricted-api", f"{RESTRICTED_APIS}:{CLOSED}",
+            "--grpc-restricted-protocol", f"{RESTRICTED_APIS}:{CLOSED}",
             "--backend-config", f"python,shm-region-prefix-name={self._shm_prefix}", "--log-verbose", "0"]
         self._process = subprocess.Popen([*command, *arguments], env=env, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
@@ -305,23 +311,15 @@ class Server:
 
     # -- stop ------------------------------------------------------------------------------------
 
-    def _repository_call(self, path: str, timeout: float) -> bytes:
-        request = urllib.request.Request(f"http://{self._local_host()}:{self.http_port}/v2/repository{path}",
-                                         data=b"{}", method="POST", headers={"Content-Type": "application/json",
-                                                                             ACCESS_HEADER: self._access_token})
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read()
-
     def _drain(self) -> None:
-        """Unloads the model through Triton's repository API and waits until it is unloaded: from
-        then on Triton refuses new requests for it (and /v2/health/ready is false) while the requests
-        it has accepted are answered. (Stopping tritonserver alone keeps taking requests until
-        its exit timeout while any are in flight, then drops them.)"""
-        self._repository_call(f"/models/{self.model_name}/unload", DRAIN_TIMEOUT_S)
+        """Asks the model to unload itself (the drain file) and waits until its stubs have ended:
+        from the unload on, Triton refuses new requests for it (and /v2/health/ready is false) while
+        the requests it has accepted are answered. (Stopping tritonserver alone leaves requests on
+        clients' open connections unanswered until its exit timeout.)"""
+        (self.workspace / DRAIN_FILE).touch()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while time.monotonic() < deadline:
-            index = json.loads(self._repository_call("/index", DRAIN_TIMEOUT_S))
-            if {m["name"]: m.get("state") for m in index}.get(self.model_name) != "UNLOADING":
+            if all(not _running(pid, started) for pid, started in self._stubs.items()):
                 return
             time.sleep(UNLOAD_POLL_S)
         log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, DRAIN_TIMEOUT_S)
@@ -348,8 +346,8 @@ class Server:
             if self._serving and self.alive() and self.dead_stub() is None:  # a dead stub cannot drain
                 try:
                     self._drain()
-                except (OSError, ValueError) as exc:  # stopping goes on: tritonserver waits for what is in flight
-                    log.warning("could not unload %s before stopping tritonserver: %s", self.model_name, exc)
+                except OSError as exc:  # stopping goes on: tritonserver waits for what is in flight
+                    log.warning("could not ask %s to unload before stopping tritonserver: %s", self.model_name, exc)
             self._serving = False
             if self._process is not None:
                 self._stop_triton()

@@ -5,7 +5,8 @@ initialize loads the artifact (its files checked against its manifest first) tha
 holds beside this file, or the one its config's `artifact` parameter names, on the instance's GPU
 for a CUDA package, with the `threads` parameter's intra-op CPU threads (default 1), and warms it up
 before Triton reports the model ready (kvexport.serving.warmup); then it attaches the remote tier
-the `remote`, `remote_write` and `remote_password_file` parameters name. A `python_path` parameter
+the `remote`, `remote_write` and `remote_password_file` parameters name; with a `drain_file`
+parameter, a thread unloads the model once that file exists. A `python_path` parameter
 adds site directories (a virtual environment's) to the stub's interpreter first. execute scores each
 Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and answers
 every request alone: its logits, or its own error — a refused request its one-line message with
@@ -28,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 # Publishing kvexport's ~30 metrics costs ~0.8 ms (one message to the server each): a thread does it
 # at most this often, once a batch has run, never on a request's path.
 PUBLISH_INTERVAL_S = 0.05
+DRAIN_POLL_S = 0.02  # how often the model looks for its drain file, when it has one
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -72,6 +74,10 @@ class TritonPythonModel:
         self.scored, self.finalizing = threading.Event(), threading.Event()
         self.publisher = threading.Thread(target=self._publish_while_serving, name="kvexport-metrics", daemon=True)
         self.publisher.start()
+        if parameters.get("drain_file"):
+            # Not joined by finalize: the unload it starts runs finalize.
+            threading.Thread(target=self._unload_when_asked, args=(parameters["drain_file"], args["model_name"]),
+                             name="kvexport-drain", daemon=True).start()
 
     def execute(self, requests):
         if self.routed:
@@ -115,6 +121,15 @@ class TritonPythonModel:
         if isinstance(result, self.request_failed):
             return self.client_message(str(result).splitlines()[0])
         return f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
+
+    def _unload_when_asked(self, drain_file, model_name):
+        """Unloads this model through the Python backend's model-loading API once drain_file exists
+        (`kvexport serve` stopping): Triton then refuses new requests, answers those it accepted and
+        runs finalize. In-process, so no endpoint (and no token) is needed."""
+        while not self.finalizing.wait(DRAIN_POLL_S):
+            if os.path.exists(drain_file):
+                pb_utils.unload_model(model_name)
+                return
 
     def _publish_while_serving(self):
         while not self.finalizing.is_set():
