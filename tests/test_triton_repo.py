@@ -5,10 +5,12 @@ the trace's recorded expectations and the eager model, never with the server's o
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -458,3 +460,18 @@ def test_a_refusal_names_the_tensors_the_client_sent(served_repo, tiny_config):
         client.close()
     assert messages == [f"item_ids has {m.max_history_length + 1} events, outside [0, {m.max_history_length}]",
                         f"candidate_ids has {m.max_num_candidates + 1} candidates, outside [1, {m.max_num_candidates}]"]
+
+
+def test_this_python_names_only_site_directories_that_exist(tiny_artifact, tmp_path, monkeypatch):
+    """A virtual environment made from a Debian-style Python: site.getsitepackages() also names
+    .../local/lib/python3.X/dist-packages, which it lacks (seen on the GPU host). --this-python names
+    the ones that exist and writes the repository."""
+    import site
+
+    real = [d for d in site.getsitepackages() if Path(d).is_dir()]
+    missing = tmp_path / "venv" / "local" / "lib" / "python3" / "dist-packages"
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(missing), *real])
+    repo = tmp_path / "repo"
+    write_repo(tiny_artifact, repo, "--this-python")
+    config = (repo / "hstu-tiny" / "config.pbtxt").read_text()
+    assert f'key: "python_path" value: {{ string_value: "{os.pathsep.join(real)}" }}' in config

@@ -514,13 +514,12 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: i
     (--remote-password-file, read when the model loads), never in the URL: Triton serves the
     model's config to any client.
     """
-    import site
-
+    from kvexport.serving import tritonserver
     from kvexport.serving.repository import Remote, write_repository
 
     if remote is None and remote_password_file is not None:
         raise UserError("--remote-password-file needs --remote URL")
-    paths = [str(p.resolve()) for p in python_path] + (site.getsitepackages() if this_python else [])
+    paths = [str(p.resolve()) for p in python_path] + (tritonserver.site_packages() if this_python else [])
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
     model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus,
                              routing=routing)

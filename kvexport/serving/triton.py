@@ -229,8 +229,6 @@ class Server:
 
     def _write_repository(self) -> Path:
         """The workspace's repository: the artifact where it is, this Python, the remote tier."""
-        import site
-
         from kvexport.artifact import open_artifact
         from kvexport.serving.repository import Remote, write_repository
 
@@ -246,7 +244,7 @@ class Server:
             remote = Remote(url, self.remote_write, password_file)
         artifact = open_artifact(self.out)
         model = write_repository(artifact, self.workspace / "repository", batching=self.batching, remote=remote,
-                                 python_path=site.getsitepackages(), copy_artifact=False, threads=self.threads,
+                                 python_path=tritonserver.site_packages(), copy_artifact=False, threads=self.threads,
                                  drain_file=self.workspace / DRAIN_FILE)
         self.model_name = model.name
         self.max_batch_size = artifact.config.serving.max_batch_size if self.batching else 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import site
 import sys
 import sysconfig
 from pathlib import Path
@@ -37,6 +38,13 @@ def distribution() -> Path:
         raise UserError("kvexport serve needs the serve extra (nvidia-pytriton's tritonserver is not installed): "
                         "pip install 'kvexport[serve]'")
     return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+
+
+def site_packages() -> list[str]:
+    """This interpreter's site-packages directories that exist: site.getsitepackages() also names
+    those a Debian-style Python would use (.../local/lib/python3.X/dist-packages), which a virtual
+    environment made from one lacks."""
+    return [directory for directory in site.getsitepackages() if os.path.isdir(directory)]
 
 
 def libpython() -> Path:
