@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from kvexport.commands.cli import main
+from kvexport.model.batch import UserRequest
 from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, metric, needs_pytriton, run_clients,
                               scrape_when, settled_scrape, split_batch, user_arrays)
 from tests.test_serve import eager  # noqa: F401  (a fixture)
@@ -475,3 +476,47 @@ def test_this_python_names_only_site_directories_that_exist(tiny_artifact, tmp_p
     write_repo(tiny_artifact, repo, "--this-python")
     config = (repo / "hstu-tiny" / "config.pbtxt").read_text()
     assert f'key: "python_path" value: {{ string_value: "{os.pathsep.join(real)}" }}' in config
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard(tiny_artifact, tiny_config,
+                                                                                 tmp_path, eager):
+    """Eight users, each sending six requests of a growing history without waiting for answers
+    (rounds 3 ms apart, so all are in flight together), through the router to 2 shards: every
+    answer equals the eager recompute, and no shard ever met a user's history shorter than what it
+    had cached (a request run before an earlier one of its user would be a prefix truncation)."""
+    import queue
+
+    from kvexport.model.batch import random_user
+
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(13)
+    users = [random_user(m, generator, 6000 + u, 40, 3) for u in range(8)]
+    rounds = [[UserRequest(u.user_id, u.item_ids[:10 + 5 * r], u.action_ids[:10 + 5 * r], u.context_ids,
+                           u.candidate_ids) for u in users] for r in range(6)]
+    expected = eager([request for requests in rounds for request in requests])
+
+    def truncations_and_lookups(text: str) -> tuple[float, float]:
+        return tuple(sum(metric(text, f"kvexport_cache_{name}_total", instance=f"hstu-tiny_shard{i}_0_0")
+                         for i in range(2)) for name in ("prefix_truncations", "lookups"))
+
+    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, _):
+        before = truncations_and_lookups(settled_scrape(ports.metrics))
+        client = Client("grpc", ports, "hstu-tiny")
+        answers: queue.Queue = queue.Queue()
+        try:
+            for r, requests in enumerate(rounds):
+                for u, request in enumerate(requests):
+                    client.client.async_infer("hstu-tiny", client.inputs(user_arrays(request)),
+                                              callback=lambda result, error, k=r * 8 + u: answers.put((k, result, error)))
+                time.sleep(0.003)
+            done = sorted((answers.get(timeout=60) for _ in range(48)), key=lambda answer: answer[0])
+        finally:
+            client.close()
+        after = scrape_when(ports.metrics, lambda text: truncations_and_lookups(text)[1] - before[1] >= 48)
+    for k, result, error in done:
+        assert error is None, f"request {k}: {error}"
+        np.testing.assert_allclose(result.as_numpy("logits")[0], expected[k], rtol=0, atol=ATOL)
+    truncations, lookups = (a - b for a, b in zip(truncations_and_lookups(after), before))
+    assert (truncations, lookups) == (0, 48)
