@@ -28,12 +28,13 @@ system-packages:
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v pkg-config >/dev/null 2>&1 || missing="$$missing pkg-config"; \
 	pkg-config --exists hiredis 2>/dev/null || missing="$$missing libhiredis-dev"; \
+	command -v nginx >/dev/null 2>&1 || missing="$$missing nginx-light"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing$$missing (the remote KV tier)"; \
+		echo "installing$$missing (the remote KV tier; nginx: the load-balancer test)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
 	else \
-		echo "remote KV tier: install$$missing (sudo apt-get install$$missing); until then its tests skip"; \
+		echo "remote KV tier, load balancer: install$$missing (sudo apt-get install$$missing); until then their tests skip"; \
 	fi
 
 $(STAMP): pyproject.toml

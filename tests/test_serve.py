@@ -970,3 +970,25 @@ def test_a_dead_stub_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_pat
     assert served.session_processes() == [], "tritonserver outlived the command"
     assert ports_free(served.ports)
     assert workspace.name.startswith("kvexport-serve-") and not workspace.exists()
+
+
+@needs_pytriton
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_routing_header_must_name_the_requests_user(server, tiny_config, eager, protocol):
+    """A load balancer hashes on the kvexport-user-id header (no body parsing): the server checks
+    it against the body's user_id, a match is scored, a mismatch refused alone (400)."""
+    from tritonclient.utils import InferenceServerException
+
+    user = random_user(tiny_config.model, torch.Generator().manual_seed(21), 8100, 12, 3)
+    client = Client(protocol, server.ports, "hstu-tiny")
+    try:
+        inputs = client.inputs(user_arrays(user))
+        got = client.client.infer("hstu-tiny", inputs, headers={"kvexport-user-id": str(user.user_id)})
+        np.testing.assert_allclose(got.as_numpy("logits")[0], eager([user])[0], rtol=0, atol=ATOL)
+        with pytest.raises(InferenceServerException) as refused:
+            client.client.infer("hstu-tiny", inputs, headers={"kvexport-user-id": "8101"})
+    finally:
+        client.close()
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert refused.value.message().endswith("the kvexport-user-id header says '8101', the request's user_id is 8100")

@@ -56,6 +56,7 @@ from typing import Callable
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
 from kvexport.serving import tritonserver
+from kvexport.serving.triton_router import ROUTING_HEADER
 
 log = logging.getLogger(__name__)
 server_log = logging.getLogger("kvexport.serving.tritonserver")
@@ -262,6 +263,8 @@ class Server:
             "--metrics-interval-ms", str(METRICS_INTERVAL_MS),
             "--http-restricted-api", f"{RESTRICTED_APIS}:{CLOSED}",
             "--grpc-restricted-protocol", f"{RESTRICTED_APIS}:{CLOSED}",
+            # The routing header reaches the model as a request parameter, which checks it against user_id.
+            "--http-header-forward-pattern", f"^{ROUTING_HEADER}$", "--grpc-header-forward-pattern", f"^{ROUTING_HEADER}$",
             "--backend-config", f"python,shm-region-prefix-name={self._shm_prefix}", "--log-verbose", "0"]
         self._process = subprocess.Popen([*command, *arguments], env=env, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)

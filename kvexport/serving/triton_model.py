@@ -40,7 +40,7 @@ class TritonPythonModel:
         import numpy
         import torch
 
-        from kvexport.errors import RequestFailed
+        from kvexport.errors import RequestError, RequestFailed
         from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
         from kvexport.serving import triton_router
         from kvexport.serving.batcher import BatchScorer
@@ -51,6 +51,7 @@ class TritonPythonModel:
         # Imported once here (the backend's interpreter finds them only after python_path), used per batch.
         self.torch, self.numpy, self.router = torch, numpy, triton_router
         self.request_failed, self.metric_samples, self.client_message = RequestFailed, samples, client_message
+        self.request_error = RequestError
         # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
         # stub defines TritonError once the model is being initialised, not at import.
         self.error_codes = {code: getattr(pb_utils.TritonError, name) for code, name in triton_router.TRITON_CODES.items()}
@@ -83,7 +84,13 @@ class TritonPythonModel:
         if self.routed:
             return [self._execute_pack(request) for request in requests]
         inputs = [{name: self._array(request, name) for name in self.input_names} for request in requests]
-        results = self._score(inputs)
+        results = [None] * len(requests)
+        for index, (request, one) in enumerate(zip(requests, inputs)):
+            mismatch = self.router.routing_key_error(request.parameters(), int(one["user_id"].reshape(-1)[0]))
+            if mismatch is not None:
+                results[index] = self.request_error(mismatch)
+        scored = iter(self._score([one for one, result in zip(inputs, results) if result is None]))
+        results = [next(scored) if result is None else result for result in results]
         self.scored.set()
         return [self._response(result) for result in results]
 

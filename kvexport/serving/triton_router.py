@@ -38,6 +38,25 @@ ERRORS = "errors"
 TRITON_CODES = {"invalid_request": "INVALID_ARG", "capacity_exceeded": "UNAVAILABLE"}
 
 
+# The routing key a fleet's load balancer hashes on without reading the body: a request header
+# carrying the user id, which Triton hands the model as a request parameter when started with
+# --http-header-forward-pattern / --grpc-header-forward-pattern matching it; checked against the
+# body's user_id (routing_key_error).
+ROUTING_HEADER = "kvexport-user-id"
+
+
+def routing_key_error(parameters: str, user_id: int) -> str | None:
+    """Why a request's routing header (in its parameters, Triton's JSON) does not match its user_id;
+    None when it matches or is absent."""
+    try:
+        found = {str(k).lower(): v for k, v in json.loads(parameters or "{}").items()}
+    except (ValueError, AttributeError):
+        return None
+    if ROUTING_HEADER not in found or str(found[ROUTING_HEADER]).strip() == str(user_id):
+        return None
+    return f"the {ROUTING_HEADER} header says {str(found[ROUTING_HEADER])[:40]!r}, the request's user_id is {user_id}"
+
+
 def shard_of(user_id: int, shards: int) -> int:
     """The shard of a user: splitmix64's finaliser of the id (as unsigned 64 bits) modulo the shard
     count, so that users spread evenly whatever pattern their ids follow."""
@@ -90,11 +109,17 @@ class TritonPythonModel:
         pb, torch = self.pb, self.torch
         members: dict[int, list[int]] = {}  # shard -> its requests' indices, in arrival order
         users = []
+        responses = [None] * len(requests)
         for index, request in enumerate(requests):
             tensors = {name: torch.from_dlpack(pb.get_input_tensor_by_name(request, name).to_dlpack())
                        for name in self.input_names}
             users.append(tensors)
-            members.setdefault(shard_of(int(tensors["user_id"].reshape(-1)[0]), len(self.shards)), []).append(index)
+            user_id = int(tensors["user_id"].reshape(-1)[0])
+            mismatch = routing_key_error(request.parameters(), user_id)
+            if mismatch is not None:
+                responses[index] = pb.InferenceResponse(error=pb.TritonError(mismatch, pb.TritonError.INVALID_ARG))
+                continue
+            members.setdefault(shard_of(user_id, len(self.shards)), []).append(index)
         calls = []
         for shard, indices in members.items():
             packed = pack(torch, [users[i] for i in indices])
@@ -102,7 +127,6 @@ class TritonPythonModel:
             calls.append(pb.InferenceRequest(model_name=self.shards[shard], inputs=inputs,
                                              requested_output_names=[self.output_name, ERRORS]).async_exec())
         answers = await asyncio.gather(*calls)
-        responses = [None] * len(requests)
         for indices, answer in zip(members.values(), answers):
             for index, response in zip(indices, self._split(answer, [users[i] for i in indices])):
                 responses[index] = response

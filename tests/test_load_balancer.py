@@ -1,0 +1,171 @@
+"""Affinity across hosts: two plain tritonservers on loopback (each `kvexport triton-repo`'s
+repository, its own cache) behind nginx, which hashes on the kvexport-user-id header with
+consistent hashing, as docs/hosting.md configures it. Each user's requests reach one server; once
+one server is stopped, its users move to the other, which recomputes them: no wrong answer, no
+error. Answers are compared with the eager model's; which server answered comes from nginx's own
+access log."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvexport.model.batch import UserRequest, random_user
+from kvexport.serving.triton_router import ROUTING_HEADER
+from tests.test_serve import ATOL, Client, free_ports, needs_pytriton, user_arrays
+from tests.test_serve import eager  # noqa: F401  (a fixture)
+from tests.test_triton_repo import write_repo
+
+START_TIMEOUT_S = 90
+needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None,
+                                 reason="nginx is not installed (make system-packages installs it)")
+
+# docs/hosting.md's load balancer, with this test's ports and files.
+NGINX_CONF = """
+user root;
+worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log;
+events {{ worker_connections 256; }}
+http {{
+    log_format routed '$http_kvexport_user_id $upstream_addr $status';
+    access_log {work}/access.log routed;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    client_body_buffer_size 1m;
+    upstream triton {{
+        hash $http_kvexport_user_id consistent;
+        server 127.0.0.1:{a};
+        server 127.0.0.1:{b};
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        client_max_body_size 64m;
+        location / {{
+            proxy_pass http://triton;
+            proxy_next_upstream error timeout;
+        }}
+    }}
+}}
+"""
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def started(command: list[str], log: Path, port: int, env=None):
+    """A server process, until /v2/health/ready answers on port; stopped (SIGTERM) on exit."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{command[0]} did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def tritonserver(artifact, work: Path):
+    """A plain tritonserver on the artifact's repository, the routing header forwarded to the model."""
+    from kvexport.serving import tritonserver as distribution
+
+    work.mkdir()
+    write_repo(artifact, work / "repo", "--this-python")
+    command, env = distribution.prepare(work)
+    ports = free_ports()
+    command += ["--model-repository", str(work / "repo"), "--http-address", "127.0.0.1", "--grpc-address",
+                "127.0.0.1", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port",
+                str(ports.metrics), "--http-header-forward-pattern", f"^{ROUTING_HEADER}$"]
+    return started(command, work / "server.log", ports.http, env), ports
+
+
+def routed(access_log: Path) -> list[tuple[int, list[str]]]:
+    """(user, the upstreams nginx tried, in order) of every request in the access log."""
+    rows = []
+    for line in access_log.read_text().splitlines():
+        user, rest = line.split(" ", 1)
+        if user == "-":  # a readiness probe, no routing header
+            continue
+        upstreams = rest.rsplit(" ", 1)[0]
+        rows.append((int(user), upstreams.split(", ")))
+    return rows
+
+
+@needs_pytriton
+@needs_nginx
+@pytest.mark.slow
+def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(tiny_artifact, tiny_config,
+                                                                               tmp_path, eager):
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(17)
+    users = [random_user(m, generator, 7000 + u, 40, 3) for u in range(12)]
+
+    def visit(v: int) -> list[UserRequest]:
+        return [UserRequest(u.user_id, u.item_ids[:8 + 8 * v], u.action_ids[:8 + 8 * v], u.context_ids,
+                            u.candidate_ids) for u in users]
+
+    first, second = visit(0) + visit(1), visit(2) + visit(3)
+    expected = eager(first + second)
+    a_server, a = tritonserver(tiny_artifact, tmp_path / "a")
+    b_server, b = tritonserver(tiny_artifact, tmp_path / "b")
+    balancer = free_ports().http
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(work=tmp_path, a=a.http, b=b.http, port=balancer))
+    with b_server, a_server as a_process, \
+            started(["nginx", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
+                    tmp_path / "nginx.log", balancer):
+        client = Client("http", dataclasses.replace(free_ports(), http=balancer), "hstu-tiny")
+
+        def send(requests: list[UserRequest]) -> list[np.ndarray]:
+            return [client.client.infer("hstu-tiny", client.inputs(user_arrays(r)),
+                                        headers={ROUTING_HEADER: str(r.user_id)}).as_numpy("logits")[0]
+                    for r in requests]
+
+        try:
+            got = send(first)
+            before_stop = len(routed(tmp_path / "access.log"))
+            a_process.terminate()  # server a goes away mid-run
+            a_process.wait(timeout=60)
+            got += send(second)
+        finally:
+            client.close()
+    for k, (g, w) in enumerate(zip(got, expected)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=ATOL, err_msg=f"request {k}")
+    rows = routed(tmp_path / "access.log")
+    assert len(rows) == len(first) + len(second)
+    a_addr, b_addr = f"127.0.0.1:{a.http}", f"127.0.0.1:{b.http}"
+    server_of: dict[int, set[str]] = {}
+    for user, upstreams in rows[:before_stop]:
+        server_of.setdefault(user, set()).add(upstreams[-1])
+    assert all(len(servers) == 1 for servers in server_of.values()), server_of  # one server per user
+    on_a = {user for user, servers in server_of.items() if servers == {a_addr}}
+    assert on_a and len(on_a) < len(users)  # both servers had users
+    for user, upstreams in rows[before_stop:]:  # after the stop: everyone on b, a's users after trying a
+        assert upstreams[-1] == b_addr
+        if user not in on_a:
+            assert upstreams == [b_addr]
