@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -99,6 +102,14 @@ def test_a_repository_that_cannot_be_written_is_refused_in_one_line(tiny_artifac
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def _metrics_open(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return "kvexport_cache_lookups_total" in response.read().decode()
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
 def _ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
@@ -139,7 +150,7 @@ def plain_tritonserver(artifact, work, patch: str = "", options: tuple[str, ...]
     repo = work / "repo"
     write_repo(artifact, repo, "--this-python", *options)
     if patch:
-        model = next(repo.iterdir()) / "1" / "model.py"
+        model = repo / "hstu-tiny" / "1" / "model.py"
         model.write_text(model.read_text() + patch)
     command, env = tritonserver.prepare(work)
     ports = free_ports()
@@ -331,7 +342,7 @@ def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_arti
     repo = tmp_path / "repo"
     write_repo(tiny_artifact, repo, "--instances", "3", "--python-path", str(tmp_path))
     assert sorted(p.name for p in repo.iterdir()) == ["hstu-tiny", "hstu-tiny_shard0", "hstu-tiny_shard1",
-                                                      "hstu-tiny_shard2"]
+                                                      "hstu-tiny_shard2", "tritonserver"]
     router = (repo / "hstu-tiny" / "config.pbtxt").read_text()
     assert 'parameters: { key: "shards" value: { string_value: "hstu-tiny_shard0,hstu-tiny_shard1,hstu-tiny_shard2" } }' \
         in router
@@ -352,7 +363,7 @@ def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_arti
 def test_without_routing_k_instances_share_one_model(tiny_artifact, tmp_path):
     repo = tmp_path / "repo"
     write_repo(tiny_artifact, repo, "--instances", "3", "--no-routing")
-    assert [p.name for p in repo.iterdir()] == ["hstu-tiny"]
+    assert sorted(p.name for p in repo.iterdir()) == ["hstu-tiny", "tritonserver"]
     config = (repo / "hstu-tiny" / "config.pbtxt").read_text()
     assert "instance_group [ { kind: KIND_CPU count: 3 } ]" in config and "routed" not in config
     assert (repo / "hstu-tiny" / "1" / "model.py").read_text().startswith('"""kvexport\'s model for Triton')
@@ -502,6 +513,10 @@ def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard
                          for i in range(2)) for name in ("prefix_truncations", "lookups"))
 
     with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, _):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _metrics_open(ports.metrics):  # Triton opens its metrics port a moment after it is ready
+            assert time.monotonic() < deadline, "the metrics port did not open"
+            time.sleep(0.2)
         before = truncations_and_lookups(settled_scrape(ports.metrics))
         client = Client("grpc", ports, "hstu-tiny")
         answers: queue.Queue = queue.Queue()
@@ -520,3 +535,59 @@ def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard
         np.testing.assert_allclose(result.as_numpy("logits")[0], expected[k], rtol=0, atol=ATOL)
     truncations, lookups = (a - b for a, b in zip(truncations_and_lookups(after), before))
     assert (truncations, lookups) == (0, 48)
+
+
+README_REPO_BLOCK = re.compile(r"```sh\n(kvexport triton-repo artifacts/hstu-tiny .*?)```", re.S)
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, eager):
+    """README's two lines, run by a shell from a directory holding artifacts/hstu-tiny, this venv's
+    bin first on PATH (an activated venv), /tmp/model-repo and the three ports swapped for private
+    ones: the repository's launcher serves the trace's first user exactly, SIGTERM stops it (exit 0)
+    and its backend directory is gone."""
+    import glob
+    import signal
+
+    from kvexport.artifact import open_artifact
+    from kvexport.trace.record import load_trace_step
+    from tests.conftest import ROOT
+
+    blocks = README_REPO_BLOCK.findall((ROOT / "README.md").read_text())
+    assert len(blocks) == 1, "README.md has no (or several) triton-repo blocks"
+    lines = blocks[0].strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("/tmp/model-repo/tritonserver "), lines
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "hstu-tiny").symlink_to(tiny_artifact)
+    ports = free_ports()
+    swap = {"/tmp/model-repo": str(tmp_path / "model-repo"), "--http-port 8000": f"--http-port {ports.http}",
+            "--grpc-port 8001": f"--grpc-port {ports.grpc}", "--metrics-port 8002": f"--metrics-port {ports.metrics}"}
+    for old, new in swap.items():
+        assert sum(line.count(old) for line in lines) >= 1, old
+        lines = [line.replace(old, new) for line in lines]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["sh", "-c", lines[0]], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+    backends_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvexport-tritonserver-*")))
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(["sh", "-c", f"exec {lines[1]}"], cwd=tmp_path, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(ports.http):
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.2)
+        step = open_artifact(tiny_artifact).trace_steps[0]
+        user = split_batch(load_trace_step(tiny_artifact / step["file"], True)[0])[0]
+        client = Client("http", ports, "hstu-tiny")
+        try:
+            np.testing.assert_allclose(client.infer(user_arrays(user)), eager([user])[0], rtol=0, atol=ATOL)
+        finally:
+            client.close()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, (tmp_path / "server.log").read_text()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+        log.close()
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvexport-tritonserver-*"))) <= backends_before

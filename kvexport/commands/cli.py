@@ -523,7 +523,12 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: i
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
     model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus,
                              routing=routing)
-    click.echo(f"wrote {model} (tritonserver --model-repository {repo})")
+    if not paths and sys.prefix != sys.base_prefix:
+        click.echo("warning: this Python is a virtual environment and neither --this-python nor --python-path was "
+                   "given: the Python backend's interpreter finds torch and kvexport only in its own "
+                   "site-packages", err=True)
+    click.echo(f"wrote {model}; serve it with {repo / 'tritonserver'} [tritonserver options] (the serve extra's "
+               f"tritonserver), or tritonserver --model-repository {repo} where torch and kvexport import")
 
 
 @main.command()

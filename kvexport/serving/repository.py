@@ -1,5 +1,6 @@
 """`kvexport triton-repo`: a standard Triton model repository for a built artifact.
 
+    REPO/tritonserver               a launcher: the serve extra's tritonserver on REPO (LAUNCHER_SCRIPT)
     REPO/<name>/config.pbtxt        Python backend; the per-user signature with Triton's batch
                                     dimension; a dynamic batcher with ragged inputs (users with
                                     histories of different lengths merge); instances on the
@@ -41,7 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -52,6 +55,15 @@ from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_pass
 from kvexport.serving.signature import serving_signature
 from kvexport.serving.triton_router import ERRORS, PACKED_INPUTS
 
+# REPO/tritonserver: serves the repository with the serve extra's tritonserver, under the Python that
+# wrote it (a regular file at the repository's top, which Triton does not read as a model).
+LAUNCHER = "tritonserver"
+LAUNCHER_SCRIPT = """#!/bin/sh
+# Serves this model repository with the tritonserver of kvexport's serve extra, as
+# `kvexport triton-repo` wrote it: its Python backend laid out, its libraries and libpython set for
+# that process only. Options are tritonserver's, e.g. --http-port 8000 (docs/hosting.md, Serving).
+exec {python} -m kvexport.serving.tritonserver "$(dirname "$0")" "$@"
+"""
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
 ROUTER_FILE = Path(__file__).with_name("triton_router.py")
 # One intra-op thread per instance: a server's concurrency comes from batching and instances, and
@@ -213,6 +225,9 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
                 (staging / shard / "config.pbtxt").write_text(shard_config(shard, *dims, device, parameters,
                                                                            gpu=i % gpus))
                 shutil.copyfile(MODEL_FILE, staging / shard / "1" / "model.py")
+        launcher = staging / LAUNCHER
+        launcher.write_text(LAUNCHER_SCRIPT.format(python=shlex.quote(sys.executable)))
+        launcher.chmod(0o755)
         if repo.exists():
             repo.rmdir()
         staging.rename(repo)

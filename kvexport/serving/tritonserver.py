@@ -12,6 +12,11 @@ the installed distribution, never guessed:
 The stub's interpreter ignores PYTHONPATH (it starts isolated) and sees the base installation's
 site-packages only: a repository served from a virtual environment names the environment's site
 directory in its `python_path` parameter (`kvexport triton-repo --python-path`).
+
+`python -m kvexport.serving.tritonserver REPO [tritonserver options]` (what a repository's
+`tritonserver` launcher runs) serves REPO so: the backend directory in a temporary directory,
+removed when tritonserver exits; SIGTERM and SIGINT are passed on to it; its exit status is the
+command's.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import site
+import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 from kvexport.errors import UserError
@@ -75,3 +83,36 @@ def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
     env["LD_PRELOAD"] = " ".join(filter(None, [str(libpython()), env.get("LD_PRELOAD", "")]))
     command = [str(dist / "bin" / "tritonserver"), "--backend-directory", str(workdir / "backends")]
     return command, env
+
+
+def run(repo: Path, options: list[str]) -> int:
+    """tritonserver --model-repository REPO OPTIONS, its backend laid out in a temporary directory
+    removed when it exits; SIGTERM and SIGINT passed on (it runs in its own process group, so a
+    terminal's Ctrl-C reaches it once); its exit status."""
+    if not repo.is_dir():
+        raise UserError(f"{repo}: no such model repository")
+    with tempfile.TemporaryDirectory(prefix="kvexport-tritonserver-") as work:
+        command, env = prepare(Path(work))
+        process = subprocess.Popen([*command, "--model-repository", str(repo.resolve()), *options], env=env,
+                                   process_group=0)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda received, _: process.send_signal(received))
+        return process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if not arguments or arguments[0] in ("-h", "--help"):
+        print("usage: python -m kvexport.serving.tritonserver REPO [tritonserver options]\n"
+              "Serves the model repository REPO with the serve extra's tritonserver.",
+              file=sys.stdout if arguments else sys.stderr)
+        return 0 if arguments else 2
+    try:
+        return run(Path(arguments[0]), arguments[1:])
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
