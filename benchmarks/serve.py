@@ -41,6 +41,7 @@ import tritonclient.grpc as grpcclient
 
 from kvexport.artifact import open_artifact
 from kvexport.model.batch import random_user
+from kvexport.serving.repository import shard_names
 
 START_TIMEOUT_S = 120
 CONCURRENCY = (1, 4, 16)
@@ -180,7 +181,7 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     time.sleep(0.2)  # the model publishes its counters a moment after each batch
     batches, users = served.metric("kvexport_batches_total"), served.metric("kvexport_batch_users_total")
     # Triton's counters of the models that score: the shards behind a router, or the one model.
-    scoring = tuple(f"{model}_shard{i}" for i in range(served.shards)) if served.shards > 1 else (model,)
+    scoring = tuple(shard_names(model, served.shards)) if served.shards > 1 else (model,)
     triton = {name: served.metric(name, scoring) for name in TRITON_COUNTERS}
     server_cpu, client_cpu = served.cpu_seconds(), time.process_time()
     start = time.monotonic()

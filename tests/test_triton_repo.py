@@ -377,28 +377,38 @@ def test_gpus_are_refused_for_a_cpu_package_in_one_line(tiny_artifact, tmp_path)
     assert not (tmp_path / "repo").exists()
 
 
-def test_shard_of_spreads_users_evenly_and_never_moves_one():
+def test_shard_of_is_the_documented_hash_and_spreads_users_evenly():
     from kvexport.serving.triton_router import shard_of
 
     for shards in (2, 3, 4):
         for ids in (range(0, 12_000), range(0, 12_000 * 64, 64), range(-6_000, 6_000)):
             counts = np.bincount([shard_of(u, shards) for u in ids], minlength=shards)
             assert counts.size == shards and counts.min() > 0.9 * len(ids) / shards, (shards, counts)
-    assert [shard_of(u, 4) for u in (5, 2**62, -1)] == [shard_of(u, 4) for u in (5, 2**62, -1)]
-    assert all(shard_of(u, 1) == 0 for u in range(100))
+    # The rule the docs state (splitmix64's finaliser of the id as unsigned 64 bits, modulo the
+    # shards), computed here with numpy's wrapping uint64 arithmetic.
+    ids = np.array([0, 5, 2**62, -1, -(2**63), 123456789], dtype=np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        z = ids + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    for shards in (1, 2, 3, 4, 7):
+        assert [shard_of(int(u), shards) for u in ids.view(np.int64)] == (z % np.uint64(shards)).tolist()
 
 
 def test_a_pack_of_users_unpacks_to_the_same_users_in_the_same_order(tiny_config):
     """The router packs a shard's users into the package's batch format; the shard unpacks them."""
     from kvexport.model.batch import random_user
-    from kvexport.serving.triton_router import PACKED_INPUTS, pack, unpack
+    from kvexport.serving.triton_router import pack, unpack
 
     generator = torch.Generator().manual_seed(5)
     users = [user_arrays(random_user(tiny_config.model, generator, uid, length, candidates))
              for uid, length, candidates in ((7, 5, 2), (3, 0, 1), (7, 9, 4))]  # one user twice, one empty history
     packed = pack(torch, [{name: torch.from_numpy(a).reshape(1, -1) for name, a in u.items()} for u in users])
-    assert tuple(packed) == PACKED_INPUTS and packed["history_lengths"].tolist() == [5, 0, 9]
-    unpacked = unpack(np, {name: t.numpy() for name, t in packed.items()})
+    assert packed.dtype == torch.int64 and packed.dim() == 1
+    unpacked = unpack(np, packed.numpy())
+    with pytest.raises(ValueError, match="a pack of"):
+        unpack(np, packed.numpy()[:-1])
     assert len(unpacked) == 3
     for got, want in zip(unpacked, users):
         assert sorted(got) == sorted(want)
@@ -550,6 +560,8 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
     import glob
     import signal
 
+    from tritonclient.utils import InferenceServerException
+
     from kvexport.artifact import open_artifact
     from kvexport.trace.record import load_trace_step
     from tests.conftest import ROOT
@@ -582,6 +594,11 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
         client = Client("http", ports, "hstu-tiny")
         try:
             np.testing.assert_allclose(client.infer(user_arrays(user)), eager([user])[0], rtol=0, atol=ATOL)
+            # The launcher forwards the routing header, so the model checks it.
+            with pytest.raises(InferenceServerException) as refused:
+                client.client.infer("hstu-tiny", client.inputs(user_arrays(user)),
+                                    headers={"kvexport-user-id": str(user.user_id + 1)})
+            assert refused.value.status() == "400"
         finally:
             client.close()
         server.send_signal(signal.SIGTERM)

@@ -22,7 +22,7 @@ clients' model is a router (kvexport/serving/triton_router.py, one instance) in 
 The model's parameters (Triton's `parameters`, strings; triton_model.py reads them):
     artifact                the artifact's path (relative: to model.py's folder), when it is not
                             copied beside model.py
-    shards                  the router's: its shard models' names, in shard order
+    shards                  the router's: its shard models' names, in shard order (shard_names)
     routed                  "true" in a shard: it takes the router's packs of users
     drain_file              a file whose appearance asks the model to unload itself (`kvexport serve`'s
                             stop; needs Triton's explicit model control)
@@ -52,8 +52,8 @@ from typing import Sequence
 from kvexport.artifact import Artifact, open_artifact
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
-from kvexport.serving.signature import serving_signature
-from kvexport.serving.triton_router import ERRORS, PACKED_INPUTS
+from kvexport.serving.signature import LOGITS, serving_signature
+from kvexport.serving.triton_router import ERRORS, PACK
 
 # REPO/tritonserver: serves the repository with the serve extra's tritonserver, under the Python that
 # wrote it (a regular file at the repository's top, which Triton does not read as a model).
@@ -115,8 +115,6 @@ def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: 
     each GPU of `gpus`."""
     signature = serving_signature(name, context_width, num_tasks)
     inputs = ",\n".join(_tensor_config(spec, True) for spec in signature["inputs"])
-    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
-    on_gpus = f" gpus: [ {', '.join(map(str, gpus))} ]" if kind == "KIND_GPU" else ""
     lines = [
         f'name: "{name}"',
         'backend: "python"',
@@ -124,32 +122,43 @@ def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: 
         f"input [\n{inputs}\n]",
         f"output [\n{_tensor_config(signature['output'], False)}\n]",
         *(["dynamic_batching { }"] if batching else []),
-        f"instance_group [ {{ kind: {kind} count: {instances}{on_gpus} }} ]",
+        _instance_group(device, instances, gpus),
+        *_parameter_lines(parameters or {}),
     ]
-    lines += [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
-              for key, value in (parameters or {}).items()]
     return "\n".join(lines) + "\n"
 
 
-def shard_config(name: str, context_width: int, num_tasks: int, device: str, parameters: dict[str, str],
-                 gpu: int) -> str:
+def shard_names(name: str, shards: int) -> list[str]:
+    """The shard models' names behind the router of model `name`, in shard order."""
+    return [f"{name}_shard{i}" for i in range(shards)]
+
+
+def _parameter_lines(parameters: dict[str, str]) -> list[str]:
+    return [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
+            for key, value in parameters.items()]
+
+
+def _instance_group(device: str, instances: int, gpus: Sequence[int]) -> str:
+    """`instances` model instances on the package's device: on each GPU of `gpus` for a CUDA one."""
+    if device != "cuda":
+        return f"instance_group [ {{ kind: KIND_CPU count: {instances} }} ]"
+    return f"instance_group [ {{ kind: KIND_GPU count: {instances} gpus: [ {', '.join(map(str, gpus))} ] }} ]"
+
+
+def shard_config(name: str, num_tasks: int, device: str, parameters: dict[str, str], gpu: int) -> str:
     """config.pbtxt of a shard behind the router: one instance, no batcher of its own (the router's
     waves are its batches, in order), a pack of users in, their logits and refusals out
     (kvexport.serving.triton_router)."""
-    inputs = ",\n".join(f'  {{ name: "{n}" data_type: TYPE_INT64 dims: [ {"-1, " + str(context_width) if n == "context_ids" else "-1"} ] }}'
-                        for n in PACKED_INPUTS)
-    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
     lines = [
         f'name: "{name}"',
         'backend: "python"',
         "max_batch_size: 0",
-        f"input [\n{inputs}\n]",
-        f'output [\n  {{ name: "logits" data_type: TYPE_FP32 dims: [ -1, {num_tasks} ] }},\n'
+        f'input [\n  {{ name: "{PACK}" data_type: TYPE_INT64 dims: [ -1 ] }}\n]',
+        f'output [\n  {{ name: "{LOGITS}" data_type: TYPE_FP32 dims: [ -1, {num_tasks} ] }},\n'
         f'  {{ name: "{ERRORS}" data_type: TYPE_UINT8 dims: [ -1 ] }}\n]',
-        f"instance_group [ {{ kind: {kind} count: 1{f' gpus: [ {gpu} ]' if kind == 'KIND_GPU' else ''} }} ]",
+        _instance_group(device, 1, (gpu,)),
+        *_parameter_lines(parameters),
     ]
-    lines += [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
-              for key, value in parameters.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -188,6 +197,8 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
         if not Path(directory).is_dir():
             raise UserError(f"--python-path {directory}: no such directory")
     shards = instances * gpus
+    if drain_file is not None and shards > 1 and routing:
+        raise ValueError("drain_file is a single model's (kvexport serve): a router's shards would unload alone")
     common = {"python_path": os.pathsep.join(str(p) for p in python_path)} if python_path else {}
     parameters = {} if copy_artifact else {"artifact": str(Path(artifact.root).resolve())}
     parameters["threads"] = str(threads)
@@ -210,11 +221,11 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "1" / "artifact")
         else:
-            names = [f"{name}_shard{i}" for i in range(shards)]
+            names = shard_names(name, shards)
             # The router gathers a wave (one request without batching); a shard splits its pack in package calls.
             (model / "config.pbtxt").write_text(model_config(
                 name, max_batch_size * shards if batching else 1, *dims, "cpu", 1,
-                {"shards": ",".join(names), **common}, batching=True))
+                {"shards": ",".join(names), "threads": str(threads), **common}, batching=True))
             shutil.copyfile(ROUTER_FILE, model / "1" / "model.py")
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "artifact")
@@ -222,8 +233,8 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
             parameters["routed"] = "true"
             for i, shard in enumerate(names):
                 (staging / shard / "1").mkdir(parents=True)
-                (staging / shard / "config.pbtxt").write_text(shard_config(shard, *dims, device, parameters,
-                                                                           gpu=i % gpus))
+                (staging / shard / "config.pbtxt").write_text(shard_config(shard, config.model.num_tasks, device,
+                                                                           parameters, gpu=i % gpus))
                 shutil.copyfile(MODEL_FILE, staging / shard / "1" / "model.py")
         launcher = staging / LAUNCHER
         launcher.write_text(LAUNCHER_SCRIPT.format(python=shlex.quote(sys.executable)))

@@ -225,6 +225,9 @@ class Server:
             raise
         self._tail.clear()  # from now on: what tritonserver says while serving
         self._stubs = _stubs_of(self.workspace)
+        if not self._stubs:  # the drain and the watch both wait on them
+            self.stop()
+            raise RuntimeError(f"kvexport bug: no Python-backend stub of {self.model_name} found once it was ready")
         self._serving = True
         return self
 

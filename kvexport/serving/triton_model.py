@@ -98,16 +98,15 @@ class TritonPythonModel:
         """Each user's logits or exception (kvexport.serving.batcher), in the order given."""
         try:
             return self.scorer.score(inputs)
-        except Exception:  # an unexpected failure: found below, request by request (logged there)
-            pass
+        except Exception:  # an unexpected failure: found below, request by request (logged there, and
+            pass  # outside this handler, so that a user's traceback does not carry the batch's)
         return [self._score_alone(one) for one in inputs]
 
     def _execute_pack(self, request):
         """A shard's answer to its router's pack (kvexport.serving.triton_router): the users'
         logits concatenated, a refused user's rows zero, and the refusals with their codes."""
         np, torch = self.numpy, self.torch
-        packed = {name: self._array(request, name) for name in self.router.PACKED_INPUTS}
-        inputs = self.router.unpack(np, packed)
+        inputs = self.router.unpack(np, self._array(request, self.router.PACK))
         results = self._score(inputs)
         self.scored.set()
         rows, errors = [], []

@@ -6,7 +6,7 @@ the one cache that holds their history, wherever Triton's scheduler would have s
 
 A wave: each execution of this model takes the requests Triton's dynamic batcher gathered (in
 arrival order), packs each shard's users into one request of the package's batch format
-(PACKED_INPUTS: their histories and candidates concatenated, with their lengths), sends the shards
+(PACK: their histories and candidates concatenated, with their lengths, in one tensor), sends the shards
 their packs at once (Triton's BLS API, async_exec) and answers each client from its shard's pack:
 its logits, or its own refusal with its code (a BLS response loses an error's code, so the pack
 carries each refused user's code and message in an `errors` output, JSON bytes). One BLS call per
@@ -28,11 +28,11 @@ import os
 import site
 
 _MASK = (1 << 64) - 1
-# A shard's request: the package's batch format (README, Request format), int64; its answer: the
-# users' logits concatenated (a refused user's rows zero) and `errors`, a JSON list of
-# {"index", "code", "message"} of the refused users, as UTF-8 bytes.
-PACKED_INPUTS = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
-                 "candidate_ids")
+# A shard's request: one int64 tensor PACK holding its users in the package's batch format (README,
+# Request format), each part after the other (pack); its answer: the users' logits concatenated (a
+# refused user's rows zero) and ERRORS, a JSON list of {"index", "code", "message"} of the refused
+# users, as UTF-8 bytes. One tensor each way: a Python-backend tensor costs its own crossing.
+PACK = "pack"
 ERRORS = "errors"
 # kvexport's refusal codes (kvexport.errors.RequestFailed.code) as Triton's error codes.
 TRITON_CODES = {"invalid_request": "INVALID_ARG", "capacity_exceeded": "UNAVAILABLE"}
@@ -66,29 +66,38 @@ def shard_of(user_id: int, shards: int) -> int:
     return (z ^ (z >> 31)) % shards
 
 
-def pack(torch, users: list[dict]) -> dict:
+def pack(torch, users: list[dict]):
     """Users' tensors (the serving signature's, each with Triton's batch dimension of 1) as one
-    request of the package's batch format."""
-    def joined(name):
-        return torch.cat([u[name].reshape(-1) for u in users])
+    int64 tensor: [n, context width, user_ids (n), history_lengths (n), num_candidates (n),
+    context_ids (n x width), item_ids, action_ids, candidate_ids]."""
+    width = users[0]["context_ids"].numel()
+    return torch.cat([torch.tensor([len(users), width], dtype=torch.int64),
+                      *(u["user_id"].reshape(-1) for u in users),
+                      torch.tensor([u["item_ids"].numel() for u in users], dtype=torch.int64),
+                      torch.tensor([u["candidate_ids"].numel() for u in users], dtype=torch.int64),
+                      *(u["context_ids"].reshape(-1) for u in users),
+                      *(u["item_ids"].reshape(-1) for u in users), *(u["action_ids"].reshape(-1) for u in users),
+                      *(u["candidate_ids"].reshape(-1) for u in users)])
 
-    def lengths(name):
-        return torch.tensor([u[name].numel() for u in users], dtype=torch.int64)
 
-    return {"user_ids": joined("user_id"), "history_lengths": lengths("item_ids"), "item_ids": joined("item_ids"),
-            "action_ids": joined("action_ids"), "context_ids": torch.cat([u["context_ids"] for u in users]),
-            "num_candidates": lengths("candidate_ids"), "candidate_ids": joined("candidate_ids")}
-
-
-def unpack(numpy, packed: dict) -> list[dict]:
-    """The inverse of pack, on the shard's numpy arrays: each user's, with Triton's batch dimension of 1."""
-    events = numpy.cumsum(packed["history_lengths"])[:-1]
-    candidates = numpy.cumsum(packed["num_candidates"])[:-1]
-    items, actions = numpy.split(packed["item_ids"], events), numpy.split(packed["action_ids"], events)
-    return [{"user_id": packed["user_ids"][i:i + 1].reshape(1, 1), "item_ids": item[None], "action_ids": action[None],
-             "context_ids": packed["context_ids"][i:i + 1], "candidate_ids": candidate[None]}
-            for i, (item, action, candidate) in enumerate(zip(items, actions,
-                                                              numpy.split(packed["candidate_ids"], candidates)))]
+def unpack(numpy, packed) -> list[dict]:
+    """The inverse of pack, on the shard's numpy array: each user's arrays, with Triton's batch
+    dimension of 1."""
+    n, width = int(packed[0]), int(packed[1])
+    user_ids, lengths, counts = packed[2:2 + n], packed[2 + n:2 + 2 * n], packed[2 + 2 * n:2 + 3 * n]
+    start = 2 + 3 * n
+    context = packed[start:start + n * width].reshape(n, width)
+    events, candidates = int(lengths.sum()), int(counts.sum())
+    start += n * width
+    items, actions = packed[start:start + events], packed[start + events:start + 2 * events]
+    start += 2 * events
+    if packed.size != start + candidates:
+        raise ValueError(f"a pack of {packed.size} ids, its header says {start + candidates}")
+    cuts, candidate_cuts = numpy.cumsum(lengths)[:-1], numpy.cumsum(counts)[:-1]
+    return [{"user_id": user_ids[i:i + 1].reshape(1, 1), "item_ids": item[None], "action_ids": action[None],
+             "context_ids": context[i:i + 1], "candidate_ids": candidate[None]}
+            for i, (item, action, candidate) in enumerate(zip(numpy.split(items, cuts), numpy.split(actions, cuts),
+                                                              numpy.split(packed[start:], candidate_cuts)))]
 
 
 class TritonPythonModel:
@@ -101,6 +110,7 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb, self.torch = pb_utils, torch
+        torch.set_num_threads(int(parameters.get("threads") or 1))  # as the shards: packing needs no team
         self.shards = parameters["shards"].split(",")
         self.input_names = [spec["name"] for spec in config["input"]]
         self.output_name = config["output"][0]["name"]
@@ -122,8 +132,7 @@ class TritonPythonModel:
             members.setdefault(shard_of(user_id, len(self.shards)), []).append(index)
         calls = []
         for shard, indices in members.items():
-            packed = pack(torch, [users[i] for i in indices])
-            inputs = [pb.Tensor.from_dlpack(name, packed[name].contiguous()) for name in PACKED_INPUTS]
+            inputs = [pb.Tensor.from_dlpack(PACK, pack(torch, [users[i] for i in indices]))]
             calls.append(pb.InferenceRequest(model_name=self.shards[shard], inputs=inputs,
                                              requested_output_names=[self.output_name, ERRORS]).async_exec())
         answers = await asyncio.gather(*calls)

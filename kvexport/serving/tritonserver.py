@@ -15,8 +15,8 @@ directory in its `python_path` parameter (`kvexport triton-repo --python-path`).
 
 `python -m kvexport.serving.tritonserver REPO [tritonserver options]` (what a repository's
 `tritonserver` launcher runs) serves REPO so: the backend directory in a temporary directory,
-removed when tritonserver exits; SIGTERM and SIGINT are passed on to it; its exit status is the
-command's.
+removed when tritonserver exits; the routing header forwarded to the model; SIGTERM and SIGINT
+passed on to it; its exit status is the command's.
 """
 
 from __future__ import annotations
@@ -87,17 +87,40 @@ def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
 
 def run(repo: Path, options: list[str]) -> int:
     """tritonserver --model-repository REPO OPTIONS, its backend laid out in a temporary directory
-    removed when it exits; SIGTERM and SIGINT passed on (it runs in its own process group, so a
-    terminal's Ctrl-C reaches it once); its exit status."""
+    removed when it exits, the routing header forwarded to the model (which checks it); SIGTERM and
+    SIGINT passed on (it runs in its own process group, so a terminal's Ctrl-C reaches it once); its
+    exit status. Any other way out of here stops it first."""
+    from kvexport.serving.triton_router import ROUTING_HEADER
+
     if not repo.is_dir():
         raise UserError(f"{repo}: no such model repository")
-    with tempfile.TemporaryDirectory(prefix="kvexport-tritonserver-") as work:
-        command, env = prepare(Path(work))
-        process = subprocess.Popen([*command, "--model-repository", str(repo.resolve()), *options], env=env,
-                                   process_group=0)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda received, _: process.send_signal(received))
-        return process.wait()
+    received: list[int] = []
+    process: subprocess.Popen | None = None
+
+    def pass_on(signum, _frame):
+        received.append(signum)
+        if process is not None:
+            process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvexport-tritonserver-") as work:
+            command, env = prepare(Path(work))
+            process = subprocess.Popen([*command, "--model-repository", str(repo.resolve()),
+                                        "--http-header-forward-pattern", f"^{ROUTING_HEADER}$",
+                                        "--grpc-header-forward-pattern", f"^{ROUTING_HEADER}$", *options],
+                                       env=env, process_group=0)
+            try:
+                if received:  # a signal that came before the server did
+                    process.send_signal(received[0])
+                return process.wait()
+            finally:
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
