@@ -12,8 +12,6 @@ import dataclasses
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +22,7 @@ from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.triton_router import ROUTING_HEADER
 from tests.test_serve import ATOL, Client, free_ports, needs_pytriton, user_arrays
 from tests.test_serve import eager  # noqa: F401  (a fixture)
-from tests.test_triton_repo import write_repo
+from tests.test_triton_repo import _ready, write_repo
 
 START_TIMEOUT_S = 90
 needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None,
@@ -59,14 +57,6 @@ http {{
     }}
 }}
 """
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return False
 
 
 @contextlib.contextmanager

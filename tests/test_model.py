@@ -64,3 +64,14 @@ def test_user_logits_do_not_depend_on_batch_mates(tiny_model, tiny_config):
         together = tiny_model(batch)[2:7]
         by_itself = tiny_model(single)
     torch.testing.assert_close(together, by_itself, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_splits_into_the_users_it_was_built_from(tiny_config):
+    from kvexport.model.batch import random_user
+
+    generator = torch.Generator().manual_seed(4)
+    users = [random_user(tiny_config.model, generator, uid, n, t) for uid, n, t in ((3, 5, 2), (9, 0, 1), (1, 7, 4))]
+    for got, want in zip(Batch.concat(users).users(), users, strict=True):
+        assert got.user_id == want.user_id
+        for name in ("item_ids", "action_ids", "context_ids", "candidate_ids"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name

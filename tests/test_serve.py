@@ -74,11 +74,7 @@ def user_arrays(user: UserRequest) -> dict[str, np.ndarray]:
 
 def split_batch(batch: dict[str, torch.Tensor]) -> list[UserRequest]:
     """A recorded batch (the package's seven tensors) as one request per user."""
-    items = batch["item_ids"].split(batch["history_lengths"].tolist())
-    actions = batch["action_ids"].split(batch["history_lengths"].tolist())
-    candidates = batch["candidate_ids"].split(batch["num_candidates"].tolist())
-    return [UserRequest(int(u), i, a, c, t) for u, i, a, c, t in
-            zip(batch["user_ids"], items, actions, batch["context_ids"], candidates)]
+    return Batch(**batch).users()
 
 
 class Client:

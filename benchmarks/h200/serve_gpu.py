@@ -42,14 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_batch(batch: dict[str, torch.Tensor]) -> list[UserRequest]:
-    """A recorded batch (the package's seven tensors) as one request per user."""
-    lengths, counts = batch["history_lengths"].tolist(), batch["num_candidates"].tolist()
-    return [UserRequest(int(u), i, a, c, t) for u, i, a, c, t in
-            zip(batch["user_ids"], batch["item_ids"].split(lengths), batch["action_ids"].split(lengths),
-                batch["context_ids"], batch["candidate_ids"].split(counts))]
-
-
 class Server:
     """`kvexport serve OUT` on loopback, free ports; its output in a log file."""
 
@@ -134,7 +126,7 @@ def main() -> None:
                 if step.get("expect_error"):
                     continue  # its users together exceed the cache: refused as one request, not served per user
                 batch, cached, _ = load_trace_step(args.artifact / step["file"], True)
-                users = split_batch(batch)
+                users = Batch(**batch).users()
                 expected = cached.float().numpy().reshape(-1, num_tasks)
                 rows = np.split(expected, np.cumsum([len(u.candidate_ids) for u in users])[:-1])
                 for user, want, (status, got) in zip(users, rows, at_once(server, model, users, num_tasks)):

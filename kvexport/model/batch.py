@@ -80,6 +80,13 @@ class Batch:
             candidate_ids=torch.cat([u.candidate_ids for u in users]),
         )
 
+    def users(self) -> list["UserRequest"]:
+        """The inverse of concat: each user's request, in order."""
+        lengths, counts = self.history_lengths.tolist(), self.num_candidates.tolist()
+        return [UserRequest(int(u), items, actions, context, candidates) for u, items, actions, context, candidates in
+                zip(self.user_ids, self.item_ids.split(lengths), self.action_ids.split(lengths), self.context_ids,
+                    self.candidate_ids.split(counts))]
+
 
 @dataclasses.dataclass(frozen=True)
 class UserRequest:

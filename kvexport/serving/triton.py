@@ -136,15 +136,19 @@ def _stubs_of(workspace: Path) -> dict[int, str]:
     return stubs
 
 
+def _stat(process: Path) -> list[str]:
+    """/proc/PID/stat's fields after the command's name: [0] the state, [19] the start time."""
+    return (process / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _start_time(process: Path) -> str:
-    return (process / "stat").read_text().rsplit(")", 1)[1].split()[19]
+    return _stat(process)[19]
 
 
 def _running(pid: int, started: str) -> bool:
     """Whether that process (pid and start time) still runs: not gone, not a zombie."""
-    process = Path(f"/proc/{pid}")
     try:
-        fields = (process / "stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat(Path(f"/proc/{pid}"))
         return fields[0] != "Z" and fields[19] == started
     except (OSError, IndexError):
         return False

@@ -21,7 +21,9 @@ passed on to it; its exit status is the command's.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +35,8 @@ import tempfile
 from pathlib import Path
 
 from kvexport.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 STUB = "triton_python_backend_stub"  # the Python backend's process that runs a model instance
@@ -124,17 +128,17 @@ def run(repo: Path, options: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    arguments = sys.argv[1:] if argv is None else argv
-    if not arguments or arguments[0] in ("-h", "--help"):
-        print("usage: python -m kvexport.serving.tritonserver REPO [tritonserver options]\n"
-              "Serves the model repository REPO with the serve extra's tritonserver.",
-              file=sys.stdout if arguments else sys.stderr)
-        return 0 if arguments else 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(prog="python -m kvexport.serving.tritonserver",
+                                     description="Serves the model repository REPO with the serve extra's tritonserver.")
+    parser.add_argument("repo", type=Path, metavar="REPO")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="tritonserver's options, e.g. --http-port 8000")
+    args = parser.parse_args(argv)
     try:
-        return run(Path(arguments[0]), arguments[1:])
+        return run(args.repo, args.options)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        log.error("error: %s", exc)
+        return exc.exit_code
 
 
 if __name__ == "__main__":
