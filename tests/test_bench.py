@@ -80,6 +80,19 @@ def test_busy_processes_run_in_the_block_only(own_sessions):
     assert all(p.returncode is not None for p in processes)
 
 
+def test_on_a_busy_host_requests_take_fewer_threads_and_answer_the_same(tiny_artifact):
+    """With a busy process per CPU, the package runs requests on fewer threads than the caller's
+    (counted as busy_host_requests), and the trace still matches its eager expectations."""
+    from kvexport.trace.verify import verify_artifact
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: nothing to take away")
+    with busy_processes(available_cpus()):
+        report = verify_artifact(tiny_artifact)
+    assert report.passed, [s for s in report.steps if not s.passed]
+    assert report.counters["busy_host_requests"] > 0
+
+
 def test_busy_processes_end_when_the_bench_is_killed(tmp_path):
     """A bench killed mid-measurement (no finally runs) leaves no busy process behind."""
     pids_file = tmp_path / "pids"

@@ -46,7 +46,10 @@ def test_replay_passes_and_matches_python(replay_binary, tiny_artifact, tmp_path
         assert (c["hit_tokens"], c["recomputed_tokens"]) == (p["hit_tokens"], p["recomputed_tokens"])
         for key in ("vs_cached", "vs_full"):
             assert c[key]["max_abs"] == pytest.approx(p[key]["max_abs"], abs=1e-7)
-    assert cpp["counters"] == python["counters"]
+    # Every counter of the cache; busy_host_requests counts what the host's load was during each run.
+    load = "busy_host_requests"
+    assert {k: v for k, v in cpp["counters"].items() if k != load} == {k: v for k, v in python["counters"].items()
+                                                                        if k != load}
 
 
 def test_replay_cli_repeat_reports_percentiles(replay_binary, tiny_artifact, tmp_path):

@@ -4,10 +4,13 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -326,6 +329,8 @@ Scratch& scratch(int64_t block_keys, int64_t head_dim) {
 
 // The OpenMP thread count the calling thread had before begin_request_threads; 0 outside a request.
 thread_local int request_threads = 0;
+// Of those, the threads the request uses: fewer when other work keeps the CPUs busy (free_cpus).
+thread_local int request_budget = 0;
 
 // Requests with fewer new rows than this (a returning user's few new events and candidates) run
 // the package's other kernels on the calling thread. Each of them is tiny at this size, and on a
@@ -333,8 +338,30 @@ thread_local int request_threads = 0;
 // time slice per region, dozens of regions per request.
 constexpr int64_t kSerialRows = 1024;
 
-// The attention kernel's thread budget: the request's original one, not the serial one above.
-int kernel_threads() { return request_threads > 0 ? request_threads : at::get_num_threads(); }
+// The attention kernel's thread budget: the request's, not the serial one above.
+int kernel_threads() { return request_threads > 0 ? request_budget : at::get_num_threads(); }
+
+// How many of a team of `threads` the host's CPUs can run now: `threads` on an idle host, 1 when
+// every CPU of this process's affinity is taken. On a host with a busy process per CPU, a team of
+// two is a scheduler round trip per OpenMP region; one thread is not slowed more than its fair
+// share (benchmarks/RESULTS.md, contention). Linux's count of the tasks running or ready to run at
+// this instant (/proc/loadavg's fourth field) includes this thread and may include the team's
+// threads - 1 helpers still spinning after an earlier region: none of those counts as other work.
+// Other work is taken as spread evenly over the online CPUs; its share of ours is what is taken.
+int free_cpus(int threads) {
+  FILE* file = std::fopen("/proc/loadavg", "r");
+  if (file == nullptr) return threads;
+  double one, five, fifteen;
+  long running = 0, tasks = 0;
+  const int read = std::fscanf(file, "%lf %lf %lf %ld/%ld", &one, &five, &fifteen, &running, &tasks);
+  std::fclose(file);
+  cpu_set_t allowed;
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  if (read != 5 || online <= 0 || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return threads;
+  const long ours = CPU_COUNT(&allowed);
+  const long others = std::max(0L, running - threads) * ours / online;
+  return static_cast<int>(std::clamp<long>(ours - others, 1, threads));
+}
 
 // Below this many (row, key, head) triples a call runs on the calling thread: waking helpers
 // costs more than it saves, and on a busy host each parallel region can cost a time slice. At
@@ -457,13 +484,17 @@ class Attention {
 
 void begin_request_threads(int64_t new_rows) {
   if (request_threads == 0) request_threads = at::get_num_threads();  // kept if a request was never ended
-  omp_set_num_threads(new_rows < kSerialRows ? 1 : request_threads);
+  request_budget = request_threads > 1 ? free_cpus(request_threads) : request_threads;
+  omp_set_num_threads(new_rows < kSerialRows ? 1 : request_budget);
 }
 
-void end_request_threads() {
-  if (request_threads == 0) return;
+bool end_request_threads() {
+  if (request_threads == 0) return false;
+  const bool fewer = request_budget < request_threads;
   omp_set_num_threads(request_threads);
   request_threads = 0;
+  request_budget = 0;
+  return fewer;
 }
 
 at::Tensor rows_in_place(const at::Tensor& t) {

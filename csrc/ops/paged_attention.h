@@ -32,7 +32,9 @@ int64_t check_row_metadata(const at::Tensor& page_table, const at::Tensor& row_u
 // package (Inductor's kernels, ATen's parallel ops) on the calling thread; paged_attention_cpu
 // keeps the thread's original budget. Under CPU contention a region of a two-thread team costs a
 // scheduler round trip, and a cached request has dozens of tiny ones (benchmarks/RESULTS.md).
+// When other processes keep the CPUs busy, the request uses fewer threads than the thread has
+// (every region, the attention kernel's too). end_request_threads returns whether it did.
 void begin_request_threads(int64_t new_rows);
-void end_request_threads();
+bool end_request_threads();
 
 }  // namespace kvexport::ops

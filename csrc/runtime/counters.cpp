@@ -35,7 +35,8 @@ const std::vector<std::string>& stat_names() {
       "remote_rejected_format", "remote_rejected_checksum", "remote_rejected_runtime",
       "remote_rejected_prefix", "remote_writes", "remote_write_drops", "remote_errors",
       "remote_bytes_in",   "remote_bytes_out",  "remote_reads",        "remote_read_us",
-      "remote_read_us_max", "remote_connected", "remote_rejected", "remote_reconnects"};
+      "remote_read_us_max", "remote_connected", "remote_rejected", "remote_reconnects",
+      "busy_host_requests"};
   return names;
 }
 
@@ -48,7 +49,7 @@ std::vector<int64_t> stats_vector(const Counters& c, const Occupancy& o) {
           r.rejected_format,   r.rejected_checksum,  r.rejected_runtime,  r.rejected_prefix,
           r.writes,            r.write_drops,        r.errors,            r.bytes_in,
           r.bytes_out,         r.reads,              r.read_us,           r.read_us_max,
-          r.connected,         r.rejected(),         r.reconnects};
+          r.connected,         r.rejected(),         r.reconnects,        c.busy_host_requests};
 }
 
 }  // namespace kvexport::runtime

@@ -41,6 +41,7 @@ struct Counters {
   int64_t host_evictions = 0;      // users the first offload tier let go (to the next tier, if any)
   int64_t prefix_truncations = 0;  // users whose stored tokens diverged from the request
   int64_t stalled_batches = 0;     // batches released to another request after stalling
+  int64_t busy_host_requests = 0;  // CPU requests that ran on fewer threads: other work held the CPUs
   RemoteCounters remote;
 };
 

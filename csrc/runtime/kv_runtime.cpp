@@ -496,6 +496,11 @@ std::vector<int64_t> KVRuntime::stats() {
   return stats_vector(counters, Occupancy{pages_.num_used(), users_.size(), tiers_.used_pages(), tiers_.num_users()});
 }
 
+void KVRuntime::count_busy_host_request() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++counters_.busy_host_requests;
+}
+
 void KVRuntime::reset() {
   std::unique_lock<std::mutex> lock(mutex_);
   acquire_batch(lock);

@@ -86,6 +86,7 @@ class KVRuntime {
   void abort_batch();
 
   std::vector<int64_t> stats();
+  void count_busy_host_request();  // this thread's request ran on fewer CPU threads than it had
   void reset();
   bool evict_user(int64_t user_id);  // device tier -> offload tier; false if not on the device
   int64_t cached_length(int64_t user_id);  // tokens cached on the device or host tier
