@@ -344,6 +344,23 @@ def test_scorer_splits_a_triton_batch_into_distinct_users_in_arrival_order(tiny_
 
 
 @pytest.mark.slow
+def test_scorer_scores_a_triton_batch_of_several_package_calls_in_order(tiny_artifact, tiny_config, eager):
+    """Triton hands the model up to four package calls' worth of users at once: they are scored in
+    calls of at most the package's max_batch_size, oldest first."""
+    m = tiny_config.model
+    generator = torch.Generator().manual_seed(13)
+    users = [random_user(m, generator, 920 + i, 10 + i, 2) for i in range(2 * tiny_config.serving.max_batch_size + 2)]
+    with kvexport.load(tiny_artifact) as package:
+        recording = _RecordingPackage(package)
+        results = BatchScorer(recording).score([_batched(u) for u in users])
+    ids = [u.user_id for u in users]
+    size = tiny_config.serving.max_batch_size
+    assert [called for called, _ in recording.calls] == [ids[:size], ids[size:2 * size], ids[2 * size:]]
+    for got, want in zip(results, eager(users)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
 def test_scorer_splits_a_batch_the_cache_cannot_hold(tiny_artifact, tiny_config, eager):
     m = tiny_config.model
     generator = torch.Generator().manual_seed(12)
@@ -884,7 +901,8 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
                                               client_timeout=REQUEST_TIMEOUT_S,
                                               callback=lambda result, error, k=k: answers.put((k, result, error)))
                 deadline = time.monotonic() + START_TIMEOUT_S
-                queued = len(requests) - tiny_config.serving.max_batch_size  # all but the batch handed over
+                # All but the batch handed over: four package calls' worth of users (the tiny package's 4 each).
+                queued = len(requests) - 4 * tiny_config.serving.max_batch_size
                 pending = 0.0
                 while pending < queued and time.monotonic() < deadline:
                     pending = metric(http_get(ports.metrics, "/metrics")[1], "nv_inference_pending_request_count",

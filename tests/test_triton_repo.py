@@ -43,7 +43,8 @@ def test_the_repository_is_a_triton_model_config_and_the_artifact(tiny_artifact,
     write_repo(tiny_artifact, repo)
     model = repo / "hstu-tiny"
     config = text_format.Parse((model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    assert (config.name, config.backend, config.max_batch_size) == ("hstu-tiny", "python", 4)
+    # Four package calls' worth of users a Triton batch: the tiny package takes 4 a call.
+    assert (config.name, config.backend, config.max_batch_size) == ("hstu-tiny", "python", 16)
     ragged = {i.name for i in config.input if i.allow_ragged_batch}
     assert ragged == {"item_ids", "action_ids", "candidate_ids"}
     assert {i.name: list(i.dims) for i in config.input}["context_ids"] == [3]
@@ -608,3 +609,48 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
             server.kill()
         log.close()
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvexport-tritonserver-*"))) <= backends_before
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_artifact, tmp_path):
+    """Triton neither restarts a killed Python-backend stub nor stops reporting ready; the
+    repository's launcher sees the stub gone with its shared memory left behind, stops tritonserver
+    and exits 2 with one line: readiness no longer answers, no stub and no region remain."""
+    import signal
+
+    repo = tmp_path / "repo"
+    subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(tiny_artifact), "-o", str(repo),
+                    "--this-python"], check=True, capture_output=True, timeout=300)
+    ports = free_ports()
+    server = subprocess.Popen([str(repo / "tritonserver"), "--http-port", str(ports.http), "--grpc-port",
+                               str(ports.grpc), "--metrics-port", str(ports.metrics)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(ports.http):
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-3000:]
+            time.sleep(0.2)
+        model = os.fsencode(repo / "hstu-tiny" / "1" / "model.py")
+        stubs = []
+        for process in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                argv = process.joinpath("cmdline").read_bytes().split(b"\0")
+                if argv[1:2] == [model]:
+                    stubs.append((int(process.name), argv))
+        assert len(stubs) == 1, stubs
+        pid, argv = stubs[0]
+        region = Path("/dev/shm") / os.fsdecode(argv[2])
+        assert region.exists()
+        os.kill(pid, signal.SIGKILL)
+        assert server.wait(timeout=60) == 2
+        lines = server.stderr.read().strip().splitlines()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert [line for line in lines if line.startswith("error:")] == [
+        f"error: the Python-backend stub of {repo / 'hstu-tiny' / '1' / 'model.py'} (pid {pid}) died; Triton would "
+        "keep reporting ready while its requests fail: stopping tritonserver"]
+    assert not _ready(ports.http)
+    assert not region.exists()

@@ -714,8 +714,8 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
       INT64 -> logits [1, T, num_tasks] FP32
     Runs the model repository `kvexport triton-repo` writes (the artifact referenced where it is,
     in a private workspace) under the extra's tritonserver. The Triton model is named after the
-    artifact. Triton's dynamic batcher merges concurrent requests into one jagged batch of the
-    package (up to its max_batch_size users); two requests of one user never share a package call
+    artifact. Triton's dynamic batcher merges concurrent requests (up to four times the package's
+    max_batch_size users), scored in jagged package calls; two requests of one user never share a package call
     and run in the order they reach the model. A refused request gets a Triton error with its
     one-line message (HTTP 400, gRPC INVALID_ARGUMENT; a capacity refusal 503, UNAVAILABLE).
     Ready (/v2/health/ready) once the package is loaded and warmed up. SIGTERM or SIGINT: new
@@ -726,7 +726,8 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
     remote = _remote_url(remote, remote_password_file)
 
     def ready(server) -> None:
-        click.echo(f"serving {server.model_name} from {out} (batches of up to {server.max_batch_size} users): "
+        click.echo(f"serving {server.model_name} from {out} (batches of up to {server.max_batch_size} users, "
+                   f"{server.package_batch_size} a package call): "
                    f"http {address}:{http_port}, "
                    f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}")
 

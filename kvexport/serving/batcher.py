@@ -1,9 +1,10 @@
 """Scoring the batches Triton's dynamic batcher forms: one request is one user.
 
 Triton queues the requests of the model in the order they reach it and, whenever the model's one
-instance is free, hands it the oldest ones, up to the package's max_batch_size (a jagged batch: each
-user's history has its own length). Each request's arrays are checked here (names, dtypes, shapes);
-the requests are scored in sub-batches of distinct users (take_batch): when a user sent two requests
+instance is free, hands it the oldest ones, up to a few package calls' worth
+(kvexport.serving.repository.triton_batch_size; a jagged batch: each user's history has its own
+length). Each request's arrays are checked here (names, dtypes, shapes); the requests are scored in
+package calls of at most the package's max_batch_size distinct users (take_batch): when a user sent two requests
 that landed in one batch, the second is scored after the first, in a later package call, and sees
 the cache the first left. One instance, batches scored one after the other: a user's requests run in
 the order they reached the server. A request's values (limits, vocabularies) are checked once, by the

@@ -122,38 +122,6 @@ def end_leftovers(workspace: Path, shm_prefix: str) -> None:
             region.unlink()
 
 
-def _stubs_of(workspace: Path) -> dict[int, str]:
-    """The Python-backend stubs started from this workspace: pid -> its start time (field 22 of
-    /proc/PID/stat), which tells a pid reused by another process from the stub."""
-    stubs = {}
-    for process in Path("/proc").glob("[0-9]*"):
-        try:
-            argv0 = (process / "cmdline").read_bytes().split(b"\0")[0]
-            if argv0 == os.fsencode(workspace / "backends" / "python" / tritonserver.STUB):
-                stubs[int(process.name)] = _start_time(process)
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
-            continue
-    return stubs
-
-
-def _stat(process: Path) -> list[str]:
-    """/proc/PID/stat's fields after the command's name: [0] the state, [19] the start time."""
-    return (process / "stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _start_time(process: Path) -> str:
-    return _stat(process)[19]
-
-
-def _running(pid: int, started: str) -> bool:
-    """Whether that process (pid and start time) still runs: not gone, not a zombie."""
-    try:
-        fields = _stat(Path(f"/proc/{pid}"))
-        return fields[0] != "Z" and fields[19] == started
-    except (OSError, IndexError):
-        return False
-
-
 def _wait_until_ended(processes: list[Path], timeout_s: float) -> None:
     """Waits (at most timeout_s) until each /proc entry is gone or a zombie: a process killed with
     SIGKILL ends a moment later, not when kill() returns."""
@@ -199,7 +167,8 @@ class Server:
         self.batching, self.threads = batching, threads
         self.remote, self.remote_write = remote, check_write_policy(remote_write, "--remote-write")
         self.model_name = ""
-        self.max_batch_size = 0
+        self.max_batch_size = 0  # users per Triton batch (one execution of the model)
+        self.package_batch_size = 0  # users per package call
         self._device = "cpu"
         self.workspace: Path | None = None
         self._shm_prefix = f"kvexport{os.getpid()}-{id(self):x}-"
@@ -208,7 +177,7 @@ class Server:
         self._tail: collections.deque[str] = collections.deque(maxlen=SERVER_LOG_TAIL)
         self._serving = False
         self._stopping = threading.Lock()
-        self._stubs: dict[int, str] = {}  # the model's stub processes once it serves: pid -> start time
+        self._stubs: list[tritonserver.Stub] = []  # the model's stub processes once it serves
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -228,7 +197,7 @@ class Server:
             self.stop()
             raise
         self._tail.clear()  # from now on: what tritonserver says while serving
-        self._stubs = _stubs_of(self.workspace)
+        self._stubs = tritonserver.stubs(self.workspace)
         if not self._stubs:  # the drain and the watch both wait on them
             self.stop()
             raise RuntimeError(f"kvexport bug: no Python-backend stub of {self.model_name} found once it was ready")
@@ -238,7 +207,7 @@ class Server:
     def _write_repository(self) -> Path:
         """The workspace's repository: the artifact where it is, this Python, the remote tier."""
         from kvexport.artifact import open_artifact
-        from kvexport.serving.repository import Remote, write_repository
+        from kvexport.serving.repository import Remote, triton_batch_size, write_repository
 
         remote = None
         if self.remote is not None:
@@ -255,7 +224,8 @@ class Server:
                                  python_path=tritonserver.site_packages(), copy_artifact=False, threads=self.threads,
                                  drain_file=self.workspace / DRAIN_FILE)
         self.model_name = model.name
-        self.max_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
+        self.max_batch_size = triton_batch_size(artifact.config.serving.max_batch_size, self.batching)
+        self.package_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
         self._device = artifact.manifest.get("device", artifact.config.serving.device)
         return model
 
@@ -312,7 +282,7 @@ class Server:
     def dead_stub(self) -> int | None:
         """The pid of a stub of the model that has died while serving, else None. Triton does not
         restart it: its /v2/health/ready stays true while every request fails."""
-        return next((pid for pid, started in self._stubs.items() if not _running(pid, started)), None)
+        return next((stub.pid for stub in self._stubs if not stub.running()), None)
 
     def server_log_tail(self) -> list[str]:
         return list(self._tail)
@@ -327,7 +297,7 @@ class Server:
         (self.workspace / DRAIN_FILE).touch()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while time.monotonic() < deadline:
-            if all(not _running(pid, started) for pid, started in self._stubs.items()):
+            if all(not stub.running() for stub in self._stubs):
                 return
             time.sleep(UNLOAD_POLL_S)
         log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, DRAIN_TIMEOUT_S)

@@ -16,12 +16,18 @@ directory in its `python_path` parameter (`kvexport triton-repo --python-path`).
 `python -m kvexport.serving.tritonserver REPO [tritonserver options]` (what a repository's
 `tritonserver` launcher runs) serves REPO so: the backend directory in a temporary directory,
 removed when tritonserver exits; the routing header forwarded to the model; SIGTERM and SIGINT
-passed on to it; its exit status is the command's.
+passed on to it; its exit status is the command's. It also watches the models' Python-backend
+stubs: Triton neither restarts a stub that died (`kill -KILL`, the OOM killer) nor stops reporting
+ready, so every request to its model fails while /v2/health/ready answers 200. A stub that has
+ended while its shared-memory region is still there (a model Triton unloads ends its stub and
+removes the region; a killed stub leaves it) stops tritonserver, and the command exits 2 with one
+line: the server is then gone, as an orchestrator's readiness and liveness probes see.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -40,6 +46,9 @@ log = logging.getLogger(__name__)
 
 
 STUB = "triton_python_backend_stub"  # the Python backend's process that runs a model instance
+WATCH_S = 1.0  # how often the launcher looks at its stubs
+STOP_WAIT_S = 10  # after a stub died: how long tritonserver may take to exit on SIGTERM before SIGKILL
+DEAD_STUB_EXIT = 2
 
 
 def distribution() -> Path:
@@ -89,11 +98,84 @@ def prepare(workdir: Path) -> tuple[list[str], dict[str, str]]:
     return command, env
 
 
+@dataclasses.dataclass(frozen=True)
+class Stub:
+    """A Python-backend stub process: its pid, its start time (field 22 of /proc/PID/stat, which tells
+    a pid reused by another process from the stub), its model's file and its shared-memory region."""
+
+    pid: int
+    started: str
+    model: str
+    region: str
+
+    def running(self) -> bool:
+        """Whether the stub still runs: not gone, not a zombie, not another process with its pid."""
+        try:
+            fields = _stat(Path(f"/proc/{self.pid}"))
+            return fields[0] != "Z" and fields[19] == self.started
+        except (OSError, IndexError):
+            return False
+
+    def died(self) -> bool:
+        """Ended without Triton unloading its model: its shared-memory region is left behind."""
+        return not self.running() and (Path("/dev/shm") / self.region).exists()
+
+
+def stubs(workdir: Path) -> list[Stub]:
+    """The Python-backend stubs of the tritonserver whose backend directory `prepare` laid out in
+    workdir (their argv: the stub, the model's file, the shared-memory region, ...)."""
+    found = []
+    executable = os.fsencode(workdir / "backends" / "python" / STUB)
+    for process in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (process / "cmdline").read_bytes().split(b"\0")
+            if argv[0] == executable:
+                found.append(Stub(int(process.name), _stat(process)[19], os.fsdecode(argv[1]), os.fsdecode(argv[2])))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _stat(process: Path) -> list[str]:
+    """/proc/PID/stat's fields after the command's name: [0] the state, [19] the start time."""
+    return (process / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _watch(process: subprocess.Popen, workdir: Path, stopping: list[int]) -> int:
+    """Waits for tritonserver, looking at its stubs every WATCH_S; a stub that died stops it
+    (SIGTERM, SIGKILL after STOP_WAIT_S): DEAD_STUB_EXIT then, else tritonserver's exit status."""
+    seen: dict[int, Stub] = {}
+    suspects: set[int] = set()  # ended with their region left: dead if still so one look later
+    while True:
+        try:
+            return process.wait(timeout=WATCH_S)
+        except subprocess.TimeoutExpired:
+            pass
+        for stub in stubs(workdir):
+            seen.setdefault(stub.pid, stub)
+        ended = {pid for pid, stub in seen.items() if stub.died()}
+        dead = next((seen[pid] for pid in ended & suspects), None)
+        if dead is None or stopping:
+            # A model being unloaded may end its stub a moment before Triton removes the region.
+            suspects = ended
+            seen = {pid: stub for pid, stub in seen.items() if stub.running() or pid in ended}
+            continue
+        log.error("error: the Python-backend stub of %s (pid %d) died; Triton would keep reporting ready while "
+                  "its requests fail: stopping tritonserver", dead.model, dead.pid)
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        return DEAD_STUB_EXIT
+
+
 def run(repo: Path, options: list[str]) -> int:
     """tritonserver --model-repository REPO OPTIONS, its backend laid out in a temporary directory
     removed when it exits, the routing header forwarded to the model (which checks it); SIGTERM and
     SIGINT passed on (it runs in its own process group, so a terminal's Ctrl-C reaches it once); its
-    exit status. Any other way out of here stops it first."""
+    exit status, or DEAD_STUB_EXIT once a stub died (_watch). Any other way out of here stops it first."""
     from kvexport.serving.triton_router import ROUTING_HEADER
 
     if not repo.is_dir():
@@ -117,7 +199,7 @@ def run(repo: Path, options: list[str]) -> int:
             try:
                 if received:  # a signal that came before the server did
                     process.send_signal(received[0])
-                return process.wait()
+                return _watch(process, Path(work), received)
             finally:
                 if process.poll() is None:
                     process.terminate()
