@@ -356,7 +356,7 @@ int free_cpus(int threads) {
   const int read = std::fscanf(file, "%lf %lf %lf %ld/%ld", &one, &five, &fifteen, &running, &tasks);
   std::fclose(file);
   cpu_set_t allowed;
-  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  static const long online = sysconf(_SC_NPROCESSORS_ONLN);
   if (read != 5 || online <= 0 || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return threads;
   const long ours = CPU_COUNT(&allowed);
   const long others = std::max(0L, running - threads) * ours / online;

@@ -209,10 +209,7 @@ void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Te
   request_op(name, [&] {
     require_defined({&user_ids, &after});
     check_kind("user_ids", user_ids, 1);
-    auto rt = runtime::find_runtime(name);
-    // Counted while this thread still owns the batch; a request that fails is not counted.
-    if (end_request_threads()) rt->count_busy_host_request();
-    rt->end_batch(values_of(user_ids.contiguous()));
+    runtime::find_runtime(name)->end_batch(values_of(user_ids.contiguous()), end_request_threads());
     return 0;
   });
 }

@@ -452,7 +452,7 @@ void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tens
   store_rows(slots, value_slots, v.narrow(0, first, prefix_rows));
 }
 
-void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
+void KVRuntime::end_batch(const std::vector<int64_t>& user_ids, bool fewer_threads) {
   std::unique_lock<std::mutex> lock(mutex_);
   const auto& plan = owned_batch();
   if (user_ids != plan.user_ids) {
@@ -475,6 +475,7 @@ void KVRuntime::end_batch(const std::vector<int64_t>& user_ids) {
     entry.token_ids.insert(entry.token_ids.end(), plan.uncached_tokens[b].begin(), plan.uncached_tokens[b].end());
     if (store && !entry.token_ids.empty()) tiers_.store_after_batch(plan.user_ids[b], copy_to_host(entry));
   }
+  if (fewer_threads) ++counters_.busy_host_requests;
   owner_.reset();
   lock.unlock();
   released_.notify_all();
@@ -494,11 +495,6 @@ std::vector<int64_t> KVRuntime::stats() {
   Counters counters = counters_;
   tiers_.add_counters(counters);
   return stats_vector(counters, Occupancy{pages_.num_used(), users_.size(), tiers_.used_pages(), tiers_.num_users()});
-}
-
-void KVRuntime::count_busy_host_request() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  ++counters_.busy_host_requests;
 }
 
 void KVRuntime::reset() {

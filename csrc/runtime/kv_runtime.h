@@ -80,13 +80,13 @@ class KVRuntime {
     return attend(plan, cache_.select(0, layer));
   }
   // Commits the batch's token ids and releases the runtime to other threads.
-  void end_batch(const std::vector<int64_t>& user_ids);
+  // fewer_threads: the request ran on fewer CPU threads than its thread has (counted once committed).
+  void end_batch(const std::vector<int64_t>& user_ids, bool fewer_threads = false);
   // Releases this thread's batch without committing (a request that failed midway); no-op
   // when the thread has none.
   void abort_batch();
 
   std::vector<int64_t> stats();
-  void count_busy_host_request();  // this thread's request ran on fewer CPU threads than it had
   void reset();
   bool evict_user(int64_t user_id);  // device tier -> offload tier; false if not on the device
   int64_t cached_length(int64_t user_id);  // tokens cached on the device or host tier

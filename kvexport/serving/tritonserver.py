@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 STUB = "triton_python_backend_stub"  # the Python backend's process that runs a model instance
 WATCH_S = 1.0  # how often the launcher looks at its stubs
-STOP_WAIT_S = 10  # after a stub died: how long tritonserver may take to exit on SIGTERM before SIGKILL
+# After a stub died: how long tritonserver may take to exit on SIGTERM before SIGKILL (longer than
+# its default exit timeout, 30 s, so that it removes the models' shared memory itself).
+STOP_WAIT_S = 40
 DEAD_STUB_EXIT = 2
 
 
@@ -116,9 +118,9 @@ class Stub:
         except (OSError, IndexError):
             return False
 
-    def died(self) -> bool:
-        """Ended without Triton unloading its model: its shared-memory region is left behind."""
-        return not self.running() and (Path("/dev/shm") / self.region).exists()
+    def has_region(self) -> bool:
+        """Whether its shared-memory region exists: Triton removes it when it unloads the model."""
+        return (Path("/dev/shm") / self.region).exists()
 
 
 def stubs(workdir: Path) -> list[Stub]:
@@ -144,7 +146,7 @@ def _stat(process: Path) -> list[str]:
 def _watch(process: subprocess.Popen, workdir: Path, stopping: list[int]) -> int:
     """Waits for tritonserver, looking at its stubs every WATCH_S; a stub that died stops it
     (SIGTERM, SIGKILL after STOP_WAIT_S): DEAD_STUB_EXIT then, else tritonserver's exit status."""
-    seen: dict[int, Stub] = {}
+    seen: dict[int, Stub] = {}  # every stub whose region exists: a stub that dies stays here
     suspects: set[int] = set()  # ended with their region left: dead if still so one look later
     while True:
         try:
@@ -153,12 +155,12 @@ def _watch(process: subprocess.Popen, workdir: Path, stopping: list[int]) -> int
             pass
         for stub in stubs(workdir):
             seen.setdefault(stub.pid, stub)
-        ended = {pid for pid, stub in seen.items() if stub.died()}
+        seen = {pid: stub for pid, stub in seen.items() if stub.has_region()}
+        # A model being unloaded may end its stub a moment before Triton removes the region.
+        ended = {pid for pid, stub in seen.items() if not stub.running()}
         dead = next((seen[pid] for pid in ended & suspects), None)
+        suspects = ended
         if dead is None or stopping:
-            # A model being unloaded may end its stub a moment before Triton removes the region.
-            suspects = ended
-            seen = {pid: stub for pid, stub in seen.items() if stub.running() or pid in ended}
             continue
         log.error("error: the Python-backend stub of %s (pid %d) died; Triton would keep reporting ready while "
                   "its requests fail: stopping tritonserver", dead.model, dead.pid)
