@@ -150,39 +150,6 @@ def test_many_users_one_head(ops):
     check_close(ops, inputs, alpha=0.125, inv_scaling=1.0 / 512)
 
 
-@pytest.mark.parametrize("users, heads", [
-    ([(8100, 32, 100)], 4),                # batch 1 of the serving workload: many key chunks, several clusters
-    ([(3000, 20, 50), (2900, 10, 40)], 2),  # chunks that one cluster holds (it writes the output)
-], ids=["one-user", "two-users"])
-def test_long_histories_of_few_users(ops, users, heads):
-    """Few tiles x heads: each user's keys split into chunks, on sm_90 and newer run as clusters
-    whose sums meet in shared memory."""
-    inputs = make_inputs(users, heads, 128, 32, torch.bfloat16, seed=len(users))
-    check_close(ops, inputs, alpha=0.1, inv_scaling=1.0 / 8192)
-    cuda_inputs = to_cuda(inputs)
-    first = ops.hstu_paged_attention(*cuda_inputs, 0.1, 1.0 / 8192)
-    assert torch.equal(ops.hstu_paged_attention(*cuda_inputs, 0.1, 1.0 / 8192), first)
-
-
-def test_replays_in_a_cuda_graph(ops):
-    """Captured in a CUDA graph (the step program's route) it replays the eager result, the split
-    over key chunks included."""
-    cuda_inputs = to_cuda(make_inputs([(8100, 32, 100)], 4, 128, 32, torch.bfloat16, seed=13))
-    eager = ops.hstu_paged_attention(*cuda_inputs, 0.1, 1.0 / 8192)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.hstu_paged_attention(*cuda_inputs, 0.1, 1.0 / 8192)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = ops.hstu_paged_attention(*cuda_inputs, 0.1, 1.0 / 8192)
-    captured.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
-
-
 def test_deterministic(ops):
     page_size = 16
     inputs = to_cuda(make_inputs(users_for(page_size), 2, 128, page_size, torch.bfloat16, seed=3))

@@ -12,11 +12,7 @@
 //   and O += P V. Without softmax, key chunks are
 //   independent: when tiles x heads alone would not fill the GPU, the grid's third dimension
 //   splits each user's keys into chunks, each chunk writes fp32 partial sums, and combine_kernel
-//   adds them in chunk order (deterministic) with the candidates' self term and casts. On sm_90 and
-//   newer the chunks of one tile x head run as a thread-block cluster instead: their sums meet in
-//   shared memory and are added there in rank order (also deterministic), so only one partial
-//   sum per cluster reaches global memory, or none when one cluster holds all the chunks (the
-//   cluster then writes the output itself, without combine_kernel).
+//   adds them in chunk order (deterministic) with the candidates' self term and casts.
 // - attention_generic_kernel (everything else: float32, other head sizes): one warp per
 //   (row, head), lanes over head_dim, keys one by one, exact fp32.
 #include "ops/paged_attention_cuda.h"
@@ -27,7 +23,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
@@ -64,7 +59,6 @@ struct Params {
   int64_t rows, max_pages;
   int heads, head_dim, page_size;
   int chunks, chunk_keys;  // chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys); the last one all the rest
-  int cluster;             // consecutive chunks of a tile x head in one thread-block cluster (1: none)
   int64_t split_tiles;     // host only: the tiles that hold rows, for sizing the split over keys
   float alpha, inv_scaling;
 };
@@ -216,97 +210,6 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t bits) {
 
 __device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_cast<const uint32_t*>(p); }
 
-__device__ __forceinline__ void add4(float4& sum, const float4& x) {
-  sum.x += x.x;
-  sum.y += x.y;
-  sum.z += x.z;
-  sum.w += x.w;
-}
-
-// Output dims [d, d + 4) of (row, head h) from their fp32 sum over the cached keys: plus a
-// candidate's own key, in fp32 from the inputs, then cast. The kDim / 4 lanes of one (row, head)
-// add the self dot product with shuffles, so every lane of `mask` (whole groups) calls this, rows
-// < 0 included (they write nothing).
-template <typename T, int kDim>
-__device__ __forceinline__ void finish_row(const Params& p, int64_t row, int h, int d, float4 sum, unsigned mask) {
-  constexpr int kGroup = kDim / 4;
-  const bool self = row >= 0 && p.row_candidate[row];
-  float dot = 0.0f;
-  if (self) {
-    const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * kDim + d;
-    const T* const k_row = static_cast<const T*>(p.k) + row * p.k_stride + h * kDim + d;
-    const float2 q01 = unpack2<T>(load_pair(q_row)), q23 = unpack2<T>(load_pair(q_row + 2));
-    const float2 k01 = unpack2<T>(load_pair(k_row)), k23 = unpack2<T>(load_pair(k_row + 2));
-    dot = q01.x * k01.x + q01.y * k01.y + q23.x * k23.x + q23.y * k23.y;
-  }
-#pragma unroll
-  for (int offset = kGroup / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(mask, dot, offset);
-  if (row < 0) return;
-  if (self) {
-    const float w = silu(p.alpha * dot) * p.inv_scaling;
-    const T* const v_row = static_cast<const T*>(p.v) + row * p.v_stride + h * kDim + d;
-    const float2 v01 = unpack2<T>(load_pair(v_row)), v23 = unpack2<T>(load_pair(v_row + 2));
-    sum.x += w * v01.x;
-    sum.y += w * v01.y;
-    sum.z += w * v23.x;
-    sum.w += w * v23.y;
-  }
-  T* const o = static_cast<T*>(p.out) + (row * p.heads + h) * kDim + d;
-  *reinterpret_cast<uint2*>(o) = make_uint2(pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w));
-}
-
-// The epilogue of a block in a cluster (sm_90 and newer): the block leaves its tile's sums (times
-// inv_scaling) in its shared memory, over the pipeline's stages, then adds one share of the
-// tile's rows over every block of the cluster, in rank order, and writes that share: the output
-// when the cluster holds all of the tile's chunks, else the cluster's partial sum for
-// combine_kernel. Thread (g, t) of a warp holds dims 8 n + 2 t, +1 of its rows g (acc[n][0..1])
-// and g + 8 (acc[n][2..3]).
-template <typename T, int kDim, int kWarps>
-__device__ __forceinline__ void reduce_over_cluster(const Params& p, const float (&acc)[kDim / 8][4], float* sums,
-                                                    const int64_t* tile_row, int h, int chunk) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kThreads = 32 * kWarps, kGroup = kDim / 4;
-  constexpr int kItems = 16 * kWarps * kGroup;  // 4 dims each
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  __syncthreads();  // every warp is done with the stages that `sums` overlays
-#pragma unroll
-  for (int n = 0; n < kDim / 8; ++n) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      *reinterpret_cast<float2*>(sums + (16 * warp + g + 8 * half) * kDim + 8 * n + 2 * t) =
-          make_float2(acc[n][2 * half] * p.inv_scaling, acc[n][2 * half + 1] * p.inv_scaling);
-    }
-  }
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every block's sums are in its shared memory
-  const int ranks = int(cluster.num_blocks()), rank = int(cluster.block_rank());
-  const int share = (kItems / kGroup + ranks - 1) / ranks * kGroup;  // whole rows
-  // Every lane runs the same number of passes (finish_row's shuffles), idle ones with row -1.
-  for (int base = 0; base < share; base += kThreads) {
-    const int item = rank * share + base + int(threadIdx.x);
-    const bool mine = base + int(threadIdx.x) < share && item < kItems;
-    const int r = mine ? item / kGroup : 0, d = 4 * (item % kGroup);
-    const int64_t row = mine ? tile_row[r] : -1;
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (row >= 0) {
-      for (int other = 0; other < ranks; ++other) {
-        add4(sum, *reinterpret_cast<const float4*>(cluster.map_shared_rank(sums, other) + r * kDim + d));
-      }
-    }
-    if (p.chunks == p.cluster) {
-      finish_row<T, kDim>(p, row, h, d, sum, 0xffffffffu);
-    } else if (row >= 0) {
-      *reinterpret_cast<float4*>(p.partial + ((chunk / p.cluster * p.rows + row) * p.heads + h) * kDim + d) = sum;
-    }
-  }
-  cluster.sync();  // no block leaves, or reuses its shared memory, while another reads it
-#else
-  __trap();  // the host launches clusters on sm_90 and newer only
-#endif
-}
-
 // Grid (tiles, heads, chunks). Fragment layouts are those of mma.m16n8k16 (PTX ISA): lane = 4 g + t
 // holds rows g and g + 8, columns 2t and 2t + 1 of each 8-column accumulator tile.
 template <typename T, int kDim, int kWarps>
@@ -359,9 +262,8 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
     const int start = chunk * p.chunk_keys;
     const int end = chunk == p.chunks - 1 ? tile_max : min(tile_max, start + p.chunk_keys);
     // With one chunk every block writes its rows' output (rows without keys included); with
-    // several, combine_kernel reads only the chunks that hold some of a row's keys. Every block
-    // of a cluster takes part in its reduction, with or without keys.
-    if (p.cluster > 1 || p.chunks == 1 || start < end) {
+    // several, combine_kernel reads only the chunks that hold some of a row's keys.
+    if (p.chunks == 1 || start < end) {
       const int64_t row0 = tile_row[16 * warp + g], row1 = tile_row[16 * warp + g + 8];
       const int limit0 = min(tile_keys[16 * warp + g], end), limit1 = min(tile_keys[16 * warp + g + 8], end);
       const int warp_end = min(warp_max, end);
@@ -472,61 +374,57 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
         }
       }
       cp_async_wait<0>();  // no copy may land in shared memory the next rows reuse
-      if (p.cluster > 1) {
-        static_assert(kTileRows * kDim * sizeof(float) <= Shape::kSmemBytes, "the tile's sums overlay the stages");
-        reduce_over_cluster<T, kDim, kWarps>(p, acc, reinterpret_cast<float*>(smem_raw), tile_row, h, chunk);
-      } else {
-        // Epilogue. Thread (g, t) holds dims 8 n + 2 t, +1 of rows g (acc[n][0..1]) and g + 8
-        // (acc[n][2..3]); its Q fragments hold q at exactly those dims.
-  #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int64_t row = half == 0 ? row0 : row1;
-          if (p.chunks == 1) {
-            // The candidate's own key, in fp32 from the inputs: a dot product over the 4 lanes of the row.
-            const bool self = row >= 0 && p.row_candidate[row];
-            const T* const k_row = k + (self ? row * p.k_stride : 0) + h * kDim + 2 * t;
-            const T* const v_row = v + (self ? row * p.v_stride : 0) + h * kDim + 2 * t;
-            float dot = 0.0f;
-            if (self) {
-  #pragma unroll
-              for (int n = 0; n < 2 * kSteps; ++n) {
-                const float2 qv = unpack2<T>(qf[n / 2][2 * (n % 2) + half]);
-                const float2 kv = unpack2<T>(load_pair(k_row + 8 * n));
-                dot += qv.x * kv.x + qv.y * kv.y;
-              }
-            }
-            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-            if (row >= 0) {
-              const float w = self ? silu(p.alpha * dot) * p.inv_scaling : 0.0f;
-              T* const o = static_cast<T*>(p.out) + (row * p.heads + h) * kDim + 2 * t;
-  #pragma unroll
-              for (int n = 0; n < 2 * kSteps; ++n) {
-                float o0 = acc[n][2 * half] * p.inv_scaling, o1 = acc[n][2 * half + 1] * p.inv_scaling;
-                if (self) {
-                  const float2 vv = unpack2<T>(load_pair(v_row + 8 * n));
-                  o0 += w * vv.x;
-                  o1 += w * vv.y;
-                }
-                *reinterpret_cast<uint32_t*>(o + 8 * n) = pack2<T>(o0, o1);
-              }
-            }
-          } else if (row >= 0) {
-            float* const o = p.partial + ((chunk * p.rows + row) * p.heads + h) * kDim + 2 * t;
-  #pragma unroll
+
+      // Epilogue. Thread (g, t) holds dims 8 n + 2 t, +1 of rows g (acc[n][0..1]) and g + 8
+      // (acc[n][2..3]); its Q fragments hold q at exactly those dims.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = half == 0 ? row0 : row1;
+        if (p.chunks == 1) {
+          // The candidate's own key, in fp32 from the inputs: a dot product over the 4 lanes of the row.
+          const bool self = row >= 0 && p.row_candidate[row];
+          const T* const k_row = k + (self ? row * p.k_stride : 0) + h * kDim + 2 * t;
+          const T* const v_row = v + (self ? row * p.v_stride : 0) + h * kDim + 2 * t;
+          float dot = 0.0f;
+          if (self) {
+#pragma unroll
             for (int n = 0; n < 2 * kSteps; ++n) {
-              *reinterpret_cast<float2*>(o + 8 * n) =
-                  make_float2(acc[n][2 * half] * p.inv_scaling, acc[n][2 * half + 1] * p.inv_scaling);
+              const float2 qv = unpack2<T>(qf[n / 2][2 * (n % 2) + half]);
+              const float2 kv = unpack2<T>(load_pair(k_row + 8 * n));
+              dot += qv.x * kv.x + qv.y * kv.y;
             }
+          }
+          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+          if (row >= 0) {
+            const float w = self ? silu(p.alpha * dot) * p.inv_scaling : 0.0f;
+            T* const o = static_cast<T*>(p.out) + (row * p.heads + h) * kDim + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 2 * kSteps; ++n) {
+              float o0 = acc[n][2 * half] * p.inv_scaling, o1 = acc[n][2 * half + 1] * p.inv_scaling;
+              if (self) {
+                const float2 vv = unpack2<T>(load_pair(v_row + 8 * n));
+                o0 += w * vv.x;
+                o1 += w * vv.y;
+              }
+              *reinterpret_cast<uint32_t*>(o + 8 * n) = pack2<T>(o0, o1);
+            }
+          }
+        } else if (row >= 0) {
+          float* const o = p.partial + ((chunk * p.rows + row) * p.heads + h) * kDim + 2 * t;
+#pragma unroll
+          for (int n = 0; n < 2 * kSteps; ++n) {
+            *reinterpret_cast<float2*>(o + 8 * n) =
+                make_float2(acc[n][2 * half] * p.inv_scaling, acc[n][2 * half + 1] * p.inv_scaling);
           }
         }
       }
     }
-    __syncthreads();  // tile_row and tile_keys are rewritten for the next rows
+    __syncthreads();  // tile_row and tile_keys are rewritten for the next 64 rows
   }
 }
 
-// Adds the partial sums of the key chunks (or of their clusters) in order and the candidates' self term. Each thread
+// Adds the key chunks' partial sums in chunk order and the candidates' self term. Each thread
 // owns 4 adjacent dims of one (row, head), kDim / 4 threads to an item (a power of two that
 // divides the warp): 16-byte loads of the partial sums, kChunkBatch of them in flight before
 // they are added, still one after another in chunk order (deterministic, and the same sums as
@@ -540,20 +438,35 @@ __global__ void combine_kernel(const Params p) {
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t item = thread / kGroup;
   const int d = 4 * int(thread % kGroup);
-  // Whole groups are in or out together: the shuffles of finish_row stay within live lanes.
+  // Whole groups are in or out together: the shuffles below stay within live lanes.
   if (item >= p.rows * p.heads) return;
   const int64_t row = item / p.heads;
   const int h = int(item % p.heads);
-  // The chunks that hold some of the row's keys, then the partial sums that cover them: one a
-  // chunk, or one a cluster of p.cluster chunks.
   const int64_t keys = p.row_keys[row];
   const int64_t chunks_read = (keys + p.chunk_keys - 1) / p.chunk_keys;
-  const int chunks_used = keys <= 0 ? 0 : int(chunks_read < p.chunks ? chunks_read : p.chunks);
-  const int used = (chunks_used + p.cluster - 1) / p.cluster;
+  const int used = keys <= 0 ? 0 : int(chunks_read < p.chunks ? chunks_read : p.chunks);
+  const bool self = p.row_candidate[row];
   const unsigned group_mask =
       kGroup == 32 ? 0xffffffffu : ((1u << kGroup) - 1) << (threadIdx.x % 32 / kGroup * kGroup);
+  float w = 0.0f;
+  if (self) {
+    const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * kDim + d;
+    const T* const k_row = static_cast<const T*>(p.k) + row * p.k_stride + h * kDim + d;
+    const float2 q01 = unpack2<T>(load_pair(q_row)), q23 = unpack2<T>(load_pair(q_row + 2));
+    const float2 k01 = unpack2<T>(load_pair(k_row)), k23 = unpack2<T>(load_pair(k_row + 2));
+    float dot = q01.x * k01.x + q01.y * k01.y + q23.x * k23.x + q23.y * k23.y;
+#pragma unroll
+    for (int offset = kGroup / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(group_mask, dot, offset);
+    w = silu(p.alpha * dot) * p.inv_scaling;
+  }
   const int64_t chunk_stride = p.rows * p.heads * kDim;
   const float* const partial = p.partial + item * kDim + d;
+  const auto add = [](float4& sum, const float4& x) {
+    sum.x += x.x;
+    sum.y += x.y;
+    sum.z += x.z;
+    sum.w += x.w;
+  };
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   int c = 0;
   for (; c + kChunkBatch <= used; c += kChunkBatch) {
@@ -561,10 +474,19 @@ __global__ void combine_kernel(const Params p) {
 #pragma unroll
     for (int i = 0; i < kChunkBatch; ++i) batch[i] = *reinterpret_cast<const float4*>(partial + (c + i) * chunk_stride);
 #pragma unroll
-    for (int i = 0; i < kChunkBatch; ++i) add4(sum, batch[i]);
+    for (int i = 0; i < kChunkBatch; ++i) add(sum, batch[i]);
   }
-  for (; c < used; ++c) add4(sum, *reinterpret_cast<const float4*>(partial + c * chunk_stride));
-  finish_row<T, kDim>(p, row, h, d, sum, group_mask);
+  for (; c < used; ++c) add(sum, *reinterpret_cast<const float4*>(partial + c * chunk_stride));
+  if (self) {
+    const T* const v_row = static_cast<const T*>(p.v) + row * p.v_stride + h * kDim + d;
+    const float2 v01 = unpack2<T>(load_pair(v_row)), v23 = unpack2<T>(load_pair(v_row + 2));
+    sum.x += w * v01.x;
+    sum.y += w * v01.y;
+    sum.z += w * v23.x;
+    sum.w += w * v23.y;
+  }
+  T* const o = static_cast<T*>(p.out) + item * kDim + d;
+  *reinterpret_cast<uint2*>(o) = make_uint2(pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -650,96 +572,32 @@ int64_t resident_blocks(int device) {
   return blocks;
 }
 
-// A launch configuration of `size`-block clusters along the grid's third dimension (the key chunks).
-struct ClusterLaunch {
-  cudaLaunchAttribute attribute{};
-  cudaLaunchConfig_t config{};
-  ClusterLaunch(dim3 grid, int threads, int smem, int size, cudaStream_t stream) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 1;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = unsigned(size);
-    config.gridDim = grid;
-    config.blockDim = dim3(unsigned(threads));
-    config.dynamicSmemBytes = size_t(smem);
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attribute
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
-};
-
-// How many clusters of `size` blocks of attention_mma_kernel<T, kDim, kWarps> are resident on
-// `device` at once: 0 before sm_90, which has no clusters. Cached per device and size, as
-// resident_blocks (which must have run: it allows the kernel's shared memory).
-constexpr int kMaxCluster = 8;  // the portable cluster size
-
-template <typename T, int kDim, int kWarps>
-int64_t resident_clusters(int device, int size) {
-  static std::array<std::array<std::atomic<int64_t>, kMaxCluster + 1>, kMaxDevices> cached{};
-  if (device < kMaxDevices) {
-    if (const int64_t known = cached[device][size].load(std::memory_order_relaxed); known > 0) return known - 1;
-  }
-  int major = 0, clusters = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major >= 9) {
-    using Shape = MmaShape<kDim, kWarps>;
-    const ClusterLaunch launch(dim3(1, 1, unsigned(size)), Shape::kThreads, Shape::kSmemBytes, size, nullptr);
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveClusters(&clusters, attention_mma_kernel<T, kDim, kWarps>, &launch.config));
-  }
-  if (device < kMaxDevices) cached[device][size].store(int64_t(clusters) + 1, std::memory_order_relaxed);
-  return clusters;
-}
-
 template <typename T, int kDim, int kWarps>
 void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
   using Shape = MmaShape<kDim, kWarps>;
   const auto kernel = attention_mma_kernel<T, kDim, kWarps>;
   constexpr int smem = Shape::kSmemBytes;
-  const int device = q.get_device();
-  const int64_t slots = resident_blocks<T, kDim, kWarps>(device);
+  const int64_t slots = resident_blocks<T, kDim, kWarps>(q.get_device());
   // Split the keys so that (tiles x heads x chunks) blocks fill one wave of resident blocks
   // (a partial second wave would cost a whole block's time), with chunks of at least
   // kMinChunkKeys keys. Enough tiles alone (large batches) need no split and no workspace.
   const int64_t work = p.split_tiles * p.heads;
   int64_t chunks = std::clamp<int64_t>(slots / work, 1, std::max<int64_t>(1, max_keys / kMinChunkKeys));
-  // Where clusters exist, the chunks of a tile x head form clusters of up to kMaxCluster, as many
-  // whole ones as one wave holds: the largest size with at least one cluster per tile x head.
-  int cluster = 1;
-  for (int size = int(std::min<int64_t>(chunks, kMaxCluster)); size > 1; --size) {
-    const int64_t per_item = std::min(chunks / size, resident_clusters<T, kDim, kWarps>(device, size) / work);
-    if (per_item >= 1) {
-      cluster = size;
-      chunks = per_item * size;
-      break;
-    }
-  }
   const int64_t per_chunk = (std::max<int64_t>(max_keys, 1) + chunks - 1) / chunks;
   const int64_t chunk_keys = (per_chunk + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
-  // Without clusters, no chunk past the last key; a cluster's chunks past it add zeros.
-  if (cluster == 1) chunks = std::max<int64_t>(1, (max_keys + chunk_keys - 1) / chunk_keys);
+  chunks = std::max<int64_t>(1, (max_keys + chunk_keys - 1) / chunk_keys);
   TORCH_CHECK(chunks <= 65535 && chunk_keys <= std::numeric_limits<int>::max() / 2,
               "paged_attention: ", max_keys, " keys are too many");
   p.chunks = int(chunks);
   p.chunk_keys = int(chunk_keys);
-  p.cluster = cluster;
-  const int64_t partials = chunks / cluster;  // partial sums to add; 1: the kernel writes the output
   at::Tensor partial;
-  if (partials > 1) {
-    partial = at::empty({partials, p.rows, p.heads, kDim}, q.options().dtype(at::kFloat));
+  if (chunks > 1) {
+    partial = at::empty({chunks, p.rows, p.heads, kDim}, q.options().dtype(at::kFloat));
     p.partial = partial.data_ptr<float>();
   }
-  const dim3 grid(unsigned(num_tiles), unsigned(p.heads), unsigned(chunks));
-  if (cluster > 1) {
-    const ClusterLaunch launch(grid, Shape::kThreads, smem, cluster, stream);
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, p));
-  } else {
-    kernel<<<grid, Shape::kThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (partials > 1) {
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), unsigned(chunks)), Shape::kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (chunks > 1) {
     constexpr int kCombineThreads = 256;
     static_assert(kCombineThreads % (kDim / 4) == 0, "a block holds whole (row, head) groups");
     const int64_t threads = p.rows * p.heads * (kDim / 4);
@@ -870,7 +728,6 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   p.page_size = int(cache.size(2));
   p.chunks = 1;
   p.chunk_keys = 1;
-  p.cluster = 1;
   p.alpha = float(alpha);
   p.inv_scaling = float(inv_scaling_seqlen);
   const int64_t num_tiles = tiles.size(0);
