@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from kvexport.commands.cli import main
 from kvexport.model.batch import UserRequest
+from kvexport.serving.tritonserver import WATCH_S
 from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, metric, needs_pytriton, run_clients,
                               scrape_when, settled_scrape, split_batch, user_arrays)
 from tests.test_serve import eager  # noqa: F401  (a fixture)
@@ -616,29 +617,62 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
 def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_artifact, tmp_path):
     """Triton neither restarts a killed Python-backend stub nor stops reporting ready; the
     repository's launcher sees the stub gone with its shared memory left behind, stops tritonserver
-    and exits 2 with one line: readiness no longer answers, no stub and no region remain."""
+    and exits 2 with one line: readiness no longer answers, no stub and no region remain. A model
+    unloaded and loaded again through Triton's repository API (explicit model control) ends its
+    stub the regular way first: the launcher keeps serving through that."""
     import signal
 
     repo = tmp_path / "repo"
     subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(tiny_artifact), "-o", str(repo),
                     "--this-python"], check=True, capture_output=True, timeout=300)
     ports = free_ports()
+    base = f"http://127.0.0.1:{ports.http}/v2"
     server = subprocess.Popen([str(repo / "tritonserver"), "--http-port", str(ports.http), "--grpc-port",
-                               str(ports.grpc), "--metrics-port", str(ports.metrics)],
+                               str(ports.grpc), "--metrics-port", str(ports.metrics), "--model-control-mode",
+                               "explicit", "--load-model", "hstu-tiny"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(ports.http):
-            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-3000:]
-            time.sleep(0.2)
-        model = os.fsencode(repo / "hstu-tiny" / "1" / "model.py")
-        stubs = []
+    model = os.fsencode(repo / "hstu-tiny" / "1" / "model.py")
+
+    def model_stubs() -> list[tuple[int, list[bytes]]]:
+        found = []
         for process in Path("/proc").glob("[0-9]*"):
             with contextlib.suppress(OSError):  # gone meanwhile
                 argv = process.joinpath("cmdline").read_bytes().split(b"\0")
                 if argv[1:2] == [model]:
-                    stubs.append((int(process.name), argv))
-        assert len(stubs) == 1, stubs
+                    found.append((int(process.name), argv))
+        return found
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not condition():
+            assert server.poll() is None, f"the launcher exited {server.returncode} waiting for {what}"
+            assert time.monotonic() < deadline, f"no {what} in {START_TIMEOUT_S} s"
+            time.sleep(0.2)
+
+    def model_ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/models/hstu-tiny/ready", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def repository(action: str) -> None:
+        request = urllib.request.Request(f"{base}/repository/models/hstu-tiny/{action}", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
+            assert response.status == 200
+
+    try:
+        wait_for(lambda: _ready(ports.http) and model_ready(), "ready model")
+        (first, argv), = model_stubs()
+        first_region = Path("/dev/shm") / os.fsdecode(argv[2])
+        repository("unload")
+        wait_for(lambda: not model_stubs() and not first_region.exists(), "end of the unloaded model's stub")
+        time.sleep(3 * WATCH_S)  # looks enough for the watch to have judged the stub
+        assert server.poll() is None, server.stderr.read()[-3000:]
+        repository("load")
+        wait_for(model_ready, "model loaded again")
+        stubs = model_stubs()
+        assert len(stubs) == 1 and stubs[0][0] != first, stubs
         pid, argv = stubs[0]
         region = Path("/dev/shm") / os.fsdecode(argv[2])
         assert region.exists()
