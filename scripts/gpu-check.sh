@@ -125,7 +125,8 @@ print("CXX", os.environ.get("CXX", "(unset)"), "CC", os.environ.get("CC", "(unse
 print("LD_PRELOAD", os.environ.get("LD_PRELOAD", "(unset)"))
 print("compiler kvexport builds with", toolchain.select_compiler().path)
 EOF
-step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider
+# --durations: which tests take the step's minutes (the check's slowest step, six to seven of them).
+step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider --durations=15
 step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
 # The same bytes through torch's own fused attention backends, side by side.
 step peers "$python" benchmarks/h200/peers.py --json "$out/peers.json"
