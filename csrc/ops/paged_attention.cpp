@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <omp.h>
 #include <sched.h>
 #include <unistd.h>
@@ -341,13 +343,40 @@ constexpr int64_t kSerialRows = 1024;
 // The attention kernel's thread budget: the request's, not the serial one above.
 int kernel_threads() { return request_threads > 0 ? request_budget : at::get_num_threads(); }
 
+// This process's threads that are running or ready to run now (state R in
+// /proc/self/task/TID/stat): the calling thread, helpers still spinning after a region, and any
+// other thread of the host's; -1 when the directory cannot be read.
+long own_runnable_threads() {
+  DIR* tasks = opendir("/proc/self/task");
+  if (tasks == nullptr) return -1;
+  long runnable = 0;
+  char path[64], stat[256];
+  while (const dirent* task = readdir(tasks)) {
+    if (task->d_name[0] == '.') continue;
+    std::snprintf(path, sizeof path, "/proc/self/task/%s/stat", task->d_name);
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;  // ended meanwhile
+    const ssize_t length = read(fd, stat, sizeof stat - 1);
+    close(fd);
+    if (length <= 0) continue;
+    stat[length] = '\0';
+    // "TID (NAME) STATE ...": NAME may hold ")" itself, the last one ends it.
+    const char* name_end = std::strrchr(stat, ')');
+    if (name_end != nullptr && name_end[1] == ' ' && name_end[2] == 'R') ++runnable;
+  }
+  closedir(tasks);
+  return runnable;
+}
+
 // How many of a team of `threads` the host's CPUs can run now: `threads` on an idle host, 1 when
 // every CPU of this process's affinity is taken. On a host with a busy process per CPU, a team of
 // two is a scheduler round trip per OpenMP region; one thread is not slowed more than its fair
 // share (benchmarks/RESULTS.md, contention). Linux's count of the tasks running or ready to run at
-// this instant (/proc/loadavg's fourth field) includes this thread and may include the team's
-// threads - 1 helpers still spinning after an earlier region: none of those counts as other work.
-// Other work is taken as spread evenly over the online CPUs; its share of ours is what is taken.
+// this instant (/proc/loadavg's fourth field) includes this thread, and may include helpers still
+// spinning after an earlier region: neither counts as other work. While that count fits in this
+// process's CPUs nothing is taken; past it, this process's own runnable threads are counted
+// (own_runnable_threads, a file per thread, read only then) and the rest is other work, taken as
+// spread evenly over the online CPUs: its share of ours is what is taken.
 int free_cpus(int threads) {
   FILE* file = std::fopen("/proc/loadavg", "r");
   if (file == nullptr) return threads;
@@ -359,7 +388,9 @@ int free_cpus(int threads) {
   static const long online = sysconf(_SC_NPROCESSORS_ONLN);
   if (read != 5 || online <= 0 || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return threads;
   const long ours = CPU_COUNT(&allowed);
-  const long others = std::max(0L, running - threads) * ours / online;
+  if (running <= ours) return static_cast<int>(std::min<long>(ours, threads));
+  const long own = own_runnable_threads();
+  const long others = std::max(0L, running - (own > 0 ? own : threads)) * ours / online;
   return static_cast<int>(std::clamp<long>(ours - others, 1, threads));
 }
 
