@@ -112,9 +112,10 @@ def _metrics_open(port: int) -> bool:
         return False
 
 
-def _ready(port: int) -> bool:
+def _ready(port: int, path: str = "health/ready") -> bool:
+    """Whether the server's HTTP port answers 200 at v2/PATH (by default: the server is ready)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/{path}", timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
@@ -626,7 +627,6 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
     subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(tiny_artifact), "-o", str(repo),
                     "--this-python"], check=True, capture_output=True, timeout=300)
     ports = free_ports()
-    base = f"http://127.0.0.1:{ports.http}/v2"
     server = subprocess.Popen([str(repo / "tritonserver"), "--http-port", str(ports.http), "--grpc-port",
                                str(ports.grpc), "--metrics-port", str(ports.metrics), "--model-control-mode",
                                "explicit", "--load-model", "hstu-tiny"],
@@ -650,14 +650,11 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
             time.sleep(0.2)
 
     def model_ready() -> bool:
-        try:
-            with urllib.request.urlopen(f"{base}/models/hstu-tiny/ready", timeout=5) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return _ready(ports.http, "models/hstu-tiny/ready")
 
     def repository(action: str) -> None:
-        request = urllib.request.Request(f"{base}/repository/models/hstu-tiny/{action}", data=b"", method="POST")
+        request = urllib.request.Request(f"http://127.0.0.1:{ports.http}/v2/repository/models/hstu-tiny/{action}",
+                                         data=b"", method="POST")
         with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
             assert response.status == 200
 
