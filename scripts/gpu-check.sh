@@ -71,7 +71,7 @@ kept() {
   for config in $rebuilt; do
     case $name in
       verify-$config | replay-$config | replay-graphs-$config | soak-$config | request-bench-$config | \
-        host-phases-$config | bench-$config | serve-$config) return 1 ;;
+        host-phases-$config | bench-$config | weights-bench-$config | serve-$config) return 1 ;;
     esac
   done
   return 0
@@ -102,7 +102,8 @@ kvexport() { "$python" -m kvexport "$@"; }
 
 # package NAME CONFIG SOAK_REQUESTS SOAK_USERS: build, verify, replay and soak one config on the GPU,
 # with enough users that the soak's working set overflows the device tier (evictions, offloads and
-# onboards; kuairand-1k's 16,384 device pages hold about 250 of its soak users).
+# onboards; kuairand-1k's 16,384 device pages hold about 330 of its soak users, and its 250
+# requests of 1 to 32 users each step every one of 400 users some ten times).
 package() {
   local name=$1 config=$2 requests=$3 users=$4 artifact="$out/artifacts/$1"
   step "build-$name" kvexport build "$config" -o "$artifact" --device cuda --force || return
@@ -145,7 +146,7 @@ if "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("
   step serve-tiny "$python" benchmarks/h200/serve_gpu.py "$out/artifacts/tiny" --json "$out/serve-tiny.json"
 fi
 if [[ $quick == 0 ]]; then
-  package kuairand configs/hstu-kuairand-1k.yaml 500 400
+  package kuairand configs/hstu-kuairand-1k.yaml 250 400
   # The H200 workload: 32 new events, 100 candidates, batch 1, 8 and 32, and as many cached events
   # as the config's max_history_length (4096) leaves room for: 4064.
   step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \
@@ -155,9 +156,10 @@ if [[ $quick == 0 ]]; then
     --json "$out/host-phases-kuairand.json"
   step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4064 --repeats 3 \
     --json "$out/bench-kuairand.json"
-  # Its 1 GB item table inside the package's .so (as built) or beside it: size, compile, load. Last:
-  # the slowest step, and the one a run short of device time can best resume later.
+  # Its 1 GB item table inside the package's .so (the package built above) or beside it (compiled
+  # here): size, compile, load. Last: the slowest step, and the one a run short of device time can
+  # best resume later.
   step weights-bench-kuairand "$python" benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml \
-    --device cuda --json "$out/weights-bench-kuairand.json"
+    --device cuda --package "$out/artifacts/kuairand" --json "$out/weights-bench-kuairand.json"
 fi
 exit $failed

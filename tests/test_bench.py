@@ -168,3 +168,16 @@ def test_request_bench_times_each_route_side_by_side(step_artifact, tiny_checkpo
     assert [(row["route"], row["batch_size"]) for row in rows] == [("step", 1), ("step", 2), ("model", 1), ("model", 2)]
     assert all(row["cached_ms"]["n"] == 3 for row in rows)
     assert ["eager_cached_ms" in row for row in rows] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("config, problem", [
+    ("hstu-tiny.yaml", "was built with a checkpoint; this script compares the seeded weights"),
+    ("hstu-bench.yaml", "was built from another config than hstu-bench's"),
+])
+def test_weights_bench_refuses_a_package_it_cannot_compare(tiny_artifact, config, problem):
+    """benchmarks/h200/weights_bench.py --package: the built package must hold the weights the script
+    exports (the seeded ones of the same config), else the bitwise comparison means nothing."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "weights_bench.py"),
+                             str(ROOT / "configs" / config), "--package", str(tiny_artifact)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (result.returncode, result.stderr) == (2, f"error: {tiny_artifact} {problem}\n")

@@ -105,6 +105,17 @@ def test_resume_runs_every_step_of_a_config_whose_package_is_gone(tmp_path, scri
     assert all(outcomes[name] == "kept" for name in outcomes if name.endswith("-kuairand"))
 
 
+def test_a_rebuilt_kuairand_package_runs_the_weights_bench_again(tmp_path, script, stand_in):
+    """The weights benchmark times the kuairand package as built: a new package, a new benchmark."""
+    out = tmp_path / "out"
+    assert gpu_check(script, out, stand_in)[0] == 0
+    (out / "artifacts" / "kuairand" / "manifest.json").unlink()
+    code, outcomes = gpu_check(script, out, stand_in, "--resume")
+    assert code == 0
+    assert ran(outcomes) == {"native"} | {name for name in outcomes if name.endswith("-kuairand")}
+    assert "weights-bench-kuairand" in ran(outcomes)
+
+
 def test_resume_tells_a_step_from_one_whose_name_ends_like_it(tmp_path, script, stand_in):
     """bench-kuairand failed, request-bench-kuairand passed: only the first runs again."""
     out = tmp_path / "out"

@@ -1,17 +1,19 @@
 """Weights inside the package's shared library (AOTInductor's default) or beside it on disk.
 
-Exports a config's KV-cached module once, then compiles it twice with AOTInductor: as kvexport
-builds it (constants linked into the .so) and with the constants written to a separate binary
-blob in the package (`aot_inductor.package_constants_on_disk_format = "binary_blob"`, which
-torch maps at load time). For each: compile seconds, package bytes, load seconds (as kvexport.load
-loads: torch's loader without aoti_load_package's host probe) and the first call's seconds (each
-load in a fresh process, the file just written so in the page cache), and
-whether the two packages' logits are bitwise equal on the same request. Both compiles run in this
-process, one after the other: the second reuses kernels the first compiled, so compare their
-compile times with that in mind.
+Compiles a config's KV-cached module with AOTInductor twice: as kvexport builds it (constants linked
+into the .so) and with the constants written to a separate binary blob in the package
+(`aot_inductor.package_constants_on_disk_format = "binary_blob"`, which torch maps at load time).
+With --package, the first is the model.pt2 of an artifact `kvexport build` made from the same config
+without a checkpoint (its compile seconds from that build's manifest), and only the binary blob is
+compiled here: a GPU check that has just built the config saves a compile of its 1 GB table.
+Without it both compiles run in this process, one after the other: the second reuses kernels the
+first compiled, so compare their compile times with that in mind. For each: compile seconds,
+package bytes, load seconds (as kvexport.load loads: torch's loader without aoti_load_package's
+host probe) and the first call's seconds (each load in a fresh process, the file just written so
+in the page cache), and whether the two packages' logits are bitwise equal on the same request.
 
     python3 benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
-        --json /tmp/weights-bench.json
+        [--package ARTIFACT] --json /tmp/weights-bench.json
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from kvexport.artifact import open_artifact
 from kvexport.config import load_config
+from kvexport.errors import UserError
 from kvexport.export.build import runtime_name_for
 from kvexport.export.compile import compile_package
 from kvexport.export.wrap import CachedRanker, export_cached
@@ -69,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--package", type=Path, metavar="ARTIFACT",
+                        help="an artifact built from CONFIG without a checkpoint: its model.pt2 is the in_so variant")
     parser.add_argument("--json", type=Path)
     return parser.parse_args()
 
@@ -80,9 +86,28 @@ def largest_members(package: Path, count: int = 3) -> dict[str, int]:
     return {m.filename.rsplit("/", 1)[-1].split(".", 1)[-1]: m.file_size for m in members}
 
 
+def built_variant(root: Path, config, device: str) -> dict:
+    """The in_so variant as `kvexport build` made it: its model.pt2, its runtime's name and its compile
+    seconds. The artifact must hold the same seeded weights this script exports, or the logits differ."""
+    built = open_artifact(root)
+    if built.config.to_dict() != config.to_dict():
+        raise UserError(f"{root} was built from another config than {config.name}'s")
+    if built.manifest["weights"].get("source") != "seed":
+        raise UserError(f"{root} was built with a checkpoint; this script compares the seeded weights")
+    if torch.device(built.manifest["device"]).type != torch.device(device).type:
+        raise UserError(f"{root} was built for {built.manifest['device']}, not {device}")
+    return {"package": built.package, "runtime": built.runtime_name,
+            "compile_s": built.manifest["timings_seconds"]["compile"], "compiled_by": "kvexport build"}
+
+
 def main() -> int:
     args = parse_args()
     config = load_config(args.config)
+    try:
+        prebuilt = {"in_so": built_variant(args.package, config, args.device)} if args.package else {}
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     library.load()
     model = build_model(config, None)
     runtime = runtime_name_for(config, model) + "-weights-bench"
@@ -95,19 +120,23 @@ def main() -> int:
     logits = {}
     with tempfile.TemporaryDirectory(prefix="kvexport-weights-") as tmp:
         for name, options in VARIANTS.items():
-            package = Path(tmp) / f"{name}.pt2"
-            started = time.perf_counter()
-            try:
-                compile_package(program, package, {"kvexport.runtime_config": config.runtime_json()}, options)
-            except Exception as exc:  # noqa: BLE001 — an option this torch lacks is a result too
-                result["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-                print(json.dumps({name: result["variants"][name]}), flush=True)
-                continue
-            row = {"compile_s": round(time.perf_counter() - started, 1), "package_bytes": package.stat().st_size,
-                   "largest_members": largest_members(package)}
+            if name in prebuilt:
+                package, package_runtime = prebuilt[name]["package"], prebuilt[name]["runtime"]
+                row = {key: prebuilt[name][key] for key in ("compile_s", "compiled_by")}
+            else:
+                package, package_runtime = Path(tmp) / f"{name}.pt2", runtime
+                started = time.perf_counter()
+                try:
+                    compile_package(program, package, {"kvexport.runtime_config": config.runtime_json()}, options)
+                except Exception as exc:  # noqa: BLE001 — an option this torch lacks is a result too
+                    result["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+                    print(json.dumps({name: result["variants"][name]}), flush=True)
+                    continue
+                row = {"compile_s": round(time.perf_counter() - started, 1), "compiled_by": "this script"}
+            row.update(package_bytes=package.stat().st_size, largest_members=largest_members(package))
             logits_path = Path(tmp) / f"{name}.logits"
             done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(args.config), str(package), args.device,
-                                   runtime, str(logits_path)], capture_output=True, text=True, check=False)
+                                   package_runtime, str(logits_path)], capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 row["error"] = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
             else:
