@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import kvexport
 from kvexport.commands.cli import main
 from kvexport.config import config_from_dict, load_config
+from kvexport.importers import nvidia_ranking
 from kvexport.importers.nvidia import read_gin
 from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
 from kvexport.model import build_model
@@ -223,6 +224,27 @@ def test_what_cannot_be_mapped_is_refused_in_one_line_and_nothing_is_written(tmp
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("drop", "checkpoint lacks _hstu_block._attention_layers.1._linear_proj_weight"),
+    ("extra", "checkpoint tensor _mlp._mlp.1.weight has no counterpart in kvexport's model (unknown key)"),
+])
+def test_a_missing_or_unknown_key_is_refused_before_any_table_is_read(tmp_path, monkeypatch, change, message):
+    state = fx.dense_state()
+    if change == "drop":
+        del state["_hstu_block._attention_layers.1._linear_proj_weight"]
+    else:
+        state["_mlp._mlp.1.weight"] = torch.ones(fx.HIDDEN)
+    save, gin_file, _, _ = write_source(tmp_path, 1, state=state)
+    tables_read = []
+    monkeypatch.setattr(nvidia_ranking, "read_dynamic_table", lambda directory, table, *args, **kwargs:
+                        tables_read.append(table))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_import(save, gin_file, out)
+    assert result.exit_code == 2 and result.output.splitlines() == [f"error: {message}"], result.output
+    assert tables_read == [] and list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.conftest import assert_verifies_and_replays
-from tests.meta_fixture import FEATURES, IMPORTABLE_SIZES, ROOT, TABLE_ROWS, dense_state, tables, write_checkpoint
+from tests.meta_fixture import BATCH, FEATURES, IMPORTABLE_SIZES, ROOT, TABLE_ROWS, dense_state, tables, write_checkpoint
 from tests.meta_reference import Rules, dlrm_hstu_forward
 from tests.test_importers import free_port
 
@@ -279,6 +281,26 @@ def test_unusable_imports_are_refused_by_name_and_write_nothing(imported, tmp_pa
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and message in result.output, result.output
     assert not list(tmp_path.iterdir())
+
+
+def test_a_missing_dense_key_is_refused_before_any_table_is_read(imported, tmp_path, monkeypatch, caplog):
+    out, _ = imported
+    trainer = tmp_path / "trainer"
+    shutil.copytree(out / "trainer", trainer)
+    checkpoint = trainer / str(BATCH) / "non_sparse.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)
+    missing = meta.COMBINER + "bias"
+    del saved["dense_dict"][missing]
+    torch.save(saved, checkpoint)
+    tables_read = []
+    monkeypatch.setattr(meta.dcp, "read_rows", lambda directory, key, rows: tables_read.append(key))
+    monkeypatch.setattr(meta.dcp, "read_tensors", lambda directory, keys: tables_read.extend(keys))
+    with caplog.at_level(logging.INFO):
+        result = CliRunner().invoke(main, import_args(trainer, tmp_path / "x.pt"))
+    assert result.exit_code == 2 and result.output.splitlines() == [f"error: checkpoint lacks {missing}"], \
+        result.output
+    assert tables_read == [] and [r.getMessage() for r in caplog.records if r.getMessage().startswith("read ")] == []
+    assert not (tmp_path / "x.pt").exists()
 
 
 def test_dqk_unequal_to_dv_is_refused(tmp_path):

@@ -157,7 +157,9 @@ def context_rows(dense: dict[str, Any], feature: int, rows: torch.Tensor) -> tor
 
 
 def num_layers(dense: dict[str, Any]) -> int:
-    return sum(1 for key in dense if key.startswith(STU) and key.endswith("._uvqk_weight"))
+    """One past the highest STU layer index any key names (a layer missing a tensor is then refused by name)."""
+    indices = [int(match[1]) for key in dense if (match := re.match(rf"{re.escape(STU)}(\d+)\.", key))]
+    return max(indices) + 1 if indices else 0
 
 
 def layer_state(dense: dict[str, Any], index: int, num_heads: int) -> dict[str, torch.Tensor]:
@@ -219,9 +221,8 @@ def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
     history = positions[rows.clamp(max=last)]
     if history_time_row is not None:
         history = history + times[history_time_row]
-    context = positions[:num_contextual] + times[-1]
-    if num_contextual:
-        context = context + math.sqrt(positions.shape[1]) * context_bias(dense)[:num_contextual]
+    biases = math.sqrt(positions.shape[1]) * context_bias(dense)[:num_contextual]  # [C, D]; C may be 0
+    context = positions[:num_contextual] + times[-1] + biases
     shared_action = math.sqrt(positions.shape[1]) * candidate_action(dense)
     candidates = positions[min(num_contextual, last)] + times[0] + shared_action
     return torch.cat([context, history, candidates[None]])
@@ -362,7 +363,7 @@ def _table(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: Sparse
         if rows is not None and rows.numel() and (int(rows.max()) >= table.shape[0] or int(rows.min()) < 0):
             _refuse(f"table {name} has {table.shape[0]} rows; item id {int(rows.max())} lies outside it")
         return table if rows is None else table[rows]
-    _refuse(f"table {name}: neither {sparse} in sparse/ nor {local} in dense_dict")
+    raise RuntimeError(f"kvexport bug: table {name} is neither in sparse/ nor in dense_dict after the key check")
 
 
 def import_meta(source: Path, options: MetaOptions, name: str) -> Imported:
@@ -394,20 +395,23 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     reader of their rows)."""
     dense = _Reads(dense_dict)
     notes: list[str] = []
-    out, hidden, head_dim = _layers(dense, options)
+    # Everything refusable from dense_dict alone is refused before the tables, the import's bulk, are read.
     _refuse_unmapped_inputs(dense, sizes, options)
-    out.update(_context_tables(dense, sizes, read_sparse, options, hidden, notes))
-    items, item_ids = _item_tables(dense, sizes, read_sparse, options, hidden, notes)
-    out.update(items)
-    out["action_embedding.weight"] = action_rows(dense)
+    _refuse_missing_or_unknown_keys(dense, sizes, options)
     if options.history_time not in HISTORY_TIMES:
         _refuse(f"history time {options.history_time!r} is not one of {', '.join(HISTORY_TIMES)}")
+    out, hidden, head_dim = _layers(dense, options)
+    out["action_embedding.weight"] = action_rows(dense)
     num_context = len(options.contextual_features)
     out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length,
                                                      HISTORY_TIMES[options.history_time], options.history_positions)
+    out.update(_context_tables(dense, sizes, read_sparse, options, hidden, notes))
+    items, item_ids = _item_tables(dense, sizes, read_sparse, options, hidden, notes)
+    out.update(items)
     unread = sorted(key for key in dense if key not in dense.read)
     if unread:
-        _refuse(f"checkpoint tensor {unread[0]} has no counterpart in kvexport's model (unknown key)")
+        raise RuntimeError(f"kvexport bug: the Meta import declares {unread[0]} among the keys it reads but never "
+                           "read it (meta_dlrmv3.read_keys)")
     scaling = num_context + options.max_history_length + options.max_num_candidates
     positions = (f"positions counted back from {options.max_history_length} events"
                  if options.history_positions == "from_max" else "positions counted from the oldest event")
@@ -448,6 +452,50 @@ def _layers(dense: _Reads, options: MetaOptions) -> tuple[dict[str, torch.Tensor
         _refuse(f"model width {hidden} is not {options.num_heads} heads x {head_dim} values: kvexport's layers "
                 "need them equal")
     return out, hidden, head_dim
+
+
+# The tensors of each STU layer.
+LAYER_TENSORS = ("_uvqk_weight", "_uvqk_beta", "_input_norm_weight", "_input_norm_bias", "_output_weight",
+                 "_output_norm_weight", "_output_norm_bias")
+
+
+def _module_keys(prefix: str, num_modules: int) -> list[str]:
+    """The weight and bias of each of a Sequential's first `num_modules` modules."""
+    return [f"{prefix}{index}.{part}" for index in range(num_modules) for part in ("weight", "bias")]
+
+
+def read_keys(dense: dict[str, Any], sizes: dict[str, tuple[int, ...]], options: MetaOptions) -> list[str]:
+    """Every dense_dict key the import reads (besides the extra-feature MLP's, which it only checks
+    is unused): the STU layers, positions and times, the input side, the postprocessor and head, and
+    each named table that sparse/ does not hold."""
+    layers = [f"{STU}{index}.{name}" for index in range(num_layers(dense)) for name in LAYER_TENSORS]
+    local_tables = [TABLE.format(name) for name in (options.item_table, *options.contextual_features)
+                    if SPARSE_TABLE.format(name) not in sizes]
+    return [*layers, POSITIONS, TIMES, ACTION_WEIGHTS, ACTION_ROWS, TARGET_ROW, CONTEXT_WEIGHTS, CONTEXT_BIAS,
+            *_module_keys(CONTENT_MLP, 4), *_module_keys(ACTION_MLP, 4), *_module_keys(TOWER_MLP, 4),
+            PERIOD_UNITS, UNITS_PER_PERIOD, COMBINER + "weight", COMBINER + "bias", POST + "_layer_norm.weight",
+            POST + "_layer_norm.bias", *_module_keys(PREDICTION, 3), *local_tables]
+
+
+def _refuse_missing_or_unknown_keys(dense: dict[str, Any], sizes: dict[str, tuple[int, ...]],
+                                    options: MetaOptions) -> None:
+    """dense_dict's key set against read_keys: the first key missing, else the first one the import
+    would never read, refused by name."""
+    expected = read_keys(dense, sizes, options)
+    local_tables = {TABLE.format(name): name for name in (options.item_table, *options.contextual_features)}
+    for key in expected:
+        if key in dense:
+            continue
+        if key in local_tables:
+            _refuse(f"table {local_tables[key]}: neither {SPARSE_TABLE.format(local_tables[key])} in sparse/ nor "
+                    f"{key} in dense_dict")
+        if key == ACTION_WEIGHTS:
+            _refuse(f"checkpoint lacks {key} (a DlrmHSTU without actions, which kvexport does not import)")
+        _refuse(f"checkpoint lacks {key}")
+    known = set(expected)
+    unknown = sorted(key for key in dense if key not in known and not key.startswith(ADDITIONAL_MLP))
+    if unknown:
+        _refuse(f"checkpoint tensor {unknown[0]} has no counterpart in kvexport's model (unknown key)")
 
 
 def _refuse_unmapped_inputs(dense: _Reads, sizes: dict[str, tuple[int, ...]], options: MetaOptions) -> None:

@@ -186,13 +186,6 @@ def _dynamic_tables(dumps: Path) -> dict[str, Path]:
     return tables
 
 
-def _unmapped(state: dict[str, Any], used: set[str]) -> None:
-    for key in sorted(state):
-        if key in used or MODEL_PARALLEL in key:
-            continue
-        _refuse(f"checkpoint tensor {key} has no counterpart in kvexport's model (unknown key)")
-
-
 @dataclasses.dataclass(frozen=True)
 class Network:
     """What the trainer's gin file fixes about the model, checked against what kvexport can serve."""
@@ -264,6 +257,31 @@ def read_network(trainer_config: Path, options: ImportOptions) -> Network:
                    gin["NetworkArgs.num_position_buckets"], scaling, derived)
 
 
+def read_keys(state: dict[str, Any], net: Network) -> list[str]:
+    """Every model_state_dict key the import reads: each layer's tensors, the positions, the head's
+    (its biases where the trainer has them) and the data-parallel tables' flat parameters."""
+    layers = [f"{LAYER_PREFIX}{index}.{name}" for index in range(net.num_layers) for name in LAYER_TENSORS]
+    parts = ("weight", "bias") if net.head_bias else ("weight",)
+    head = [f"{HEAD}{index}.{part}" for index in (0, 2) for part in parts]
+    return [*layers, POSITIONS, *head, *(key for key in state if FLAT_TABLES.fullmatch(key))]
+
+
+def _refuse_missing_or_unknown_keys(state: dict[str, Any], net: Network) -> None:
+    """The state's key set against read_keys, before any table is read: a layer past
+    NetworkArgs.num_layers, the first key missing, else the first one the import would never read
+    (the model-parallel tables' keys aside: their rows are in the dynamic tables' dumps)."""
+    if any(key.startswith(f"{LAYER_PREFIX}{net.num_layers}.") for key in state):
+        _refuse(f"checkpoint has a layer {net.num_layers} but NetworkArgs.num_layers is {net.num_layers}")
+    expected = read_keys(state, net)
+    missing = [key for key in expected if key not in state]
+    if missing:
+        _refuse(f"checkpoint lacks {missing[0]}")
+    known = set(expected)
+    unknown = sorted(key for key in state if key not in known and MODEL_PARALLEL not in key)
+    if unknown:
+        _refuse(f"checkpoint tensor {unknown[0]} has no counterpart in kvexport's model (unknown key)")
+
+
 class _Fold:
     """The kvexport state dict being built from the trainer's, and which of the trainer's keys it read."""
 
@@ -290,8 +308,6 @@ def fold_layers(fold: _Fold, net: Network) -> None:
             value = fold.take(f"{LAYER_PREFIX}{i}.{theirs}", shapes[theirs])
             fold.out[f"layers.{i}.{ours}"] = value.t().contiguous() if transposed else value
         fold.out[f"layers.{i}.output.bias"] = torch.zeros(hidden)
-    if any(k.startswith(f"{LAYER_PREFIX}{net.num_layers}.") for k in fold.state):
-        _refuse(f"checkpoint has a layer {net.num_layers} but NetworkArgs.num_layers is {net.num_layers}")
 
 
 def fold_positions(fold: _Fold, net: Network) -> None:
@@ -407,14 +423,18 @@ def _config(name: str, net: Network, out: dict[str, torch.Tensor], item_ids: str
 def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, name: str) -> Imported:
     """Maps a recsys-examples ranking checkpoint onto kvexport's model (docs/checkpoint.md), in
     stages: the network the gin file fixes, then the layers, positions, head and tables folded in,
-    every key of the trainer's state read or refused."""
+    every key of the trainer's state checked before any table is read, and read."""
     directory = iteration_directory(source, options.iteration)
     net = read_network(trainer_config, options)
     fold = _Fold(read_model_state(directory / "torch_module"))
+    _refuse_missing_or_unknown_keys(fold.state, net)
     fold.notes += [f"read {directory / 'torch_module'}", f"attention normaliser S = {net.scaling} ({net.scaling_from})"]
     fold_layers(fold, net)
     fold_positions(fold, net)
     fold_head(fold, net)
     item_ids = fold_tables(fold, net, options, directory)
-    _unmapped(fold.state, fold.used)
+    unread = [key for key in read_keys(fold.state, net) if key not in fold.used]
+    if unread:
+        raise RuntimeError(f"kvexport bug: the NVIDIA import declares {unread[0]} among the keys it reads but never "
+                           "read it (nvidia_ranking.read_keys)")
     return Imported(_config(name, net, fold.out, item_ids), fold.out, fold.notes)
