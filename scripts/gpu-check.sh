@@ -128,38 +128,38 @@ print("compiler kvexport builds with", toolchain.select_compiler().path)
 EOF
 # --durations: which tests take the step's minutes (the check's slowest step, six to seven of them).
 step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider --durations=15
-step attention-bench "$python" benchmarks/h200/attention_bench.py --json "$out/attention-bench.json"
+step attention-bench "$python" benchmarks/gpu/attention_bench.py --json "$out/attention-bench.json"
 # The same bytes through torch's own fused attention backends, side by side.
-step peers "$python" benchmarks/h200/peers.py --json "$out/peers.json"
+step peers "$python" benchmarks/gpu/peers.py --json "$out/peers.json"
 if command -v ncu > /dev/null; then
   # Where the attention kernel's time goes at batch 8 (Nsight Compute: throughput, memory, occupancy, stalls).
   step profile-attention ncu --clock-control none -k regex:attention_mma --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-    "$python" benchmarks/h200/attention_bench.py --profile --batch 8 --warmup 2 --repeats 1
+    "$python" benchmarks/gpu/attention_bench.py --profile --batch 8 --warmup 2 --repeats 1
 fi
 package tiny configs/hstu-tiny.yaml 500 40
-step request-bench-tiny "$python" benchmarks/h200/request_bench.py "$out/artifacts/tiny" --length 96 \
+step request-bench-tiny "$python" benchmarks/gpu/request_bench.py "$out/artifacts/tiny" --length 96 \
   --new-events 8 --candidates 8 --batch 1,4 --json "$out/request-bench-tiny.json"
 # The CUDA package behind Triton (`kvexport serve`, the serve extra's tritonserver), when installed.
 if "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("pytriton") is None)'; then
-  step serve-tiny "$python" benchmarks/h200/serve_gpu.py "$out/artifacts/tiny" --json "$out/serve-tiny.json"
+  step serve-tiny "$python" benchmarks/gpu/serve_gpu.py "$out/artifacts/tiny" --json "$out/serve-tiny.json"
 fi
 if [[ $quick == 0 ]]; then
   package kuairand configs/hstu-kuairand-1k.yaml 250 400
   # The H200 workload: 32 new events, 100 candidates, batch 1, 8 and 32, and as many cached events
   # as the config's max_history_length (4096) leaves room for: 4064.
-  step request-bench-kuairand "$python" benchmarks/h200/request_bench.py "$out/artifacts/kuairand" \
+  step request-bench-kuairand "$python" benchmarks/gpu/request_bench.py "$out/artifacts/kuairand" \
     --trace-dir "$out/traces" --json "$out/request-bench-kuairand.json"
   # Where the host's time goes in a graphs request: each phase of the step route on its own.
-  step host-phases-kuairand "$python" benchmarks/h200/host_phases.py "$out/artifacts/kuairand" \
+  step host-phases-kuairand "$python" benchmarks/gpu/host_phases.py "$out/artifacts/kuairand" \
     --json "$out/host-phases-kuairand.json"
   step bench-kuairand kvexport bench "$out/artifacts/kuairand" --lengths 1024,4064 --repeats 3 \
     --json "$out/bench-kuairand.json"
   # Its 1 GB item table inside the package's .so (the package built above) or beside it (compiled
   # here): size, compile, load. Last: the slowest step, and the one a run short of device time can
   # best resume later.
-  step weights-bench-kuairand "$python" benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml \
+  step weights-bench-kuairand "$python" benchmarks/gpu/weights_bench.py configs/hstu-kuairand-1k.yaml \
     --device cuda --package "$out/artifacts/kuairand" --json "$out/weights-bench-kuairand.json"
 fi
 exit $failed

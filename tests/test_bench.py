@@ -141,8 +141,8 @@ def test_kernel_bench_inputs_are_a_request_the_kernel_computes(threads):
 
 
 def _request_bench(artifact, checkpoint, out):
-    """benchmarks/h200/request_bench.py on a CPU artifact, small: returns its rows."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "request_bench.py"), str(artifact),
+    """benchmarks/gpu/request_bench.py on a CPU artifact, small: returns its rows."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "request_bench.py"), str(artifact),
                              "--length", "32", "--new-events", "4", "--candidates", "8", "--batch", "1,2",
                              "--warmup", "1", "--repeats", "3", "--full-repeats", "2", "--json", str(out),
                              "--checkpoint", str(checkpoint)],
@@ -152,7 +152,7 @@ def _request_bench(artifact, checkpoint, out):
 
 
 def test_request_bench_runs_on_a_cpu_package(tiny_artifact, tiny_checkpoint, tmp_path):
-    """benchmarks/h200/request_bench.py (the GPU workload's bench) on the CPU package: every row measured."""
+    """benchmarks/gpu/request_bench.py (the GPU workload's bench) on the CPU package: every row measured."""
     rows = _request_bench(tiny_artifact, tiny_checkpoint, tmp_path / "request.json")
     assert [row["batch_size"] for row in rows] == [1, 2]
     for row in rows:
@@ -175,9 +175,9 @@ def test_request_bench_times_each_route_side_by_side(step_artifact, tiny_checkpo
     ("hstu-bench.yaml", "was built from another config than hstu-bench's"),
 ])
 def test_weights_bench_refuses_a_package_it_cannot_compare(tiny_artifact, config, problem):
-    """benchmarks/h200/weights_bench.py --package: the built package must hold the weights the script
+    """benchmarks/gpu/weights_bench.py --package: the built package must hold the weights the script
     exports (the seeded ones of the same config), else the bitwise comparison means nothing."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "weights_bench.py"),
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "weights_bench.py"),
                              str(ROOT / "configs" / config), "--package", str(tiny_artifact)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert (result.returncode, result.stderr) == (2, f"error: {tiny_artifact} {problem}\n")

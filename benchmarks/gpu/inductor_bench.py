@@ -16,7 +16,7 @@ Variants: "no_split_reductions" (Inductor may split a reduction into several ker
 export example's few rows make that look worthwhile), "combo_kernels" (independent kernels
 launched as one).
 
-    python3 benchmarks/h200/inductor_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
+    python3 benchmarks/gpu/inductor_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
         --json /tmp/inductor-bench.json
 """
 

@@ -2,7 +2,7 @@
 side in one process (the H200 workload of docs/design.md: 164 query rows per user, 100 candidates
 and 64 new prefix rows, against 8,262 cached keys, 4 heads x 128, bf16, one layer).
 
-- ours: kvexport::hstu_paged_attention's kernels on the paged cache (benchmarks/h200/attention_bench.py's
+- ours: kvexport::hstu_paged_attention's kernels on the paged cache (benchmarks/gpu/attention_bench.py's
   request: each user's pages scattered over a shuffled pool);
 - each scaled_dot_product_attention backend torch has here (FlashAttention-2, cuDNN, memory-efficient)
   on contiguous q [B, H, 164, 128] and k, v [B, H, 8262, 128]: softmax attention without a mask, the
@@ -12,7 +12,7 @@ rotating over --layers sets of inputs (as many as the cache bench) so that no ba
 Bandwidth fraction: the cached k/v bytes (each key and value once per user and head) over the time,
 against this GPU's copy bandwidth measured in the same process (attention_bench.device_peaks).
 
-    python3 benchmarks/h200/peers.py --batch 1,8,32 --json /tmp/peers.json
+    python3 benchmarks/gpu/peers.py --batch 1,8,32 --json /tmp/peers.json
 """
 
 from __future__ import annotations

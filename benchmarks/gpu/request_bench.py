@@ -19,7 +19,7 @@ Ratios: full / cached (cache benefit) and eager / cached (packaging benefit), me
 run directly) and "model" (model.pt2 runs the whole request, as plain hosts do). Routes other than
 "model" need an artifact with a step program. The eager model is timed once, beside the first route.
 
-    python3 benchmarks/h200/request_bench.py OUT --length 4064 --new-events 32 --candidates 100 \
+    python3 benchmarks/gpu/request_bench.py OUT --length 4064 --new-events 32 --candidates 100 \
         --batch 1,8,32 --json /tmp/request-bench.json
 """
 

@@ -12,7 +12,7 @@ package bytes, load seconds (as kvexport.load loads: torch's loader without aoti
 host probe) and the first call's seconds (each load in a fresh process, the file just written so
 in the page cache), and whether the two packages' logits are bitwise equal on the same request.
 
-    python3 benchmarks/h200/weights_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
+    python3 benchmarks/gpu/weights_bench.py configs/hstu-kuairand-1k.yaml --device cuda \
         [--package ARTIFACT] --json /tmp/weights-bench.json
 """
 

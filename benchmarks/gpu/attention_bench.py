@@ -20,7 +20,7 @@ product; about 4.3 TB/s and 790 TFLOP/s on the H200, 3.0 TB/s on the H100).
 max_abs_diff: kernel against the same computation in fp32 PyTorch (the inputs upcast).
 
 Run with the op library built (python3 -m kvexport.native) and PYTHONPATH at the repository:
-    python3 benchmarks/h200/attention_bench.py --batch 1,8,32 --json /tmp/attention.json
+    python3 benchmarks/gpu/attention_bench.py --batch 1,8,32 --json /tmp/attention.json
 """
 
 from __future__ import annotations

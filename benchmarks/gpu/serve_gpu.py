@@ -7,7 +7,7 @@ serve extra. Expected values are the trace's: the eager model's, recorded when t
 built. Exit 1 when any answer differs from them beyond the artifact's tolerance or the hostile
 request is not refused alone.
 
-    python benchmarks/h200/serve_gpu.py OUT [--json serve.json] [--repeats 100]
+    python benchmarks/gpu/serve_gpu.py OUT [--json serve.json] [--repeats 100]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ a fresh 2 MB host allocation written once (page faults), each median of --repeat
 The workload is request_bench.py's (kvexport.bench.suite.SweepRequests: every repetition reuses
 exactly the cached prefix, so every repetition replays the same bucket's graph).
 
-    python3 benchmarks/h200/host_phases.py OUT --batch 1,8,32 --json /tmp/host-phases.json
+    python3 benchmarks/gpu/host_phases.py OUT --batch 1,8,32 --json /tmp/host-phases.json
 """
 
 from __future__ import annotations
