@@ -247,7 +247,8 @@ class Config:
                 "stall_timeout_ms": c.stall_timeout_ms,
                 "remote_read_budget_us": c.remote_read_budget_us,
                 "remote_ttl_s": c.remote_ttl_s,
-                # Only when set: a causal package keeps the runtime config every build had before.
+                # Only when set: a causal package's runtime config (and the runtime name digested from
+                # it) does not name an option it does not use.
                 **({"context_rows_see_prefix": m.context_rows_see_prefix} if m.context_rows_see_prefix else {}),
             },
             sort_keys=True,

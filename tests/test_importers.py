@@ -122,7 +122,7 @@ def test_types_the_reader_does_not_know_are_inert_outside_the_part_it_reads(tmp_
     torch.testing.assert_close(saved["model_state_dict"]["w"], torch.arange(3.0), rtol=0, atol=0)
     assert not (tmp_path / "config_ran").exists() and not (tmp_path / "reduce_ran").exists()
     with pytest.raises(UserError, match=r"it asks for (tests\.)?test_importers\._OptimizerConfig\)$"):
-        load_trainer_file(path, "checkpoint")  # the whole file read: refused, as before
+        load_trainer_file(path, "checkpoint")  # the whole file read: the unknown type is refused
     assert not (tmp_path / "config_ran").exists()
 
 

@@ -205,7 +205,7 @@ def test_replay_harness_runs_without_an_unreachable_tier_and_refuses_a_bad_url(t
 
 # ---- soaks: two processes, random routing -------------------------------------------------------------
 
-# One intra-op thread per soak process: two processes share the CI machine's two cores.
+# One intra-op thread per soak process: the two processes would otherwise oversubscribe a small host's cores.
 SOAK = "import sys, torch; torch.set_num_threads(1); from kvexport.commands.cli import main; main(sys.argv[1:], 'kvexport')"
 
 

@@ -25,7 +25,7 @@ from tests.test_runtime import kv_values, request
 
 PAGE_SIZE = 2
 # host_pages 0: every user evicted from the device tier goes on to the remote tier.
-# remote_read_budget_us: generous, the suite shares two cores with builds.
+# remote_read_budget_us: generous, the suite may share its CPUs with builds.
 CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
                      "device_pages": 8, "host_pages": 0, "dtype": "float32", "remote_read_budget_us": 200_000})
 

@@ -165,7 +165,7 @@ def test_an_op_library_with_its_own_runtime_is_not_loaded(tmp_path, static_cxx):
 @pytest.mark.slow
 def test_the_self_test_catches_the_op_library_a_static_runtime_compiler_builds(static_cxx, tmp_path):
     """The defect itself, reproduced: CMake builds the op library with the static-runtime compiler
-    (as kvexport no longer would); its refusal comes back cut at the first formatted integer or
+    (a compiler kvexport's own choice passes over); its refusal comes back cut at the first formatted integer or
     kills the process, and the self-test says so in one line."""
     import nlohmann_json
 

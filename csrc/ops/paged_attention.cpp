@@ -77,7 +77,7 @@ inline __attribute__((always_inline)) V silu_weight(V x, float alpha, float inv_
 
 // scores[j] <- SiLU(alpha * scores[j]) * inv_scaling_seqlen. The kernels for fixed head sizes
 // apply silu_weight to vectors instead: without AVX-512 masks the vectoriser leaves this loop's
-// clamps as branches (the x86-64-v3 build's kernel ran 2.8x slower than the native one for it).
+// clamps as branches, one per score.
 inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scaling_seqlen) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) scores[j] = silu_weight(scores[j], alpha, inv_scaling_seqlen);
@@ -89,15 +89,14 @@ inline void silu_weights(float* scores, int64_t n, float alpha, float inv_scalin
 // zeroed per call) and no pass of each row over megabytes of L3. A float32 cache is read where it
 // lies (a block is a list of key and value rows); another dtype's block is converted to float rows
 // first. A call that runs on the calling thread alone (for_each_item) takes tiles of
-// kAloneTileRows: no balance to keep, and each block is then read once per 64 rows rather than 16
-// (single thread: 194 -> 155 us for 96 rows over 130 keys at head size 32, 64 -> 33 ms for 164
-// rows over 4000 keys at 128, 533 -> 405 us at 64).
+// kAloneTileRows: no balance to keep, and each block is then read once per 64 rows rather than 16,
+// a quarter of the block reads.
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kAloneTileRows = 64;
 constexpr int64_t kBlockFloats = 8192;  // 32 KiB of keys and 32 KiB of values per block
 // A vector of kLanes floats (GCC's vector extension), the rows of a tile a register holds: 16 where
-// the kernel runs with AVX-512 (wide_vectors), else 8. (16-float vectors on AVX2, two registers
-// each, ran out of its 16 registers: 8x slower.)
+// the kernel runs with AVX-512 (wide_vectors), else 8. (16-float vectors on AVX2 take two registers
+// each, more than its 16 registers hold for a tile: the tile would spill to memory.)
 template <int64_t kLanes>
 struct Lanes;
 template <>
@@ -395,10 +394,10 @@ int free_cpus(int threads) {
 }
 
 // Below this many (row, key, head) triples a call runs on the calling thread: waking helpers
-// costs more than it saves, and on a busy host each parallel region can cost a time slice. At
-// 2^16, hstu-bench's cached request at L = 256 (99k triples a layer) went parallel: 1.0 ms idle,
-// 8-16 ms with two busy processes on the 2 CPUs; at 2^18 it runs alone: 1.1 ms idle and 1.1 ms
-// busy. (2^20 also took L = 1024 alone: +0.7 ms idle, no gain busy.)
+// costs more than it saves, and on a busy host each parallel region can wait a time slice for its
+// helpers. 2^18 keeps a cached request of a few hundred history tokens on the calling thread
+// (hstu-bench's at L = 256: 99k triples a layer), where such waits would cost more than the split
+// gains; a history of a thousand tokens has work enough to share.
 constexpr int64_t kInlineWork = 1 << 18;
 
 // Whether a call of `work` (row, key, head) triples runs on the calling thread alone.

@@ -203,8 +203,8 @@ at::Tensor paged_attention_step(const std::string& name, int64_t layer, const at
 }
 
 // `after` is never read: it is the request's logits, so that end_batch depends on every layer's
-// output by data and no compiler can schedule it earlier. (Inductor on torch 2.13
-// moved an end_batch ordered only by its ORDERED effect before begin_batch.)
+// output by data and no compiler can schedule it earlier. (Inductor on torch 2.13 can move an
+// end_batch ordered only by its ORDERED effect before begin_batch.)
 void end_batch(const std::string& name, const at::Tensor& user_ids, const at::Tensor& after) {
   request_op(name, [&] {
     require_defined({&user_ids, &after});

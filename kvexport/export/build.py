@@ -41,11 +41,12 @@ log = logging.getLogger(__name__)
 # How verify/replay's tolerance is derived from the build's own measurement (RecordedTrace.tolerance):
 # atol = margin x the eager model's max abs error against its float32 copy over the trace.
 # margin 4: the package runs other kernels (fusion, reduction order) in the same dtype, so its error
-#   is a few times the eager one (hstu-tiny bfloat16: package vs eager cached 1.5x the measured
-#   error), while a 10% error in the logits (~0.1) still lies several times above atol.
+#   is of the eager one's order but not equal to it, while a 10% error in the logits (~0.1) still
+#   lies several times above atol.
 # atol_floor: keeps atol above 0 where the measurement is ~0 (a float32 model is its own reference):
 #   about two units in the last place at |logit| ~0.1 for the 16-bit types, and for float32 room
-#   for other CPUs' reduction orders (hstu-tiny: 1.5e-8), still 10^4 below a 10% error.
+#   for other CPUs' reduction orders (float32 rounding at |logit| ~0.1 is ~1e-8), still 10^4 below
+#   a 10% error.
 # rtol 0: a relative term would loosen large logits by an amount nobody measured.
 # The smallest atol per dtype, so a measured error of 0 cannot make every comparison exact.
 ATOL_FLOORS = {"float32": 1e-6, "bfloat16": 1e-3, "float16": 1e-4}

@@ -315,8 +315,8 @@ def _load_compiled(package: Path, device_index: int):
 
     torch._inductor.aoti_load_package first compares the CPU ISA and compute capability the package
     records with this host's, only to log a warning, and finds this host's ISA by compiling and
-    running probe programs: 12 s on the 2-core CI machine with an empty inductor cache, before the
-    package is opened. kvexport checks the host itself, and refuses rather than warns (check_host,
+    running probe programs, seconds of compiling with an empty inductor cache, before the package is
+    opened. kvexport checks the host itself, and refuses rather than warns (check_host,
     check_device), so it skips that probe. The loader's arguments are those aoti_load_package
     passes for a package path (model "model", one runner), and its call spec is read once
     (kvexport.host.program).

@@ -1,10 +1,8 @@
 """A loaded AOTInductor package, called with its inputs as the flat tensors its program takes.
 
 torch's own wrapper (torch._inductor.package.package.AOTICompiledModel) parses the package's call
-spec, two serialised pytree specs, on every call: about 30 µs of a 0.55 ms cached request of
-hstu-bench on the 2-core CPU machine, alternating calls of both (the benchmarks' record,
-benchmarks/history/2026-12-RESULTS-history.md). The spec does not change after load, so it is read
-once here.
+spec, two serialised pytree specs, on every call: host work every request pays again. The spec
+does not change after load, so it is read once here.
 """
 
 from __future__ import annotations

@@ -68,13 +68,13 @@ exec {python} -m kvexport.serving.tritonserver "$(dirname "$0")" "$@"
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
 ROUTER_FILE = Path(__file__).with_name("triton_router.py")
 # One intra-op thread per instance: a server's concurrency comes from batching and instances, and
-# torch's default (one thread per core) only spins. hstu-tiny in one process, 2 cores: 1.11 ms of CPU
-# per user at batch 1 with 2 threads, 0.58 ms with 1, for the same 0.56 ms of wall time.
+# torch's default (one thread per core) spins on a small request's work, doubling its CPU time for
+# no gain in wall time.
 DEFAULT_THREADS = 1
 # One execution of the model (a Triton batch) takes up to this many package calls' worth of users:
-# the Python-backend stub's round trip, about 0.5 ms on 2 cores, is then paid once for all of them
-# (kvexport.serving.batcher splits the batch into package calls). hstu-bench, 16 clients, 2 cores:
-# 1.22x the throughput of batches of one package call, p50 down from 10.7 to 8.7 ms.
+# the Python-backend stub's round trip, comparable to a small package call, is then paid once for all
+# of them (kvexport.serving.batcher splits the batch into package calls), which raises throughput
+# under many clients.
 CALLS_PER_EXECUTION = 4
 
 

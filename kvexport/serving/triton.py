@@ -69,11 +69,11 @@ DRAIN_TIMEOUT_S = 30
 UNLOAD_POLL_S = 0.02
 DRAIN_FILE = "drain"  # in the workspace: its existence asks the model to unload itself (triton_model.py)
 # After the drain nothing is in flight; tritonserver would still wait this long for clients' idle
-# keep-alive connections before it exits (at 1 s: a whole second of every stop).
+# keep-alive connections before it exits (at 1 s: a whole second added to every stop).
 TRITON_EXIT_TIMEOUT_S = 0
 TRITON_EXIT_WAIT_S = 15  # then it is killed
 # How often tritonserver samples its CPU (and GPU) metrics; its sampling thread sleeps up to 1 s at
-# its default, and tritonserver's exit waits for that sleep (0.8 s of every stop, strace).
+# its default, and tritonserver's exit waits for that sleep: a shorter interval shortens every stop.
 METRICS_INTERVAL_MS = 200
 MONITOR_S = 0.5  # how often serve() checks that tritonserver is still running
 LEFTOVER_END_TIMEOUT_S = 5  # the longest a stop waits for the processes it killed to end

@@ -26,8 +26,8 @@ import traceback
 
 import triton_python_backend_utils as pb_utils
 
-# Publishing kvexport's ~30 metrics costs ~0.8 ms (one message to the server each): a thread does it
-# at most this often, once a batch has run, never on a request's path.
+# Publishing kvexport's metrics costs one message to the server each, more than a small request's
+# own work: a thread does it at most this often, once a batch has run, never on a request's path.
 PUBLISH_INTERVAL_S = 0.05
 DRAIN_POLL_S = 0.02  # how often the model looks for its drain file, when it has one
 
