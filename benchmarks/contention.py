@@ -3,7 +3,7 @@ lengths (`kvexport bench` measures only its longest): hstu-bench, batch 1, a bus
 in a session of its own (as unrelated programs run), idle and contended samples taken in turn.
 
     .venv/bin/python benchmarks/contention.py artifacts/hstu-bench --lengths 1024,4064 \\
-        --json benchmarks/results-2core-contention-lengths.json
+        --json /tmp/results-2core-contention-lengths.json
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ one process, so one chunk), read whole with kvexport.importers.dcp.read_tensors 
 then a random `--select` share of its rows (default 1%) with kvexport.importers.dcp.read_rows in
 another: what a deployment that serves some of a trainer's items reads.
 
-    .venv/bin/python benchmarks/import_table.py --json benchmarks/import-table.json
-    .venv/bin/python benchmarks/import_table.py --format dcp --rows 4194304 --json benchmarks/import-dcp.json
+    .venv/bin/python benchmarks/import_table.py --json /tmp/import-table.json
+    .venv/bin/python benchmarks/import_table.py --format dcp --rows 4194304 --json /tmp/import-dcp.json
 """
 
 from __future__ import annotations

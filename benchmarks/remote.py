@@ -1,7 +1,7 @@
 """The remote KV tier on CPU: a returning user served from the remote tier vs recomputed, bytes moved
 and throughput, and the write-behind cost on the request path (benchmarks/RESULTS.md, *Remote tier*).
 
-    .venv/bin/python benchmarks/remote.py --json benchmarks/remote-2core.json
+    .venv/bin/python benchmarks/remote.py --json /tmp/remote-2core.json
     .venv/bin/python benchmarks/remote.py --artifact OUT      # an hstu-bench-shaped artifact built already
 
 Builds configs/hstu-bench.yaml into a temporary directory unless --artifact is given, and starts a

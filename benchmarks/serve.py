@@ -13,8 +13,8 @@ workload with Package.score_users, one request per call; a route's server overhe
 its p50 at one client minus that. Last, each server is stopped (SIGTERM) right after its last
 answer: the time until its process has exited is its stop time.
 
-    .venv/bin/python benchmarks/serve.py artifacts/hstu-tiny --json benchmarks/serve-tiny.json \
-        --plot benchmarks/serve-tiny.png
+    .venv/bin/python benchmarks/serve.py artifacts/hstu-tiny --json /tmp/serve-tiny.json \
+        --plot /tmp/serve-tiny.png
 """
 
 from __future__ import annotations

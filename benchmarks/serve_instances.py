@@ -13,7 +13,7 @@ history does not extend what their instance had cached: the workload's histories
 the longest, at any K). This workload cannot send two requests of one user at once, so it says
 nothing of concurrent requests of a user (tests/test_triton_repo.py holds those on one shard).
 
-    .venv/bin/python benchmarks/serve_instances.py artifacts/hstu-bench --json benchmarks/serve-instances.json
+    .venv/bin/python benchmarks/serve_instances.py artifacts/hstu-bench --json /tmp/serve-instances.json
 """
 
 from __future__ import annotations
