@@ -6,8 +6,12 @@
 # installed. Every step runs even if an earlier one failed (unless it needs that one's artifact);
 # each writes OUT/STEP.log, the JSON reports go to
 # OUT/, packages to OUT/artifacts/, and OUT/summary.txt says how each step ended.
-#   scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]
+#   scripts/gpu-check.sh [OUT] [PYTHON] [--quick] [--resume]
+# OUT: default artifacts/gpu-check (ignored by git). It may not be elsewhere in the source tree: what
+#   a run leaves is no source; the JSON reports of a run worth keeping are copied into
+#   benchmarks/results/<machine>/<date>-<commit>/ with a README (benchmarks/RESULTS.md).
 # PYTHON: the interpreter that has torch with CUDA and kvexport importable (default python3).
+# A relative OUT or PYTHON is taken from the checkout's root, where every step runs.
 # --quick: the tiny config only (no kuairand-1k build, which takes minutes).
 # --resume: after a run of the same sources into the same OUT, keep the steps its summary.txt
 #   records as passed and run the others. A config's steps all run again when its package is
@@ -16,24 +20,32 @@
 #   runs.
 # Exit 0 when every step passed, 1 otherwise, 2 on bad usage.
 set -uo pipefail
-usage="usage: scripts/gpu-check.sh OUT [PYTHON] [--quick] [--resume]"
-if [[ $# -lt 1 || $# -gt 4 ]]; then
-  echo "$usage" >&2
-  exit 2
-fi
-out=$1
-python=python3
+usage="usage: scripts/gpu-check.sh [OUT] [PYTHON] [--quick] [--resume]"
+positional=()
 quick=0
 resume=0
-for arg in "${@:2}"; do
+for arg in "$@"; do
   case $arg in
     --quick) quick=1 ;;
     --resume) resume=1 ;;
     -*) echo "gpu-check: unknown option $arg; $usage" >&2; exit 2 ;;
-    *) python=$arg ;;
+    *) positional+=("$arg") ;;
   esac
 done
+if [[ ${#positional[@]} -gt 2 ]]; then
+  echo "$usage" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
+root=$(pwd -P)
+out=$(realpath -m "${positional[0]:-artifacts/gpu-check}")
+python=${positional[1]:-python3}
+case $out/ in
+  "$root"/artifacts/*) ;;
+  "$root"/*)
+    echo "gpu-check: OUT $out is inside the source tree: name a directory outside it, or under artifacts/" >&2
+    exit 2 ;;
+esac
 # The benchmark scripts import kvexport from outside the checkout's root: it must be installed
 # (-P: without the current directory on the module path).
 if ! "$python" -P -c 'import kvexport' > /dev/null 2>&1; then

@@ -150,7 +150,8 @@ def test_an_unknown_option_is_refused_with_the_usage(tmp_path, script, stand_in)
     result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(stand_in), "--resum"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh OUT .*\n", result.stderr)
+    assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh \[OUT\] .*\n",
+                        result.stderr)
 
 
 def test_an_interpreter_that_cannot_import_kvexport_is_refused_before_any_step(tmp_path, script, stand_in):
@@ -170,3 +171,27 @@ def test_an_interpreter_may_be_named_relative_to_the_checkout(tmp_path, script, 
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "native: passed" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("inside", ["benchmarks/results/h100/run", "."])
+def test_an_out_inside_the_source_tree_is_refused_before_any_step(tmp_path, script, stand_in, inside):
+    """A run's logs, packages and traces are no source: only artifacts/ (ignored by git) may hold them."""
+    tree = script.parent.parent
+    result = subprocess.run(["bash", str(script), inside, str(stand_in)], capture_output=True, text=True, timeout=60)
+    out = (tree / inside).resolve()
+    assert (result.returncode, result.stderr) == (
+        2, f"gpu-check: OUT {out} is inside the source tree: name a directory outside it, or under artifacts/\n")
+    assert not (out / "summary.txt").exists() and not (tree / "benchmarks" / "results").exists()
+
+
+def test_out_defaults_to_artifacts_under_the_checkout(tmp_path, script, stand_in):
+    """No OUT: everything goes to artifacts/gpu-check/, which git ignores (PYTHON left at python3,
+    here the stand-in first on PATH)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(stand_in, bin_dir / "python3")
+    (bin_dir / "fail.txt").write_text("")
+    result = subprocess.run(["bash", str(script), "--quick"], capture_output=True, text=True, timeout=120,
+                            env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    assert "native: passed" in (script.parent.parent / "artifacts" / "gpu-check" / "summary.txt").read_text()
