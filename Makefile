@@ -7,6 +7,13 @@ OPS_LIB := kvexport/_lib/libkvexport_ops.so
 CONFIG ?= configs/hstu-tiny.yaml
 OUT ?= artifacts/hstu-tiny
 
+# CUTLASS/CuTe's headers for the CUDA op library's Hopper attention path (and the CPU test that compiles
+# it): header-only, so none of the distribution's Python dependencies is installed.
+CUTLASS := nvidia-cutlass==4.2.0.0
+# cuobjdump and nvdisasm, for the test that reads the Hopper kernel's machine code (CUDA's compiler is
+# on the machine; its disassemblers may not be).
+CUDA_DISASSEMBLERS := nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.51
+
 # The remote KV tier's server (tests) and client library (op library, found through pkg-config).
 REMOTE_PACKAGES := redis-server libhiredis-dev pkg-config
 
@@ -37,9 +44,10 @@ system-packages:
 		echo "remote KV tier, load balancer: install$$missing (sudo apt-get install$$missing); until then their tests skip"; \
 	fi
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[test,bench,serve]'
+	$(PY) -m pip install --quiet --no-deps $(CUTLASS) $(CUDA_DISASSEMBLERS)
 	touch $(STAMP)
 
 native: $(STAMP)

@@ -176,3 +176,92 @@ def test_opcheck(ops):
     inputs = to_cuda(make_inputs(users_for(page_size)[:4], 2, 64, page_size, torch.bfloat16, seed=9))
     torch.library.opcheck(ops.hstu_paged_attention.default, (*inputs, 0.125, 1.0 / 64),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def float32_reference(inputs, alpha: float, inv_scaling: float) -> torch.Tensor:
+    """HSTU attention in plain float32 PyTorch from the same (upcast) inputs: each row's keys
+    gathered from its user's pages, SiLU weights, no normaliser, the candidate's own key added."""
+    q, k, v, cache, page_table, row_user, row_keys, row_candidate = (
+        t.float() if t.is_floating_point() else t for t in inputs)
+    page_size = cache.shape[2]
+    out = torch.zeros_like(q)
+    for r in range(q.shape[0]):
+        n = int(row_keys[r])
+        if n > 0:
+            slots = torch.arange(n)
+            pages = page_table[row_user[r], slots // page_size]
+            keys = cache[pages, 0, slots % page_size]  # [n, H, dh]
+            values = cache[pages, 1, slots % page_size]
+            weights = torch.nn.functional.silu(alpha * torch.einsum("hd,nhd->nh", q[r], keys)) * inv_scaling
+            out[r] = torch.einsum("nh,nhd->hd", weights, values)
+        if row_candidate[r]:
+            weight = torch.nn.functional.silu(alpha * (q[r] * k[r]).sum(-1)) * inv_scaling  # [H]
+            out[r] += weight[:, None] * v[r]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_matches_float32_recompute(ops, dtype, head_dim):
+    """Every 16-bit path (on Hopper: the wgmma kernel with 1, 2 and 3 consumer warpgroups) against
+    the float32 recompute of the same inputs."""
+    page_size = 32
+    users = [(0, 0, 3), (page_size, 2, 30), (900, 40, 60), (2100, 64, 100), (300, 0, 1)]
+    inputs = make_inputs(users, 2, head_dim, page_size, dtype, seed=head_dim + 1)
+    alpha, inv_scaling = 1.0 / math.sqrt(head_dim), 1.0 / 1024
+    expected = float32_reference(inputs, alpha, inv_scaling)
+    actual = ops.hstu_paged_attention(*to_cuda(inputs), alpha, inv_scaling).cpu().float()
+    atol_scale, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol_scale * expected.abs().max().item(), rtol=rtol)
+
+
+def unaligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """The same values as rows 4-byte but not 16-byte aligned (a row stride that is no multiple of 8)."""
+    rows = t.shape[0]
+    wide = torch.zeros(rows, t[0].numel() + 2, dtype=t.dtype)
+    wide[:, 2:] = t.reshape(rows, -1)
+    return wide[:, 2:].unflatten(1, t.shape[1:])
+
+
+def test_unaligned_rows(ops):
+    """q/k/v rows the Hopper kernel's 16-byte Q copies cannot read: the dispatcher takes the
+    mma.sync kernel, with the same results."""
+    page_size = 32
+    q, k, v, *rest = make_inputs([(700, 10, 20), (40, 3, 5)], 2, 128, page_size, torch.bfloat16, seed=13)
+    check_close(ops, (unaligned_rows(q), unaligned_rows(k), unaligned_rows(v), *rest), alpha=0.1,
+                inv_scaling=1.0 / 512)
+
+
+def kernels_run(ops, inputs) -> set[str]:
+    """The CUDA kernels one call of the op launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.hstu_paged_attention(*inputs, 0.1, 1.0 / 256)
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def test_dispatcher_paths(ops):
+    """Which kernel serves which input: on Hopper, with a library built with CUTLASS's headers, the
+    wgmma kernel for 16-bit inputs of head_dim 64/128 and aligned rows; the mma.sync kernel for
+    other 16-bit inputs (and for every 16-bit input elsewhere); the generic one for float32."""
+    from kvexport.native.build import cutlass_include_dir
+
+    hopper = torch.cuda.get_device_capability()[0] == 9 and cutlass_include_dir() is not None
+    page_size = 32
+    users = [(300, 4, 6)]
+
+    def names(head_dim, dtype, unaligned=False):
+        q, k, v, *rest = make_inputs(users, 2, head_dim, page_size, dtype, seed=17)
+        if unaligned:
+            q, k, v = (unaligned_rows(t) for t in (q, k, v))
+        return " ".join(kernels_run(ops, to_cuda((q, k, v, *rest))))
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128):
+            expected = "attention_sm90_kernel" if hopper else "attention_mma_kernel"
+            assert expected in names(head_dim, dtype), (dtype, head_dim)
+        assert "attention_mma_kernel" in names(32, dtype)
+        assert "attention_mma_kernel" in names(128, dtype, unaligned=True)
+    assert "attention_generic_kernel" in names(128, torch.float32)

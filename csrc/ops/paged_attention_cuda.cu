@@ -2,8 +2,11 @@
 // out[r] = sum_j SiLU(alpha q_r . k_j) * inv_scaling_seqlen * v_j over the row's cached keys (and
 // its own k/v for candidates), accumulated in fp32.
 //
-// Two kernels compute it:
-// - attention_mma_kernel (bf16/fp16, head_dim 32/64/128): a block is one tile of one user's rows
+// Three kernels compute it:
+// - on Hopper GPUs (sm_90) with bf16/fp16 and head_dim 64/128, the warp-specialised wgmma kernel of
+//   paged_attention_sm90.cu (when the library was built with CUTLASS's headers), with the same
+//   split over keys and combine_kernel as below;
+// - attention_mma_kernel (bf16/fp16, head_dim 32/64/128; every other GPU): a block is one tile of one user's rows
 //   (up to 192: 4, 8 or 12 warps of 16 rows, as many as the widest tile of the batch needs) x one
 //   head x one chunk of keys, so that every row of a user reads each cached key from memory once.
 //   Blocks of 64 keys are copied from the user's pages into shared memory (cp.async, a pipeline
@@ -16,10 +19,16 @@
 // - attention_generic_kernel (everything else: float32, other head sizes): one warp per
 //   (row, head), lanes over head_dim, keys one by one, exact fp32.
 #include "ops/paged_attention_cuda.h"
+#include "ops/attention_cuda_math.cuh"
+#include "ops/attention_cuda_params.h"
+#ifdef KVEXPORT_WITH_SM90
+#include "ops/paged_attention_sm90.h"
+#endif
 #include "ops/paged_attention.h"
 #include "runtime/kv_runtime.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -46,64 +55,7 @@ namespace kvexport::ops {
 
 namespace {
 
-struct Params {
-  const void *q, *k, *v;
-  int64_t q_stride, k_stride, v_stride;  // elements between consecutive rows
-  const void* cache;                     // [pages, 2, page_size, heads, head_dim], contiguous
-  const int64_t* page_table;             // [users, max_pages]
-  const int64_t* row_keys;
-  const bool* row_candidate;
-  const int64_t *row_order, *tiles;  // the runtime's plan (runtime::user_tiles)
-  void* out;       // [rows, heads, head_dim], q's dtype
-  float* partial;  // [chunks, rows, heads, head_dim]; only when chunks > 1
-  int64_t rows, max_pages;
-  int heads, head_dim, page_size;
-  int chunks, chunk_keys;  // chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys); the last one all the rest
-  int64_t split_tiles;     // host only: the tiles that hold rows, for sizing the split over keys
-  float alpha, inv_scaling;
-};
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// Exact SiLU (expf, IEEE division; no fast math): the reference comparison of float32 and the
-// fp32 self term.
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-// SiLU of the score tiles, whose result is rounded to bf16/fp16 (relative error 2^-9 / 2^-12)
-// right after: __expf (ex2.approx, at most 2 + 1.2 |x| ulp: about 1e-6 relative at |x| = 7) and
-// an approximate division are far inside that rounding, and the exact versions would cost more
-// issue slots than the tensor-core work of the tile.
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
-
-// The same for bf16 weights, in one multi-function-unit instruction instead of two:
-// SiLU(x) = h + h tanh(h) with h = x / 2, tanh.approx's error (about 2^-11 relative to 1) below the
-// 2^-9 of the bf16 rounding that follows. Not for fp16, whose rounding is 8 times finer.
-__device__ __forceinline__ float silu_tanh(float x) {
-  const float h = 0.5f * x;
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
-  return fmaf(h, t, h);
-}
-
-template <typename T>
-__device__ __forceinline__ float silu_weight(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return silu_tanh(x);
-  } else {
-    return silu_fast(x);
-  }
-}
+using Params = AttentionParams;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -182,33 +134,6 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-// Two floats as one register of two 16-bit values (lo in the low half: the lower column).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t bits);
-template <>
-__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t bits) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-}
-template <>
-__device__ __forceinline__ float2 unpack2<__half>(uint32_t bits) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-}
-
-__device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_cast<const uint32_t*>(p); }
 
 // Grid (tiles, heads, chunks). Fragment layouts are those of mma.m16n8k16 (PTX ISA): lane = 4 g + t
 // holds rows g and g + 8, columns 2t and 2t + 1 of each 8-column accumulator tile.
@@ -572,15 +497,13 @@ int64_t resident_blocks(int device) {
   return blocks;
 }
 
-template <typename T, int kDim, int kWarps>
-void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
-  using Shape = MmaShape<kDim, kWarps>;
-  const auto kernel = attention_mma_kernel<T, kDim, kWarps>;
-  constexpr int smem = Shape::kSmemBytes;
-  const int64_t slots = resident_blocks<T, kDim, kWarps>(q.get_device());
-  // Split the keys so that (tiles x heads x chunks) blocks fill one wave of resident blocks
-  // (a partial second wave would cost a whole block's time), with chunks of at least
-  // kMinChunkKeys keys. Enough tiles alone (large batches) need no split and no workspace.
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Splits the keys so that (tiles x heads x chunks) blocks fill one wave of `slots` resident
+// blocks (a partial second wave would cost a whole block's time), with chunks of at least
+// kMinChunkKeys keys; sets p.chunks, p.chunk_keys and p.partial. Enough tiles alone (large
+// batches) need no split and no workspace. Returns the workspace (undefined with one chunk).
+at::Tensor split_keys(Params& p, int64_t slots, int64_t max_keys, const at::Tensor& q) {
   const int64_t work = p.split_tiles * p.heads;
   int64_t chunks = std::clamp<int64_t>(slots / work, 1, std::max<int64_t>(1, max_keys / kMinChunkKeys));
   const int64_t per_chunk = (std::max<int64_t>(max_keys, 1) + chunks - 1) / chunks;
@@ -592,20 +515,69 @@ void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor&
   p.chunk_keys = int(chunk_keys);
   at::Tensor partial;
   if (chunks > 1) {
-    partial = at::empty({chunks, p.rows, p.heads, kDim}, q.options().dtype(at::kFloat));
+    partial = at::empty({chunks, p.rows, p.heads, p.head_dim}, q.options().dtype(at::kFloat));
     p.partial = partial.data_ptr<float>();
   }
-  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), unsigned(chunks)), Shape::kThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (chunks > 1) {
-    constexpr int kCombineThreads = 256;
-    static_assert(kCombineThreads % (kDim / 4) == 0, "a block holds whole (row, head) groups");
-    const int64_t threads = p.rows * p.heads * (kDim / 4);
-    const int64_t blocks = (threads + kCombineThreads - 1) / kCombineThreads;
-    combine_kernel<T, kDim><<<unsigned(blocks), kCombineThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  return partial;
 }
+
+template <typename T, int kDim>
+void launch_combine(const Params& p, cudaStream_t stream) {
+  constexpr int kCombineThreads = 256;
+  static_assert(kCombineThreads % (kDim / 4) == 0, "a block holds whole (row, head) groups");
+  const int64_t threads = p.rows * p.heads * (kDim / 4);
+  const int64_t blocks = (threads + kCombineThreads - 1) / kCombineThreads;
+  combine_kernel<T, kDim><<<unsigned(blocks), kCombineThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int kDim, int kWarps>
+void launch_mma(Params p, int64_t num_tiles, int64_t max_keys, const at::Tensor& q, cudaStream_t stream) {
+  using Shape = MmaShape<kDim, kWarps>;
+  const auto kernel = attention_mma_kernel<T, kDim, kWarps>;
+  const at::Tensor partial = split_keys(p, resident_blocks<T, kDim, kWarps>(q.get_device()), max_keys, q);
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), unsigned(p.chunks)), Shape::kThreads, Shape::kSmemBytes,
+           stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.chunks > 1) launch_combine<T, kDim>(p, stream);
+}
+
+#ifdef KVEXPORT_WITH_SM90
+// The Hopper kernel (paged_attention_sm90.cu), with the same split over keys and combine.
+template <typename T, int kDim>
+void launch_sm90(Params p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows, const at::Tensor& q,
+                 cudaStream_t stream) {
+  const auto element = std::is_same_v<T, __nv_bfloat16> ? sm90::Element::kBFloat16 : sm90::Element::kHalf;
+  const int consumers = sm90::consumers_for(max_tile_rows);
+  int64_t slots = 0;
+  C10_CUDA_CHECK(sm90::resident_blocks(element, kDim, consumers, q.get_device(), &slots));
+  const at::Tensor partial = split_keys(p, slots, max_keys, q);
+  C10_CUDA_CHECK(sm90::launch(p, element, num_tiles, consumers, stream));
+  if (p.chunks > 1) launch_combine<T, kDim>(p, stream);
+}
+
+// Takes the batch when the device is a Hopper GPU (compute capability 9.x) and the shape is the
+// Hopper kernel's: head_dim 64 or 128, Q rows 16-byte aligned (it stages Q in 16-byte pieces).
+template <typename T>
+bool try_launch_sm90(const Params& p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows, const at::Tensor& q,
+                     cudaStream_t stream) {
+  if (at::cuda::getDeviceProperties(q.get_device())->major != 9 || !sm90::supports_head_dim(p.head_dim) ||
+      !aligned(p.q, 16) || p.q_stride % 8 != 0) {
+    return false;
+  }
+  if (p.head_dim == 64) {
+    launch_sm90<T, 64>(p, num_tiles, max_keys, max_tile_rows, q, stream);
+  } else {
+    launch_sm90<T, 128>(p, num_tiles, max_keys, max_tile_rows, q, stream);
+  }
+  return true;
+}
+#else
+template <typename T>
+bool try_launch_sm90(const Params&, int64_t, int64_t, int64_t, const at::Tensor&, cudaStream_t) {
+  return false;
+}
+#endif
 
 template <typename T>
 void launch_generic(const Params& p, int64_t num_tiles, cudaStream_t stream) {
@@ -643,8 +615,6 @@ bool try_launch_mma(const Params& p, int64_t num_tiles, int64_t max_keys, int64_
     default: return false;
   }
 }
-
-bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // q, k, v may be row slices of a wider tensor (the model's fused projection): rows strided, each
 // row's [H, dh] dense. Any other layout is copied.
@@ -739,12 +709,14 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, 
   const bool mma_ok = pairs_aligned && aligned(p.cache, 16);
   switch (dtype) {
     case at::kBFloat16:
-      if (!(mma_ok && try_launch_mma<__nv_bfloat16>(p, num_tiles, max_keys, max_tile_rows, q, stream))) {
+      if (!(mma_ok && (try_launch_sm90<__nv_bfloat16>(p, num_tiles, max_keys, max_tile_rows, q, stream) ||
+                       try_launch_mma<__nv_bfloat16>(p, num_tiles, max_keys, max_tile_rows, q, stream)))) {
         launch_generic<__nv_bfloat16>(p, num_tiles, stream);
       }
       break;
     case at::kHalf:
-      if (!(mma_ok && try_launch_mma<__half>(p, num_tiles, max_keys, max_tile_rows, q, stream))) {
+      if (!(mma_ok && (try_launch_sm90<__half>(p, num_tiles, max_keys, max_tile_rows, q, stream) ||
+                       try_launch_mma<__half>(p, num_tiles, max_keys, max_tile_rows, q, stream)))) {
         launch_generic<__half>(p, num_tiles, stream);
       }
       break;

@@ -18,6 +18,7 @@ loops also compiled for x86-64-v4 and picked at load time (GCC function multiver
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -85,6 +86,17 @@ def _cache_value(build_dir: Path, name: str) -> str | None:
     return None
 
 
+def cutlass_include_dir() -> Path | None:
+    """CUTLASS/CuTe's headers from the installed nvidia-cutlass distribution (its `cutlass_library`
+    package carries the whole include tree), or None where it is not installed. Only the CUDA op
+    library's Hopper attention path needs them."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    include = Path(next(iter(spec.submodule_search_locations))) / "source" / "include"
+    return include if (include / "cute" / "tensor.hpp").is_file() else None
+
+
 def _configure_environment(compiler: toolchain.Compiler) -> dict[str, str]:
     """CMake's environment: nvcc's host compiler (CMake takes it from CUDAHOSTCXX, which a GPU host
     may point at another compiler) is the chosen one too, so one toolchain builds the whole library."""
@@ -122,6 +134,11 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
         log.info("%s was configured for another compiler or C++ runtime: configuring it again with %s (runtime "
                  "from %s)", build_dir, compiler.path, runtime_dir or "its default directories")
         _forget_configuration(build_dir)
+    cutlass = str(cutlass_include_dir() or "")
+    configured_cutlass = _cache_value(build_dir, "KVEXPORT_CUTLASS_INCLUDE_DIR")
+    if configured_cutlass is not None and configured_cutlass != cutlass:
+        log.info("CUTLASS's headers changed since %s was configured: configuring it again", build_dir)
+        _forget_configuration(build_dir)
     if not (build_dir / "CMakeCache.txt").exists() or _hiredis_installed_since(build_dir):
         _run("cmake configure", [
             "cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), *generator,
@@ -132,6 +149,7 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
             f"-DNLOHMANN_JSON_INCLUDE_DIR={Path(nlohmann_json.__file__).parent / 'include'}",
             f"-DKVEXPORT_KERNEL_ARCH={isa}",
             f"-DKVEXPORT_KERNEL_MULTIVERSION={'ON' if multiversion else 'OFF'}",
+            f"-DKVEXPORT_CUTLASS_INCLUDE_DIR={cutlass}",
         ], build_dir / "configure.log", env=_configure_environment(compiler))
     _run("C++ build", ["cmake", "--build", str(build_dir), "--target", *targets], build_dir / "build.log")
     if "kvexport_replay" in targets:
