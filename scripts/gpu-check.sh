@@ -143,9 +143,13 @@ step pytest-cuda "$python" -m pytest -m cuda -q -p no:cacheprovider --durations=
 step attention-bench "$python" benchmarks/gpu/attention_bench.py --json "$out/attention-bench.json"
 # The same bytes through torch's own fused attention backends, side by side.
 step peers "$python" benchmarks/gpu/peers.py --json "$out/peers.json"
+# 1,024 candidates a user (1,088 query rows against 8,262 keys): the compute-bound shape.
+step attention-bench-c1024 "$python" benchmarks/gpu/attention_bench.py --candidates 1024 --batch 1,8 \
+  --json "$out/attention-bench-c1024.json"
+step peers-c1024 "$python" benchmarks/gpu/peers.py --candidates 1024 --batch 1,8 --json "$out/peers-c1024.json"
 if command -v ncu > /dev/null; then
   # Where the attention kernel's time goes at batch 8 (Nsight Compute: throughput, memory, occupancy, stalls).
-  step profile-attention ncu --clock-control none -k regex:attention_mma --launch-skip 2 --launch-count 1 \
+  step profile-attention ncu --clock-control none -k regex:attention_ --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
     "$python" benchmarks/gpu/attention_bench.py --profile --batch 8 --warmup 2 --repeats 1
@@ -171,6 +175,12 @@ if [[ $quick == 0 ]]; then
   # Its 1 GB item table inside the package's .so (the package built above) or beside it (compiled
   # here): size, compile, load. Last: the slowest step, and the one a run short of device time can
   # best resume later.
+  # The same model scoring 1,024 candidates a user, batch 1 and 8.
+  if step build-kuairand-c1024 kvexport build configs/hstu-kuairand-1k-c1024.yaml \
+      -o "$out/artifacts/kuairand-c1024" --device cuda --force; then
+    step request-bench-kuairand-c1024 "$python" benchmarks/gpu/request_bench.py "$out/artifacts/kuairand-c1024" \
+      --candidates 1024 --batch 1,8 --json "$out/request-bench-kuairand-c1024.json"
+  fi
   step weights-bench-kuairand "$python" benchmarks/gpu/weights_bench.py configs/hstu-kuairand-1k.yaml \
     --device cuda --package "$out/artifacts/kuairand" --json "$out/weights-bench-kuairand.json"
 fi

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from kvexport.commands.cli import main
 from kvexport.config import ConfigError, config_from_dict, load_config
-from tests.conftest import ROOT, TINY
+from tests.helpers import ROOT
+from tests.helpers.configs import TINY
 
 BASE = yaml.safe_load(TINY.read_text())
 
@@ -78,7 +79,7 @@ def test_missing_config_file(tmp_path):
     assert "cannot read config" in result.output
 
 
-@pytest.mark.parametrize("name", ["hstu-tiny.yaml", "hstu-kuairand-1k.yaml"])
+@pytest.mark.parametrize("name", ["hstu-tiny.yaml", "hstu-kuairand-1k.yaml", "hstu-kuairand-1k-c1024.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(ROOT / "configs" / name)
     assert config.model.hidden_size == config.model.num_heads * config.model.head_dim

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 
@@ -83,7 +83,8 @@ def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_no
     code, first = gpu_check(script, out, stand_in, "--quick", failing="soak")
     assert code == 1
     assert first["soak-tiny"] == "failed" and first["request-bench-tiny"] == "ran"
-    assert set(first) == {"native", "pytest-cuda", "attention-bench", "peers"} | TINY_STEPS | (
+    kernel_steps = {"native", "pytest-cuda", "attention-bench", "peers", "attention-bench-c1024", "peers-c1024"}
+    assert set(first) == kernel_steps | TINY_STEPS | (
         {"profile-attention"} if "profile-attention" in first else set())
 
     code, second = gpu_check(script, out, stand_in, "--quick", "--resume")
