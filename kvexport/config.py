@@ -4,7 +4,7 @@ Layout of a config file::
 
     name: hstu-tiny
     model:    {num_layers, hidden_size, num_heads, head_dim, ...}
-    kv_cache: {page_size, device_pages, host_pages, remote_read_budget_us, remote_ttl_s}
+    kv_cache: {page_size, device_pages, host_pages, remote_read_budget_us, remote_ttl_s, dtype}
     serving:  {max_batch_size, device, cpu_isa}
     trace:    {seed, num_users, ...}
 
@@ -24,6 +24,10 @@ import yaml
 from kvexport.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# kv_cache.dtype: the model's dtype (the default), or FP8 pages (docs/design.md §3.11).
+FP8_PAGES = "float8_e4m3"
+# Why a CUDA package cannot have FP8 pages yet (config check, runtime, build).
+FP8_CUDA_REFUSAL = "FP8 pages need the Hopper kernel's FP8 path, not built yet"
 DEVICES = ("cpu", "cuda")
 # The CPU a package's machine code is compiled for: this host's ("native"), or a portable
 # x86-64 baseline that any newer CPU runs (kvexport/native/isa.py).
@@ -181,6 +185,13 @@ class KVCacheConfig:
     # after they were written (0: never; see docs/hosting.md, *Remote tier*).
     remote_read_budget_us: int = 5000
     remote_ttl_s: int = 86400
+    # How pages store keys and values: the model's dtype (left out: filled in from model.dtype) or
+    # float8_e4m3 (docs/design.md §3.11).
+    dtype: str = ""
+
+    @property
+    def fp8_pages(self) -> bool:
+        return self.dtype == FP8_PAGES
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold num_tokens cached tokens."""
@@ -247,6 +258,8 @@ class Config:
                 "stall_timeout_ms": c.stall_timeout_ms,
                 "remote_read_budget_us": c.remote_read_budget_us,
                 "remote_ttl_s": c.remote_ttl_s,
+                # Only with FP8 pages: a package in the model's dtype keeps its runtime config (and name).
+                **({"kv_dtype": c.dtype} if c.fp8_pages else {}),
                 # Only when set: a causal package's runtime config (and the runtime name digested from
                 # it) does not name an option it does not use.
                 **({"context_rows_see_prefix": m.context_rows_see_prefix} if m.context_rows_see_prefix else {}),
@@ -415,6 +428,10 @@ def _check(config: Config) -> None:
     _check_head(m)
     if not (math.isfinite(m.layer_norm_eps) and 0 < m.layer_norm_eps < 1):
         raise ConfigError(f"model.layer_norm_eps must be a number in (0, 1), got {m.layer_norm_eps}")
+    if c.dtype not in (m.dtype, FP8_PAGES):
+        raise ConfigError(f"kv_cache.dtype must be {FP8_PAGES} or model.dtype ({m.dtype}), got {c.dtype!r}")
+    if c.fp8_pages and s.device == "cuda":
+        raise ConfigError(f"kv_cache.dtype {FP8_PAGES} with serving.device cuda: {FP8_CUDA_REFUSAL}")
     _positive("kv_cache", page_size=c.page_size, device_pages=c.device_pages, stall_timeout_ms=c.stall_timeout_ms)
     if c.page_size & (c.page_size - 1):
         raise ConfigError(f"kv_cache.page_size must be a power of two, got {c.page_size}")
@@ -467,6 +484,8 @@ def config_from_dict(raw: Any) -> Config:
                 continue
             raise ConfigError(f"missing section {section}")
         sections[section] = _build(cls, raw[section], section)
+    if not sections["kv_cache"].dtype and isinstance(sections["model"].dtype, str):
+        sections["kv_cache"] = dataclasses.replace(sections["kv_cache"], dtype=sections["model"].dtype)
     config = Config(name=raw["name"], **sections)
     _check(config)
     return config

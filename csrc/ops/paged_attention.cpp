@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ops/compiled_isa.h"
+#include "runtime/fp8_pages.h"
 #include "runtime/parallel.h"
 
 namespace kvexport::ops {
@@ -290,6 +291,53 @@ KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* us
   }
 }
 
+// An e4m3 byte as a float, in arithmetic the vectoriser takes (no table lookup): a normal value's
+// exponent and mantissa fields move into a float's and its exponent bias is added (7 -> 127), a
+// subnormal is its mantissa times 2^-9. NaN bytes, which the cache never stores, decode as 480.
+inline __attribute__((always_inline)) float e4m3_to_float(uint8_t byte) {
+  const uint32_t magnitude = byte & 0x7Fu;
+  const uint32_t normal_bits = (magnitude << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  const float value = magnitude >= 8 ? normal : static_cast<float>(magnitude) * 0.001953125f;  // 2^-9
+  return byte & 0x80u ? -value : value;
+}
+
+// gather_block for FP8 pages (runtime/fp8_pages.h): the keys' and values' e4m3 bytes of head h,
+// decoded and multiplied by their row's power-of-two scale into `converted`, as a bfloat16 block is
+// converted. `cache` is one layer's pages [pages, page_bytes].
+KVEXPORT_KERNEL_CLONES void gather_fp8_block(const uint8_t* cache, const runtime::fp8::PageLayout& layout, int64_t h,
+                                             const int64_t* user_pages, int64_t first, int64_t count,
+                                             const float** keys, const float** values, float* converted) {
+  const int64_t page_size = layout.page_size, head_dim = layout.head_dim, row_bytes = layout.row_bytes();
+  const int64_t value_rows = page_size * row_bytes, value_scales = page_size * layout.num_heads;
+  for (int64_t j = 0; j < count;) {  // page by page: one division per page, not per key
+    const int64_t position = first + j;
+    const int64_t slot = position % page_size;
+    const int64_t in_page = std::min(page_size - slot, count - j);
+    const uint8_t* page = cache + user_pages[position / page_size] * layout.page_bytes();
+    const uint8_t* key = page + slot * row_bytes + h * head_dim;
+    const uint8_t* scale = page + layout.data_bytes() + slot * layout.num_heads + h;
+    for (int64_t s = 0; s < in_page; ++s, ++j, key += row_bytes, scale += layout.num_heads) {
+      const float key_scale = runtime::fp8::scale_of(scale[0]);
+      const float value_scale = runtime::fp8::scale_of(scale[value_scales]);
+      float* k_row = converted + 2 * j * head_dim;
+      float* v_row = k_row + head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) {
+        k_row[d] = e4m3_to_float(key[d]) * key_scale;
+        v_row[d] = e4m3_to_float(key[value_rows + d]) * value_scale;
+      }
+      keys[j] = k_row;
+      values[j] = v_row;
+    }
+  }
+  for (int64_t i = 1; i < kKeyGroup; ++i) {
+    keys[count - 1 + i] = keys[count - 1];
+    values[count - 1 + i] = values[count - 1];
+  }
+}
+
 struct Tile {
   int64_t first_row, num_rows;
 };
@@ -418,12 +466,17 @@ class Attention {
   Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
             const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
             const at::Tensor& row_candidate, float alpha, float inv_scaling_seqlen, at::Tensor& out)
-      : num_heads_(q.size(1)), head_dim_(q.size(2)), page_size_(cache.size(2)), row_stride_(num_heads_ * head_dim_),
+      : num_heads_(q.size(1)), head_dim_(q.size(2)),
+        fp8_(cache.scalar_type() == at::kByte
+                 ? runtime::fp8::PageLayout::of_pages(cache.size(1), num_heads_, head_dim_)
+                 : runtime::fp8::PageLayout{}),
+        page_size_(fp8_.page_size > 0 ? fp8_.page_size : cache.size(2)), row_stride_(num_heads_ * head_dim_),
         page_stride_(2 * page_size_ * row_stride_), max_pages_(page_table.size(1)),
         block_keys_(std::max<int64_t>(16, kBlockFloats / head_dim_)), alpha_(alpha), inv_scaling_(inv_scaling_seqlen),
         q_stride_(q.stride(0)), k_stride_(k.stride(0)), v_stride_(v.stride(0)), q_(q.data_ptr<scalar_t>()),
         k_(k.data_ptr<scalar_t>()), v_(v.data_ptr<scalar_t>()),
-        cache_(cache.data_ptr<scalar_t>()), pages_(page_table.data_ptr<int64_t>()),
+        cache_(fp8_.page_size > 0 ? nullptr : cache.data_ptr<scalar_t>()),
+        fp8_cache_(fp8_.page_size > 0 ? cache.data_ptr<uint8_t>() : nullptr), pages_(page_table.data_ptr<int64_t>()),
         users_(row_user.data_ptr<int64_t>()), keys_(row_keys.data_ptr<int64_t>()),
         candidate_(row_candidate.data_ptr<bool>()), out_(out.data_ptr<scalar_t>()),
         attend_block_(attend_block_for(head_dim_)), alone_(runs_alone(total_work(q.size(0)))),
@@ -471,8 +524,13 @@ class Attention {
     const int64_t* user_pages = pages_ + users_[tile.first_row] * max_pages_;
     for (int64_t first = 0; first < n; first += block_keys_) {
       const int64_t count = std::min(block_keys_, n - first);
-      gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_, head_dim_,
-                   s.keys.data(), s.values.data(), s.converted.data());
+      if (fp8_cache_ != nullptr) {
+        gather_fp8_block(fp8_cache_, fp8_, h, user_pages, first, count, s.keys.data(), s.values.data(),
+                         s.converted.data());
+      } else {
+        gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_,
+                     head_dim_, s.keys.data(), s.values.data(), s.converted.data());
+      }
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         s.limits[t] = std::clamp<int64_t>(keys_[tile.first_row + t] - first, 0, count);
       }
@@ -498,10 +556,13 @@ class Attention {
     }
   }
 
-  const int64_t num_heads_, head_dim_, page_size_, row_stride_, page_stride_, max_pages_, block_keys_;
+  const int64_t num_heads_, head_dim_;
+  const runtime::fp8::PageLayout fp8_;  // FP8 pages' layout; page_size 0 for a cache in scalar_t
+  const int64_t page_size_, row_stride_, page_stride_, max_pages_, block_keys_;
   const float alpha_, inv_scaling_;
   const int64_t q_stride_, k_stride_, v_stride_;  // between rows of q, k, v (row_stride_ when contiguous)
   const scalar_t *q_, *k_, *v_, *cache_;
+  const uint8_t* fp8_cache_;
   const int64_t *pages_, *users_, *keys_;
   const bool* candidate_;
   scalar_t* out_;
@@ -556,10 +617,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& row_candidate, double alpha, double inv_scaling_seqlen) {
   TORCH_CHECK(q.dim() == 3 && q.sizes() == k.sizes() && q.sizes() == v.sizes(), "paged_attention: q ", q.sizes(),
               ", k ", k.sizes(), ", v ", v.sizes(), " must be equal [N, H, dh]");
-  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(3) == q.size(1) && cache.size(4) == q.size(2),
-              "paged_attention: cache ", cache.sizes(), " does not fit q ", q.sizes());
-  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged_attention: q dtype ", q.scalar_type(),
-              " != cache dtype ", cache.scalar_type());
+  const bool fp8 = cache.scalar_type() == at::kByte;  // FP8 pages [pages, page_bytes] (runtime/fp8_pages.h)
+  if (fp8) {
+    const int64_t row_bytes = 2 * q.size(1) * (q.size(2) + 1);
+    TORCH_CHECK(cache.dim() == 2 && cache.size(1) > 0 && cache.size(1) % row_bytes == 0, "paged_attention: FP8 pages ",
+                cache.sizes(), " are not [pages, page_size * ", row_bytes, "] for q ", q.sizes());
+  } else {
+    TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(3) == q.size(1) && cache.size(4) == q.size(2),
+                "paged_attention: cache ", cache.sizes(), " does not fit q ", q.sizes());
+    TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged_attention: q dtype ", q.scalar_type(),
+                " != cache dtype ", cache.scalar_type());
+  }
+  const int64_t page_size = fp8 ? cache.size(1) / (2 * q.size(1) * (q.size(2) + 1)) : cache.size(2);
   TORCH_CHECK(row_user.size(0) == q.size(0) && row_keys.size(0) == q.size(0) && row_candidate.size(0) == q.size(0),
               "paged_attention: row metadata has ", row_user.size(0), " rows, q has ", q.size(0));
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: this kernel runs on CPU, got ", q.device());
@@ -569,7 +638,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const auto candidate = row_candidate.to(at::kBool).contiguous();
   TORCH_CHECK(pt.dim() == 2, "paged_attention: page_table must be [B, max_pages], got ", pt.sizes());
   TORCH_CHECK(cache.device() == q.device(), "paged_attention: cache on ", cache.device(), ", q on ", q.device());
-  check_row_metadata(pt, users, keys, cache.size(0), cache.size(2));
+  check_row_metadata(pt, users, keys, cache.size(0), page_size);
   auto out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     Attention<scalar_t>(qc, kc, vc, cc, pt, users, keys, candidate, static_cast<float>(alpha),

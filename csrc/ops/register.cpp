@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops/paged_attention.h"
+#include "runtime/fp8_pages.h"
 #ifdef KVEXPORT_WITH_CUDA
 #include "ops/paged_attention_cuda.h"
 #endif
@@ -363,6 +364,9 @@ TORCH_LIBRARY(kvexport, m) {
   // Pure kernel behind paged_attention, with every input explicit.
   m.def("hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
         "Tensor row_keys, Tensor row_candidate, float alpha, float inv_scaling_seqlen) -> Tensor");
+  // Rows [N, H, dh] rounded as FP8 pages store them (runtime/fp8_pages.h): the full recompute of a
+  // model with kv_cache.dtype float8_e4m3 attends over these, the cached path over its pages.
+  m.def("fp8_round(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
@@ -374,6 +378,7 @@ TORCH_LIBRARY_IMPL(kvexport, CPU, m) {
   m.impl("begin_step", &begin_step);
   m.impl("paged_attention_step", &paged_attention_step);
   m.impl("hstu_paged_attention", &paged_attention_cpu);
+  m.impl("fp8_round", &runtime::fp8::round_rows);
 }
 
 #ifdef KVEXPORT_WITH_CUDA

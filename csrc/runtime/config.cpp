@@ -3,6 +3,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "runtime/fp8_pages.h"
+
 namespace kvexport::runtime {
 
 namespace {
@@ -28,6 +30,13 @@ c10::ScalarType RuntimeConfig::scalar_type() const {
   throw std::invalid_argument("runtime config: unsupported dtype " + dtype);
 }
 
+c10::ScalarType RuntimeConfig::cache_scalar_type() const { return fp8_pages() ? c10::kByte : scalar_type(); }
+
+std::vector<int64_t> RuntimeConfig::page_shape() const {
+  if (fp8_pages()) return {fp8::PageLayout{page_size, num_heads, head_dim}.page_bytes()};
+  return {2, page_size, num_heads, head_dim};
+}
+
 RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
   nlohmann::json j;
   try {
@@ -47,6 +56,13 @@ RuntimeConfig RuntimeConfig::from_json(const std::string& json) {
   }
   c.dtype = j.at("dtype").get<std::string>();
   c.scalar_type();  // refuses an unsupported dtype here, before any runtime exists
+  if (j.contains("kv_dtype")) {
+    c.kv_dtype = j.at("kv_dtype").is_string() ? j.at("kv_dtype").get<std::string>() : "";
+    if (!c.fp8_pages()) {
+      throw std::invalid_argument("runtime config: kv_dtype must be float8_e4m3 when given, got " +
+                                  j.at("kv_dtype").dump());
+    }
+  }
   if (j.contains("stall_timeout_ms")) c.stall_timeout_ms = positive_field(j, "stall_timeout_ms");
   if (j.contains("remote_read_budget_us")) c.remote_read_budget_us = positive_field(j, "remote_read_budget_us");
   if (j.contains("remote_ttl_s")) c.remote_ttl_s = positive_field(j, "remote_ttl_s", /*allow_zero=*/true);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace kvexport::runtime {
 
@@ -16,6 +17,9 @@ struct RuntimeConfig {
   int64_t device_pages = 0;
   int64_t host_pages = 0;
   std::string dtype;
+  // kv_cache.dtype: how the cache stores keys and values. Empty: in dtype, a page
+  // [2, page_size, heads, head_dim]; "float8_e4m3": FP8 pages of bytes (runtime/fp8_pages.h).
+  std::string kv_dtype;
   // How long a batch in flight may make no progress before a waiting request takes the runtime.
   int64_t stall_timeout_ms = 10000;
   // The remote tier, when a host attaches one: a batch waits at most remote_read_budget_us for its
@@ -33,6 +37,12 @@ struct RuntimeConfig {
 
   // The cache's element type; from_json accepted the name.
   c10::ScalarType scalar_type() const;
+  bool fp8_pages() const { return kv_dtype == "float8_e4m3"; }
+  // The cache's element type and the shape of one of its pages.
+  c10::ScalarType cache_scalar_type() const;
+  std::vector<int64_t> page_shape() const;
+  // The stored format's name: kv_dtype when set, else dtype.
+  const std::string& cache_dtype() const { return kv_dtype.empty() ? dtype : kv_dtype; }
   int64_t pages_for(int64_t num_tokens) const { return (num_tokens + page_size - 1) / page_size; }
   bool operator==(const RuntimeConfig&) const = default;
 };

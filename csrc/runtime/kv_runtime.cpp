@@ -1,5 +1,6 @@
 #include "runtime/kv_runtime.h"
 
+#include "runtime/fp8_pages.h"
 #include "runtime/host_tier.h"
 #include "runtime/parallel.h"
 #include "runtime/python_gil.h"
@@ -80,9 +81,14 @@ int64_t common_prefix(const int64_t* a, int64_t a_len, const int64_t* b, int64_t
 KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
     : name_(std::move(name)), config_(std::move(config)), pages_(config_.device_pages) {
   const auto& c = config_;
+  if (c.fp8_pages() && !device.is_cpu()) {
+    throw std::invalid_argument("FP8 pages need the Hopper kernel's FP8 path, not built yet: kv_cache.dtype "
+                                "float8_e4m3 runs on the CPU only, got device " + device.str());
+  }
   // One page more than the pool hands out: step programs' padding rows write there.
-  cache_ = at::zeros({c.num_layers, c.device_pages + 1, 2, c.page_size, c.num_heads, c.head_dim},
-                     at::TensorOptions().dtype(c.scalar_type()).device(device));
+  std::vector<int64_t> shape{c.num_layers, c.device_pages + 1};
+  for (int64_t size : c.page_shape()) shape.push_back(size);
+  cache_ = at::zeros(shape, at::TensorOptions().dtype(c.cache_scalar_type()).device(device));
   tiers_.append(std::make_unique<HostTier>(c.host_pages, device.is_cuda()));
   if (cache_.is_cuda()) {
     copy_stream_ = c10::impl::VirtualGuardImpl(cache_.device().type()).getStreamFromGlobalPool(cache_.device());
@@ -428,9 +434,8 @@ void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Ten
     throw RequestError(ErrorCode::kInternal, "expected k and v of " + std::to_string(rows) + " rows, got k " +
                                                  std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
   }
-  auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
-  store_rows(slots, plan.write_slots, k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows));
-  store_rows(slots, plan.value_slots, v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows));
+  store_layer_rows(layer, plan.write_slots, k.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows));
+  store_layer_rows(layer, plan.value_slots, v.narrow(0, plan.num_candidate_rows, plan.num_new_prefix_rows));
 }
 
 void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
@@ -446,10 +451,23 @@ void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tens
                                                  std::to_string(prefix_rows) + " prefix rows; got k " +
                                                  std::to_string(k.size(0)) + ", v " + std::to_string(v.size(0)));
   }
-  auto slots = cache_.select(0, layer).view({-1, config_.num_heads, config_.head_dim});
   const int64_t first = k.size(0) - prefix_rows;  // rows are [candidates][prefix]
-  store_rows(slots, write_slots, k.narrow(0, first, prefix_rows));
-  store_rows(slots, value_slots, v.narrow(0, first, prefix_rows));
+  store_layer_rows(layer, write_slots, k.narrow(0, first, prefix_rows));
+  store_layer_rows(layer, value_slots, v.narrow(0, first, prefix_rows));
+}
+
+void KVRuntime::store_layer_rows(int64_t layer, const at::Tensor& index, const at::Tensor& rows) {
+  auto layer_cache = cache_.select(0, layer);
+  if (!config_.fp8_pages()) {
+    auto slots = layer_cache.view({-1, config_.num_heads, config_.head_dim});
+    store_rows(slots, index, rows);
+    return;
+  }
+  try {
+    fp8::store_rows(layer_cache, fp8_layout(), index, rows);
+  } catch (const std::out_of_range& e) {
+    throw RequestError(ErrorCode::kInternal, e.what());
+  }
 }
 
 void KVRuntime::end_batch(const std::vector<int64_t>& user_ids, bool fewer_threads) {
@@ -564,7 +582,9 @@ at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
   }
   const auto num_tokens = static_cast<int64_t>(entry->token_ids.size());
   const int64_t num_pages = config_.pages_for(num_tokens);
-  return cached_pages(*entry)
+  auto pages = cached_pages(*entry);
+  if (config_.fp8_pages()) pages = fp8::dequantize_pages(pages, fp8_layout()).to(config_.scalar_type());
+  return pages
       .permute({0, 2, 1, 3, 4, 5})
       .reshape({config_.num_layers, 2, num_pages * config_.page_size, config_.num_heads, config_.head_dim})
       .narrow(2, 0, num_tokens)

@@ -28,6 +28,7 @@
 #include "runtime/batch_plan.h"
 #include "runtime/config.h"
 #include "runtime/counters.h"
+#include "runtime/fp8_pages.h"
 #include "runtime/offload_tier.h"
 #include "runtime/page_pool.h"
 #include "runtime/request_error.h"
@@ -110,6 +111,9 @@ class KVRuntime {
   void store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v);
   void store_step_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
                      const at::Tensor& value_slots);
+  // rows [n, heads, head_dim] into one layer's cache slots `index` [n], as the cache stores them.
+  void store_layer_rows(int64_t layer, const at::Tensor& index, const at::Tensor& rows);
+  fp8::PageLayout fp8_layout() const { return {config_.page_size, config_.num_heads, config_.head_dim}; }
   // What begin_batch and begin_step share: takes the runtime for this thread (lock held), reuses
   // each user's longest cached common prefix, evicts and allocates; plan_ holds the batch's users,
   // cached lengths and uncached tokens. Returns each user's pages.

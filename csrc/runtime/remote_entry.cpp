@@ -65,7 +65,9 @@ class Reader {
 };
 
 std::vector<int64_t> expected_shape(const RuntimeConfig& c, int64_t num_tokens) {
-  return {c.num_layers, c.pages_for(num_tokens), 2, c.page_size, c.num_heads, c.head_dim};
+  std::vector<int64_t> shape{c.num_layers, c.pages_for(num_tokens)};
+  for (int64_t size : c.page_shape()) shape.push_back(size);
+  return shape;
 }
 
 }  // namespace
@@ -94,7 +96,7 @@ std::string encode_entry(const std::string& runtime, const RuntimeConfig& config
   out.raw(kMagic, sizeof(kMagic));
   out.scalar<uint32_t>(kRemoteFormatVersion);
   out.text(runtime);
-  out.text(config.dtype);
+  out.text(config.cache_dtype());
   out.scalar<int64_t>(config.page_size);
   out.scalar<uint64_t>(token_ids.size());
   out.raw(token_ids.data(), token_ids.size() * sizeof(int64_t));
@@ -136,10 +138,10 @@ DecodedEntry decode_entry(const std::string& bytes, const std::string& runtime, 
     return entry;
   }
   const auto n = static_cast<int64_t>(num_tokens);
-  if (dtype != config.dtype || page_size != config.page_size || n == 0 || shape != expected_shape(config, n)) {
+  if (dtype != config.cache_dtype() || page_size != config.page_size || n == 0 || shape != expected_shape(config, n)) {
     return entry;
   }
-  auto pages = at::empty(shape, at::TensorOptions().dtype(config.scalar_type()));
+  auto pages = at::empty(shape, at::TensorOptions().dtype(config.cache_scalar_type()));
   if (num_bytes != static_cast<uint64_t>(pages.nbytes())) return entry;
   std::memcpy(pages.data_ptr(), kv, num_bytes);
   entry.token_ids.resize(num_tokens);

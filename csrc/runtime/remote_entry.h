@@ -1,9 +1,12 @@
 // The bytes of one remote-tier entry: one user's cached k/v as one runtime computed it.
 //
 // Layout (host byte order; the hosts sharing a server share an architecture):
-//   "KVXR" | u32 format version | u32 + runtime name | u32 + dtype | i64 page_size
-//   | u64 + i64 token ids | u32 + i64 shape [layers, pages, 2, page_size, heads, head_dim]
-//   | u64 + k/v bytes | u64 checksum of everything before it
+//   "KVXR" | u32 format version | u32 + runtime name | u32 + stored dtype | i64 page_size
+//   | u64 + i64 token ids | u32 + i64 shape [layers, pages, *page shape] | u64 + page bytes
+//   | u64 checksum of everything before it
+// The page shape is [2, page_size, heads, head_dim] in the model's dtype, or [page_bytes] for FP8
+// pages (stored dtype float8_e4m3): their e4m3 bytes and scales (runtime/fp8_pages.h), so the
+// checksum covers both. Version 2 added FP8 pages; a version 1 entry is a format fault (a miss).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -17,7 +20,7 @@
 
 namespace kvexport::runtime {
 
-constexpr uint32_t kRemoteFormatVersion = 1;
+constexpr uint32_t kRemoteFormatVersion = 2;
 
 enum class EntryFault {
   kNone,
@@ -29,7 +32,7 @@ enum class EntryFault {
 struct DecodedEntry {
   EntryFault fault = EntryFault::kNone;
   std::vector<int64_t> token_ids;
-  at::Tensor pages;  // [layers, pages, 2, page_size, heads, head_dim] on the CPU, when fault is kNone
+  at::Tensor pages;  // [layers, pages, *page shape] on the CPU, when fault is kNone
 };
 
 // pages: a contiguous CPU tensor holding the k/v of token_ids.

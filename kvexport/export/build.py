@@ -263,6 +263,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
             "package_ops": dict(sorted(package_ops.items())),
             **({"step_program": step} if step else {}),
             "trace": {"steps": steps},
+            **({"fp8_distance": trace.unrounded_distance} if trace.unrounded_distance else {}),
             "files": artifact.hash_files(staging),
         }
     with stages.stage("self-test", "a refused request through the package in a fresh process"):

@@ -298,6 +298,9 @@ class HSTURanker(nn.Module):
         self.context_rows_see_prefix = m.context_rows_see_prefix
         # model.head: item_tower: checked candidate ids carry a query-time code in their low bits.
         self.candidates = TimeCodedCandidates(m) if m.head == "item_tower" else PlainCandidates()
+        # FP8 pages (docs/design.md §3.11): the model attends over FP8-rounded prefix keys and values
+        # on every route; the full recompute rounds them as the pages store them. None: unrounded.
+        self.round_kv = kv.fp8_round if config.kv_cache.fp8_pages else None
         self.runtime_config = config.runtime_json()
         self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
@@ -375,8 +378,13 @@ class HSTURanker(nn.Module):
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         rows, offsets = _user_major_rows(token_lengths, num_candidates)
         x = torch.cat([prefix, candidates])[rows]  # [N, d] user-major: prefix_b, candidates_b
+        is_prefix = (rows < prefix.shape[0]).view(-1, 1, 1)  # [N, 1, 1]
         for layer in self.layers:
             u, v, q, k = layer.project(x)
+            if self.round_kv is not None:
+                # Rounded as the cache stores the prefix; a candidate's own k/v are never cached.
+                k = torch.where(is_prefix, self.round_kv(k), k)
+                v = torch.where(is_prefix, self.round_kv(v), v)
             o = jagged_attention(q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen,
                                  self.context_rows_see_prefix)
             x = layer.finish(x, u, o)

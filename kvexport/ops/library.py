@@ -31,7 +31,7 @@ OPS = ("check_request", "upload", "begin_batch", "paged_attention", "end_batch",
        "create_runtime",
        "abort_batch", "last_error", "stat_names", "runtime_stats", "reset_runtime", "evict_user", "cached_length",
        "device_users_lru", "read_user_kv", "drop_runtime", "gpu_info", "attach_remote", "flush_remote",
-       "redact_url", "hstu_paged_attention")
+       "redact_url", "hstu_paged_attention", "fp8_round")
 # Ops that read or write runtime state and may appear in an exported graph: the cached model's,
 # and the step program's (begin_step runs on the host, outside it).
 STATEFUL_OPS = ("begin_batch", "paged_attention", "end_batch")

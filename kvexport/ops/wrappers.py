@@ -281,7 +281,8 @@ def hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_can
                          alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
     """The kernel behind paged_attention with every input explicit (no runtime state).
 
-    cache [pages, 2, page_size, H, dh], page_table [B, max_pages], row_user/row_keys/row_candidate [N].
+    cache [pages, 2, page_size, H, dh] in q's dtype, or FP8 pages [pages, page_bytes] of uint8
+    (docs/design.md §3.11); page_table [B, max_pages], row_user/row_keys/row_candidate [N].
     """
     return _ops().hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
                                        alpha, inv_scaling_seqlen)
@@ -290,9 +291,24 @@ def hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_can
 @library.fake("hstu_paged_attention")
 def _hstu_paged_attention_fake(q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen):
     torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
-    torch._check(cache.dim() == 5, lambda: f"cache must be [pages, 2, page_size, H, dh], got {cache.dim()}-D")
+    torch._check(cache.dim() == (2 if cache.dtype == torch.uint8 else 5),
+                 lambda: f"cache must be [pages, 2, page_size, H, dh] or FP8 pages [pages, page_bytes], "
+                         f"got {cache.dim()}-D {cache.dtype}")
     torch._check(row_user.shape[0] == q.shape[0], lambda: "row_user must have one entry per row of q")
     return torch.empty_like(q)
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """Rows x [N, H, dh] rounded as FP8 pages store them, in x's dtype: e4m3 with one power-of-two
+    scale per row and head (docs/design.md §3.11). The full recompute of a model with FP8 pages
+    attends over these; its cached path reads the same values from its pages."""
+    return _ops().fp8_round(x)
+
+
+@library.fake("fp8_round")
+def _fp8_round_fake(x):
+    torch._check(x.dim() == 3, lambda: f"x must be [N, H, dh], got {x.dim()}-D")
+    return torch.empty_like(x)
 
 
 def create_runtime(runtime: str, config_json: str, device: torch.device | str = "cpu") -> None:

@@ -3,7 +3,9 @@
 Each step stores the request and two independent expectations: the eager model's cached path
 (a runtime of its own) and the eager full recompute. Beside it, the full recompute of a float32
 copy of the model is the reference both are measured against; that measurement sets the build's
-tolerance. The script exercises cold users, appended events, zero new events, a rewritten
+tolerance. With FP8 pages every one of these attends over FP8-rounded keys and values, and a third
+reference, the float32 model with unrounded ones, measures what the rounding costs (the manifest's
+fp8_distance; a build past FP8_MAX_RELATIVE_ERROR is refused). The script exercises cold users, appended events, zero new events, a rewritten
 history, a changed context, a user evicted to the host tier and onboarded back, and batch sizes 1
 and max_batch_size.
 """
@@ -34,6 +36,12 @@ log = logging.getLogger(__name__)
 EXPECTED_CACHED = TRACE_KEYS["expected_cached"]
 EXPECTED_FULL = TRACE_KEYS["expected_full"]
 EXPECTED_REFERENCE = TRACE_KEYS["expected_reference"]
+# With FP8 pages: the float32 model with unrounded keys and values, the third reference (the FP8
+# pages' accuracy cost is the distance from it; docs/design.md §3.11).
+EXPECTED_UNROUNDED = TRACE_KEYS["expected_unrounded"]
+# A model with FP8 pages is refused when its logits lie further than this from the unrounded model's
+# on the trace: max |fp8 - unrounded| / max |unrounded| over a step's logits (docs/design.md §3.11).
+FP8_MAX_RELATIVE_ERROR = 0.05
 
 
 CAPACITY_ERROR = "capacity_exceeded"  # the runtime's error code (kvexport::last_error) the step must give
@@ -167,6 +175,8 @@ class RecordedTrace:
 
     steps: list[dict]
     eager_error: float  # max |eager output - float32 reference| over the trace, cached and full path
+    # FP8 pages only: the eager outputs' distance from the unrounded float32 model (fp8_distance).
+    unrounded_distance: dict | None = None
 
     def tolerance(self, dtype: str, margin: float, atol_floor: dict[str, float], rtol: float) -> dict[str, float]:
         """The verify/replay tolerance: atol = margin * eager_error, never below the dtype's floor;
@@ -178,6 +188,39 @@ class RecordedTrace:
 def reference_model(model: HSTURanker) -> HSTURanker:
     """A float32 copy of the model: the reference every output is measured against."""
     return copy.deepcopy(model).float()
+
+
+def unrounded_model(model: HSTURanker) -> HSTURanker:
+    """A float32 copy of the model that attends over unrounded keys and values (FP8 pages' yardstick)."""
+    unrounded = reference_model(model)
+    unrounded.round_kv = None
+    return unrounded
+
+
+class Fp8Distance:
+    """The eager outputs' distance from the unrounded float32 model over a trace."""
+
+    def __init__(self):
+        self.max_abs = self.max_relative = 0.0
+
+    def add(self, unrounded: torch.Tensor, *outputs: torch.Tensor) -> None:
+        if unrounded.numel() == 0:
+            return
+        scale = float(unrounded.abs().max())
+        error = max_abs_error(unrounded, *outputs)
+        self.max_abs = max(self.max_abs, error)
+        self.max_relative = max(self.max_relative, error / scale if scale > 0 else 0.0)
+
+    def report(self) -> dict:
+        return {"max_abs": self.max_abs, "max_relative": self.max_relative,
+                "bound_max_relative": FP8_MAX_RELATIVE_ERROR}
+
+    def check(self, name: str) -> None:
+        """Refuses FP8 pages whose error passes the documented bound (the user's choice to change)."""
+        if self.max_relative > FP8_MAX_RELATIVE_ERROR:
+            raise UserError(f"{name}: FP8 pages move the logits {self.max_relative:.3g} (relative) from the "
+                            f"unrounded model, past the bound {FP8_MAX_RELATIVE_ERROR}; use kv_cache.dtype "
+                            "of the model's dtype")
 
 
 def max_abs_error(reference: torch.Tensor, *outputs: torch.Tensor) -> float:
@@ -200,6 +243,8 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
         cache.close()
     trace_dir.mkdir(parents=True, exist_ok=True)
     reference = reference_model(model)
+    unrounded = unrounded_model(model) if model.round_kv is not None else None
+    distance = Fp8Distance()
     entries, worst = [], 0.0
     progress = Progress("trace (full recompute, float32 reference)", len(steps), log)
     for i, (step, cached) in enumerate(steps):
@@ -215,9 +260,14 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
                 full, expected = model(request).cpu(), reference(request).cpu()
             worst = max(worst, max_abs_error(expected, cached, full))
             tensors.update({EXPECTED_CACHED: cached.contiguous(), EXPECTED_FULL: full.contiguous()})
+            references = {EXPECTED_REFERENCE: expected.contiguous()}
+            if unrounded is not None:
+                with torch.no_grad():
+                    references[EXPECTED_UNROUNDED] = unrounded(request).cpu().contiguous()
+                distance.add(references[EXPECTED_UNROUNDED], cached, full)
             # A file of its own: the step file's other keys are the request (load_trace_step reads them so).
             entry[TRACE_KEYS["reference_file"]] = f"{trace_dir.name}/{name}.reference.pt"
-            torch.save({EXPECTED_REFERENCE: expected.contiguous()}, trace_dir / f"{name}.reference.pt")
+            torch.save(references, trace_dir / f"{name}.reference.pt")
         torch.save(tensors, trace_dir / f"{name}.pt")
         entries.append(entry)
         progress.step()
@@ -225,7 +275,12 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
     log.info("  trace: %d steps; eager cache counters %s; eager vs float32 reference: max abs error %.3g",
              len(entries), {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads",
                                                                    "onboards", "prefix_truncations")}, worst)
-    return RecordedTrace(entries, worst)
+    if unrounded is None:
+        return RecordedTrace(entries, worst)
+    log.info("  trace: FP8 pages vs the unrounded float32 model: max abs %.3g, max relative %.3g",
+             distance.max_abs, distance.max_relative)
+    distance.check(config.name)
+    return RecordedTrace(entries, worst, distance.report())
 
 
 def load_trace_step(path: Path, expect_outputs: bool = True):
