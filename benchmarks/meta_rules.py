@@ -1,10 +1,10 @@
 """How far cache-exact replacements of Meta DlrmHSTU's three per-request rules move its logits.
 
-Upstream's inference (tests/meta_reference.py) divides attention by N = C + the padded batch's
+Upstream's inference (tests/helpers/meta_reference.py) divides attention by N = C + the padded batch's
 longest history + its most candidates, counts history positions back from the end of the history
 and buckets each event by its age at the request's query time Q: a user's cached tokens would
 change with the batch, with every new event and as time passes. kvexport's cache needs rules that
-depend only on a token's own data and the tokens before it (tests/meta_reference.Rules):
+depend only on a token's own data and the tokens before it (tests/helpers/meta_reference.Rules):
 
     N           fixed: C + M + Tmax (the config's maxima) for every row; causal: prefix row i
                 max(i + 1, C) + Tmax (candidates C + U + Tmax); the candidates' rows (not cached)
@@ -16,7 +16,7 @@ depend only on a token's own data and the tokens before it (tests/meta_reference
                 the bucket the event had at its own moment; none: no time row for history events
 
 Contextual tokens and candidates keep upstream's positions, buckets and postprocessor features
-under every rule. The weights are tests/meta_fixture.dense_state's synthetic ones at the sizes of
+under every rule. The weights are tests/helpers/meta_fixture.dense_state's synthetic ones at the sizes of
 SIZES (upstream's shapes scaled down; position and time tables at upstream's 8192 and 2049 rows),
 random, not a trained model: differences measure how far each rule moves this network's logits,
 not the loss in a trained model's quality. Three scenarios: "fixture" keeps the fixture's scales
@@ -56,8 +56,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.* from a checkout
 
-from tests import meta_fixture  # noqa: E402
-from tests.meta_reference import POS, Features, Rules, dlrm_hstu_forward, event_tokens  # noqa: E402
+from tests.helpers import meta_fixture  # noqa: E402
+from tests.helpers.meta_reference import POS, Features, Rules, dlrm_hstu_forward, event_tokens  # noqa: E402
 
 # Upstream's DLRMv3 (kuairand): D = E = 512, Hd 256, 4 heads of 128, 5 layers, 512-wide towers, 8
 # action bits, 8 tasks, 8192 position and 2049 time rows, 10 candidates in training. Scaled to run
@@ -242,7 +242,7 @@ def main() -> None:
     users = draw_users(args.users, args.max_history, args.max_candidates, args.seed, args.long_share)
     rules = rule_set(args.max_history, args.max_candidates)
     lengths = sorted(len(user["history"]) for user in users)
-    print("Random synthetic weights (tests/meta_fixture.dense_state at benchmarks/meta_rules.SIZES), not a trained "
+    print("Random synthetic weights (tests/helpers/meta_fixture.dense_state at benchmarks/meta_rules.SIZES), not a trained "
           "model:\nthe differences are how far each rule moves this network, not a trained model's quality loss.")
     print(f"{args.users} users, history lengths {lengths[0]}..{lengths[-1]} (median {lengths[len(lengths) // 2]}), "
           f"M = {args.max_history}, Tmax = {args.max_candidates}, mixed batches of {args.batch}; "

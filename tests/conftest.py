@@ -1,49 +1,22 @@
-"""Shared fixtures. Expensive artifacts (op library, AOTI package, C++ harness) are session-scoped."""
+"""Shared fixtures. Expensive artifacts (op library, AOTI package, C++ harness) are session-scoped.
+Helpers shared by test modules live in tests/helpers/; the serving and redis fixtures there are
+loaded as plugins."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 from pathlib import Path
 
 import pytest
 
-from kvexport.config import load_config
 from kvexport.model import build_model
+from tests.helpers.configs import TINY, tiny_config as load_tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
-_runtime_names = itertools.count()
-
-
-def scratch_runtime_name() -> str:
-    """A runtime name no other test uses."""
-    return f"test-runtime-{next(_runtime_names)}"
-
-
-def host_placement():
-    """begin_batch's placement for a runtime on the CPU: any host tensor."""
-    import torch
-
-    return torch.empty(0)
-
-
-@contextlib.contextmanager
-def scratch_runtime(config_json: str):
-    """A fresh cache runtime with the given config, dropped afterwards."""
-    from kvexport.ops import wrappers as kv
-
-    name = scratch_runtime_name()
-    kv.create_runtime(name, config_json)
-    try:
-        yield name
-    finally:
-        kv.drop_runtime(name)
-TINY = ROOT / "configs" / "hstu-tiny.yaml"
+pytest_plugins = ("tests.helpers.remote", "tests.helpers.serving")
 
 
 @pytest.fixture(scope="session")
 def tiny_config():
-    return load_config(TINY)
+    return load_tiny_config()
 
 
 @pytest.fixture(scope="session")
@@ -105,55 +78,30 @@ def mismatched_artifact(tmp_path_factory) -> Path:
         return build.build_artifact(TINY, out)
 
 
-def edit_manifest(artifact: Path, edit) -> None:
-    """Applies edit(manifest dict) and writes manifest.json back, as a hand edit would."""
-    import json
+@pytest.fixture(scope="session")
+def cuda_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The tiny package built for CUDA (only tests that skip without a CUDA device ask for it)."""
+    from kvexport.export.build import build_artifact
 
-    from kvexport.artifact import MANIFEST
-
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    edit(manifest)
-    (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
-
-
-def rehash(artifact: Path, rel: str) -> None:
-    """Records a changed file's sha256 in the artifact's manifest, as a tamperer would."""
-    from kvexport.artifact import sha256_of
-
-    edit_manifest(artifact, lambda manifest: manifest["files"].update({rel: sha256_of(artifact / rel)}))
+    return build_artifact(TINY, tmp_path_factory.mktemp("cuda") / "hstu-tiny", checkpoint=tiny_checkpoint,
+                          device="cuda")
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """One redis-server on a free 127.0.0.1 port for the session (skips where there is none)."""
-    from tests.redis_server import RedisServer, need_redis
+def host_corpus(tiny_config, tiny_checkpoint, tmp_path_factory) -> Path:
+    """Hostile requests plus valid ones with their eager full-recompute logits (no cache), for
+    tests.helpers.hostile.run_plain_host."""
+    import torch
 
-    need_redis()
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
+    from kvexport.model.batch import Batch
+    from tests.helpers.hostile import good_request, package_corpus
 
-
-@pytest.fixture
-def redis(redis_server):
-    """A client of the session's redis-server."""
-    from tests.redis_server import Resp
-
-    client = Resp(redis_server.port)
-    yield client
-    client.close()
-
-
-def assert_verifies_and_replays(package: Path, tmp_path: Path) -> None:
-    """A GPU package passes verify, and the C++ replay through model.pt2 and through CUDA graphs."""
-    import subprocess
-
-    from kvexport.trace.replay import replay_command
-    from kvexport.trace.verify import verify_artifact
-
-    report = verify_artifact(package)
-    assert report.passed, [s for s in report.steps if not s.passed]
-    for route in ("model", "graphs"):
-        result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
+    good = []
+    for first_user in (100, 200, 300, 400):
+        request = good_request(tiny_config, first_user)
+        with torch.no_grad():
+            good.append([request, model(Batch(**request))])
+    path = tmp_path_factory.mktemp("corpus") / "corpus.pt"
+    torch.save({"hostile": [list(entry) for entry in package_corpus(tiny_config)], "good": good}, path)
+    return path

@@ -2,7 +2,7 @@
 
     python -m tests.meta_sample OUT
 
-writes OUT/save/<batch>/ (tests/meta_fixture.py's DlrmHSTU at IMPORTABLE_SIZES, sparse/ from two
+writes OUT/save/<batch>/ (tests/helpers/meta_fixture.py's DlrmHSTU at IMPORTABLE_SIZES, sparse/ from two
 gloo ranks) and OUT/items.txt, the item ids a deployment serves (every other row of the table).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.meta_fixture import IMPORTABLE_SIZES, TABLE_ROWS, write_checkpoint
-from tests.test_importers import free_port
+from tests.helpers.meta_fixture import IMPORTABLE_SIZES, TABLE_ROWS, write_checkpoint
+from tests.helpers.network import free_port
 
 
 def write_sample(out: Path, world: int = 2) -> None:

@@ -19,7 +19,7 @@ from kvexport.errors import RequestError, RequestFailed, UserError, Verification
 from kvexport.model import Batch, build_model, random_batch
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.ops import wrappers as kv
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 ATOL = 1e-5  # package vs eager full recompute in float32: far above float32 rounding, far below a wrong result
 README_EXAMPLE = re.compile(r"<!-- example: tests/test_api\.py[^>]*-->\n```python\n(.*?)```", re.S)

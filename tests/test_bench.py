@@ -17,7 +17,7 @@ from kvexport.bench.contention import available_cpus, busy_processes
 from kvexport.bench.kernel import KernelShape, attention_inputs
 from kvexport.commands.cli import main
 from kvexport.ops import wrappers as kv
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 HEADLINES = ("cache_speedup", "package_speedup_vs_eager", "cpp_over_python_latency", "build_seconds_cold",

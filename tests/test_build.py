@@ -14,8 +14,9 @@ from kvexport.host.package import Package
 from kvexport.model import build_model, random_batch
 from kvexport.trace.record import load_trace_step
 from kvexport.trace.verify import verify_artifact
-from tests.hostile import good_request, package_corpus
-from tests.conftest import TINY, edit_manifest, rehash
+from tests.helpers.hostile import good_request, package_corpus
+from tests.helpers.artifacts import edit_manifest, rehash
+from tests.helpers.configs import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -193,7 +194,7 @@ def test_run_scores_a_request_file(tiny_artifact, tmp_path):
 
 
 def _malformed(config):
-    """The package-level hostile corpus (tests/hostile.py) plus what only a request file can get wrong."""
+    """The package-level hostile corpus (tests/helpers/hostile.py) plus what only a request file can get wrong."""
     missing = good_request(config)
     del missing["candidate_ids"]
     structural = [

@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-import yaml
 
-from kvexport.config import config_from_dict
 from kvexport.model import build_model
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
-from tests.conftest import TINY
+from tests.helpers.configs import tiny_config
 
 
 def small_cache_config(**switches):
     """The tiny model with room for ~3 users on the device tier and ~6 on the host tier (pairs), under
     the given model switches."""
-    raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
-    raw["name"] = "parity"
-    raw["model"].update(switches)
-    raw["model"]["max_history_length"] = 48  # <= 99 tokens = 7 pages per user
-    raw["kv_cache"].update(device_pages=21, host_pages=42)
-    raw["trace"]["max_trace_history_length"] = 48
-    return config_from_dict(raw)
+    return tiny_config(name="parity", model={**switches, "max_history_length": 48},  # <= 99 tokens = 7 pages a user
+                       kv_cache={"device_pages": 21, "host_pages": 42}, trace={"max_trace_history_length": 48})
 
 
 DLRM_SWITCHES = {"event_tokens": "combined", "candidate_position": "shared_row", "head": "item_tower",

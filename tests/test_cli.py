@@ -13,7 +13,7 @@ from kvexport import __version__
 from kvexport.commands.cli import main
 from kvexport.config import load_config
 from kvexport.model import build_model
-from tests.conftest import TINY
+from tests.helpers.configs import TINY
 
 
 def test_help_lists_commands():

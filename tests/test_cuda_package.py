@@ -13,19 +13,12 @@ import pytest
 import torch
 
 from kvexport.trace.replay import replay_command
-from tests.conftest import TINY, edit_manifest
-from tests.test_package_safety import host_corpus, run_plain_host  # noqa: F401  (fixture)
+from tests.helpers.artifacts import edit_manifest
+from tests.helpers.configs import TINY
+from tests.helpers.hostile import good_request, run_plain_host
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="session")
-def cuda_artifact(tmp_path_factory, tiny_checkpoint):
-    from kvexport.export.build import build_artifact
-
-    return build_artifact(TINY, tmp_path_factory.mktemp("cuda") / "hstu-tiny", checkpoint=tiny_checkpoint,
-                          device="cuda")
 
 
 def test_the_package_names_its_device(cuda_artifact):
@@ -47,12 +40,12 @@ def test_verify_and_replay_pass_on_the_gpu(cuda_artifact, tmp_path):
     assert json.loads((tmp_path / "replay.json").read_text())["passed"]
 
 
-def test_plain_host_refuses_every_hostile_request_on_the_gpu(cuda_artifact, host_corpus):  # noqa: F811
+def test_plain_host_refuses_every_hostile_request_on_the_gpu(cuda_artifact, host_corpus):
     summary = run_plain_host(cuda_artifact, host_corpus, "sequential")
     assert summary["hostile"] >= 20 and summary["failures"] == []
 
 
-def test_plain_host_eight_threads_on_the_gpu(cuda_artifact, host_corpus):  # noqa: F811
+def test_plain_host_eight_threads_on_the_gpu(cuda_artifact, host_corpus):
     assert run_plain_host(cuda_artifact, host_corpus, "threads")["failures"] == []
 
 
@@ -72,7 +65,6 @@ def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config, tiny_chec
     import kvexport
     from kvexport.model import build_model
     from kvexport.model.batch import Batch
-    from tests.hostile import good_request
 
     names = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
              "candidate_ids")

@@ -25,7 +25,8 @@ from kvexport.errors import UserError
 from kvexport.model import build_model, random_batch
 from kvexport.progress import Progress
 from kvexport.trace.report import format_report
-from tests.conftest import ROOT, TINY
+from tests.helpers import ROOT
+from tests.helpers.configs import TINY
 
 KVEXPORT = [sys.executable, "-m", "kvexport"]
 

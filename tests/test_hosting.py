@@ -27,7 +27,7 @@ import torch
 
 from kvexport.artifact import MANIFEST
 from kvexport.trace.replay import library_flags
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Reading a torch.distributed checkpoint (Meta's `sparse/`) without running its pickle's code:
-real checkpoints written by 1 and 2 gloo processes (tests/sharded_writer.py), and broken or hostile
+real checkpoints written by 1 and 2 gloo processes (tests/helpers/sharded_writer.py), and broken or hostile
 ones made from them."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from kvexport.errors import UserError
 from kvexport.importers.dcp import read_metadata, read_rows, read_tensors
-from tests.sharded_writer import PREFIX, actions, items
-from tests.test_importers import WRITER, free_port
+from tests.helpers.network import free_port
+from tests.helpers.sharded_writer import PREFIX, WRITER, actions, items
 
 ITEMS, ACTIONS = PREFIX + "items.weight", PREFIX + "actions.weight"
 
@@ -26,7 +26,7 @@ ITEMS, ACTIONS = PREFIX + "items.weight", PREFIX + "actions.weight"
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def checkpoint(request, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp(f"dcp-world{request.param}")
-    subprocess.run([sys.executable, str(WRITER), "dcp", str(out), str(request.param), free_port()], check=True,
+    subprocess.run([sys.executable, str(WRITER), "dcp", str(out), str(request.param), str(free_port())], check=True,
                    capture_output=True, timeout=120)
     return out
 

@@ -1,6 +1,6 @@
 """Meta DLRMv3's dense state folded into kvexport's tables and mapped onto its layers
 (kvexport.importers.meta_dlrmv3), against the independent reference of DlrmHSTU
-(tests/meta_reference.py) on the synthetic checkpoint's weights (tests/meta_fixture.py)."""
+(tests/helpers/meta_reference.py) on the synthetic checkpoint's weights (tests/helpers/meta_fixture.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import math
 
 import pytest
 import torch
-import yaml
 
-from kvexport.config import config_from_dict
 from kvexport.importers import CheckpointImportError
 from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model.hstu import HSTULayer, jagged_attention
-from tests.conftest import TINY
-from tests.meta_fixture import DEFAULT_SIZES, FEATURES, dense_state, synthetic_state
-from tests.meta_reference import PRE, STU, Rules, contextual_tokens, event_tokens, layer_inputs, stu_layer
+from tests.helpers.meta_fixture import DEFAULT_SIZES, FEATURES, dense_state, synthetic_state
+from tests.helpers.meta_reference import PRE, STU, Rules, contextual_tokens, event_tokens, layer_inputs, stu_layer
+from tests.helpers.configs import tiny_config
 
 USER = {"contextual": [3, 4], "history": [5, 17, 2, 39], "actions": [0, 7, 2, 5], "timestamps": [1, 2, 3, 4],
         "candidates": [8, 17, 30], "query_time": 10}
@@ -89,10 +87,10 @@ def test_action_values_fold_for_any_weights():
 
 
 def kvexport_layer(dense: dict, index: int) -> HSTULayer:
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(hidden_size=EQUAL_WIDTHS.D, num_heads=EQUAL_WIDTHS.HEADS, head_dim=EQUAL_WIDTHS.DV,
-                        silu_on="u", layer_output="concat", layer_norm_eps=meta.LAYER_EPS)
-    layer = HSTULayer(config_from_dict(raw).model)
+    config = tiny_config(model={"hidden_size": EQUAL_WIDTHS.D, "num_heads": EQUAL_WIDTHS.HEADS,
+                                "head_dim": EQUAL_WIDTHS.DV, "silu_on": "u", "layer_output": "concat",
+                                "layer_norm_eps": meta.LAYER_EPS})
+    layer = HSTULayer(config.model)
     layer.load_state_dict(meta.layer_state(dense, index, EQUAL_WIDTHS.HEADS))
     return layer
 

@@ -1,6 +1,6 @@
 """kvexport import-checkpoint --from nvidia: a recsys-examples ranking checkpoint in the trainer's own
-layout (tests/nvidia_fixture.py, world sizes 1 and 2) against recsys-examples' forward written
-independently (tests/nvidia_reference.py): the imported eager model (full recompute and cached),
+layout (tests/helpers/nvidia_fixture.py, world sizes 1 and 2) against recsys-examples' forward written
+independently (tests/helpers/nvidia_reference.py): the imported eager model (full recompute and cached),
 the built package and the C++ replay."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
 from kvexport.model import build_model
 from kvexport.model.batch import Batch, UserRequest
 from kvexport.ops.manager import KVCacheManager
-from tests import nvidia_fixture as fx
-from tests.nvidia_reference import nvidia_ranking_forward
+from tests.helpers import nvidia_fixture as fx
+from tests.helpers.nvidia_reference import nvidia_ranking_forward
 
 TABLE_ROWS = ["--table-rows", f"action_weights={fx.ACTION_ROWS}"]
 # Users of the requests below: known item keys and unknown ids (11, 4), histories long enough that

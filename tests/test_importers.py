@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import struct
 import subprocess
 import sys
@@ -18,21 +17,16 @@ import torch
 
 from kvexport.errors import UserError
 from kvexport.importers.sharded import LocalShard, ShardedValue, _restricted_getattr, assemble, load_trainer_file
+from tests.helpers.network import free_port
+from tests.helpers.sharded_writer import WRITER
 
-WRITER = Path(__file__).with_name("sharded_writer.py")
 TABLE = torch.arange(40, dtype=torch.float32).reshape(10, 4)  # what sharded_writer.py shards
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def trainer_dir(request, tmp_path_factory) -> tuple[Path, int]:
     out = tmp_path_factory.mktemp(f"world{request.param}")
-    subprocess.run([sys.executable, str(WRITER), "torch_save", str(out), str(request.param), free_port()], check=True,
+    subprocess.run([sys.executable, str(WRITER), "torch_save", str(out), str(request.param), str(free_port())], check=True,
                    capture_output=True, timeout=300)
     return out, request.param
 

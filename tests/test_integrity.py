@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from kvexport.artifact import MANIFEST, open_artifact
 from kvexport.commands.cli import main
 from kvexport.trace.replay import harness, library_flags
-from tests.conftest import edit_manifest, rehash
+from tests.helpers.artifacts import edit_manifest, rehash, replace_shared_objects
 
 pytestmark = pytest.mark.slow
 
@@ -231,19 +231,6 @@ def elf(segment_bytes: int, section_table_at: int = 0, *, program_headers_at: in
     return bytes(header) + segment + bytes(100)
 
 
-def _replace_shared_objects(package, data: bytes, compress: bool = False) -> None:
-    """Rewrites the package with every .so member's bytes replaced by data."""
-    rewritten = package.with_suffix(".tmp")
-    with zipfile.ZipFile(package) as source, zipfile.ZipFile(rewritten, "w") as target:
-        for member in source.infolist():
-            if member.filename.endswith(".so"):
-                member.compress_type = zipfile.ZIP_DEFLATED if compress else member.compress_type
-                target.writestr(member, data)
-            else:
-                target.writestr(member, source.read(member.filename))
-    rewritten.replace(package)
-
-
 @pytest.mark.parametrize(("member", "message"), [
     (elf(500), "a loadable segment ends at byte 500, past its 220 bytes"),
     (elf(2**64 - 1, segment_at=8), f"a loadable segment ends at byte {2**64 + 7}, past its 220 bytes"),
@@ -260,7 +247,7 @@ def test_the_harness_checks_shared_objects_as_kvexport_does(tiny_artifact, tmp_p
     from kvexport.host.package_file import check_shared_objects
 
     artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
-    _replace_shared_objects(artifact / "model.pt2", member, compress)
+    replace_shared_objects(artifact / "model.pt2", member, compress)
     rehash(artifact, "model.pt2")
     with pytest.raises(UserError) as python:
         check_shared_objects(artifact / "model.pt2")

@@ -16,7 +16,8 @@ from kvexport.errors import UserError
 from kvexport.native import isa
 from kvexport.native.build import build_dir_for
 from kvexport.native.paths import NATIVE_ISA, OPS_LIBRARY, PORTABLE_ISAS
-from tests.conftest import ROOT, edit_manifest
+from tests.helpers import ROOT
+from tests.helpers.artifacts import edit_manifest
 
 # Every feature isa.py knows, as Linux would show a CPU that has them all.
 ALL_FLAGS = frozenset(flag for _, flags in isa.FEATURES.values() for flag in flags)
@@ -243,20 +244,15 @@ def test_run_refuses_a_host_lacking_a_feature(artifact_copy, tmp_path):
 @pytest.fixture(scope="module")
 def portable_artifact(tmp_path_factory, tiny_checkpoint):
     """hstu-tiny built with serving.cpu_isa: x86-64-v3 (the op library and the package's CPU code)."""
-    import yaml
-
     from kvexport.export.build import build_artifact
-    from tests.conftest import TINY
+    from tests.helpers.configs import tiny_raw, write_config
 
     from torch._inductor import config as inductor_config
 
     if not hasattr(inductor_config.cpp, "march"):
         pytest.skip("this torch compiles package code for the build host only (no inductor cpp.march)")
     workdir = tmp_path_factory.mktemp("portable")
-    config = yaml.safe_load(TINY.read_text())
-    config["serving"]["cpu_isa"] = "x86-64-v3"
-    path = workdir / "hstu-tiny-v3.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = write_config(tiny_raw(serving={"cpu_isa": "x86-64-v3"}), workdir / "hstu-tiny-v3.yaml")
     return build_artifact(path, workdir / "out", checkpoint=tiny_checkpoint)
 
 

@@ -15,16 +15,13 @@ from kvexport.model import build_model, random_batch
 from kvexport.model.batch import Batch, UserRequest
 from kvexport.model.hstu import time_codes
 from kvexport.ops import wrappers as kv
-from tests.conftest import TINY, assert_verifies_and_replays
-from tests.reference import reference_forward, time_code
-
-PERIODS = [[3600, 24], [86400, 7]]  # hour of the day, day of the week
-
+from tests.helpers.artifacts import assert_verifies_and_replays
+from tests.helpers.reference import reference_forward, time_code
+from tests.helpers.configs import ITEM_TOWER, tiny_raw
 
 def tower_raw(**fields) -> dict:
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(head="item_tower", query_time_periods=PERIODS, **fields)
-    return raw
+    """hstu-tiny with the item-tower head and these model fields."""
+    return tiny_raw(model={**ITEM_TOWER, **fields})
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +49,7 @@ def boundary_times() -> list[int]:
 
 def test_op_library_model_and_reference_agree_on_codes(tower_config):
     times = boundary_times()
-    expected = [time_code(t, PERIODS) for t in times]
+    expected = [time_code(t, ITEM_TOWER["query_time_periods"]) for t in times]
     assert torch.equal(time_codes(torch.tensor(times), tower_config.model.query_time_periods), torch.tensor(expected))
     n = len(times)
     batch = Batch(user_ids=torch.arange(n), history_lengths=torch.ones(n, dtype=torch.int64),

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvexport.bench.run import kernel_libraries
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ from kvexport.ops import library
 from kvexport.ops import wrappers as kv
 
 library.load(Path(sys.argv[1]))
-from tests.test_ops import ALPHA, INV_S, random_paged_inputs, reference_paged_attention, strided_like
+from tests.helpers.attention import ALPHA, INV_S, random_paged_inputs, reference_paged_attention, strided_like
 
 torch.set_num_threads(1)
 for head_dim in (32, 64, 128, 24):

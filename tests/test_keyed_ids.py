@@ -4,32 +4,24 @@ other id reads the table's last row (docs/checkpoint.md)."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-import yaml
 
-from kvexport.config import MAX_CONTEXT_KEY, MAX_ITEM_KEY, ConfigError, config_from_dict
+from kvexport.config import MAX_CONTEXT_KEY, MAX_ITEM_KEY, ConfigError
 from kvexport.model import build_model, random_batch
 from kvexport.model.batch import Batch, UserRequest
 from kvexport.model.checkpoint import CheckpointError, load_checkpoint
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec, context_keys_of, item_keys_of
-from tests.conftest import TINY
-from tests.reference import reference_forward
+from tests.helpers.reference import reference_forward
+from tests.helpers.configs import tiny_config
 
 
 def keyed_config(name: str = "keyed", context_ids: str = "rows", **cache):
-    raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
-    raw["name"] = name
-    raw["model"]["item_ids"] = "keys"
-    raw["model"]["context_ids"] = context_ids
-    raw["model"]["max_history_length"] = 48
-    raw["kv_cache"].update(cache)
-    raw["trace"]["max_trace_history_length"] = 48
-    return config_from_dict(raw)
+    return tiny_config(name=name, model={"item_ids": "keys", "context_ids": context_ids, "max_history_length": 48},
+                       kv_cache=cache, trace={"max_trace_history_length": 48})
 
 
 def user(user_id: int, items: list[int], candidates: list[int], context: tuple[int, ...] = (1, 2, 3)) -> UserRequest:
@@ -141,10 +133,8 @@ def test_a_large_key_is_a_valid_request():
      r"^model.num_contextual_features must be 1..128 with model.context_ids: keys"),
 ])
 def test_a_keyed_config_that_cannot_hold_keys_is_refused(fields, message):
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(fields)
     with pytest.raises(ConfigError, match=message):
-        config_from_dict(raw)
+        tiny_config(model=fields)
 
 
 @pytest.mark.parametrize(("keys", "message"), [
@@ -155,9 +145,7 @@ def test_a_keyed_config_that_cannot_hold_keys_is_refused(fields, message):
     (torch.tensor([7, 2, 9]), r"context_keys must ascend strictly, but key 1 \(2\) follows 7$"),
 ])
 def test_a_checkpoint_with_bad_keys_is_refused_in_one_line(tmp_path, keys, message):
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(item_ids="keys", item_vocab_size=4, context_ids="keys", context_vocab_size=4)
-    config = config_from_dict(raw)
+    config = tiny_config(model={"item_ids": "keys", "item_vocab_size": 4, "context_ids": "keys", "context_vocab_size": 4})
     model = build_model(config)
     path = tmp_path / "keys.pt"
     torch.save({**model.state_dict(), message.split()[0]: keys}, path)
@@ -168,9 +156,7 @@ def test_a_checkpoint_with_bad_keys_is_refused_in_one_line(tmp_path, keys, messa
 def test_an_item_key_past_what_combined_event_tokens_carry_is_refused(tmp_path):
     """With event_tokens combined the action's bits leave items below 2^(63 - bits): a checkpoint
     key above that is a row no request could reach, refused by name."""
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(item_ids="keys", item_vocab_size=4, event_tokens="combined")
-    model = build_model(config_from_dict(raw))
+    model = build_model(tiny_config(model={"item_ids": "keys", "item_vocab_size": 4, "event_tokens": "combined"}))
     limit = model.config.model.item_id_limit
     path = tmp_path / "keys.pt"
     torch.save({**model.state_dict(), "item_keys": torch.tensor([1, 2, limit])}, path)

@@ -1,15 +1,21 @@
 """The package's layers (docs/design.md, *Map of the code*): every import of a kvexport module, at
 module level or inside a function, points to the same layer or one below it, and no two modules
-import each other through any chain. Read from the source, so nothing is imported here."""
+import each other through any chain. The tests share code through tests/helpers/ only. Read from
+the source, so nothing is imported here."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvexport"
+TESTS = PACKAGE.parent / "tests"
+# An import of a test module or of conftest.py (fixtures reach tests by name), also inside the code a
+# test runs in a subprocess.
+TEST_MODULE_IMPORT = re.compile(r"\b(?:from|import)\s+(?:tests\.)?(?:test_\w+|conftest)\b|\btests\.(?:test_\w+|conftest)\b")
 
 # Lowest first. A module belongs to the first layer one of whose prefixes it starts with.
 LAYERS = (
@@ -176,3 +182,19 @@ def test_no_import_circle():
 ])
 def test_the_circle_finder_finds_circles(graph, expected):
     assert cycles(graph) == expected
+
+
+def test_no_test_module_imports_another_or_conftest():
+    sources = [path for path in sorted(TESTS.rglob("*.py")) if path != Path(__file__).resolve()]  # not its examples
+    found = [f"{path.relative_to(TESTS.parent)}:{number}: {line.strip()}" for path in sources
+             for number, line in enumerate(path.read_text().splitlines(), 1) if TEST_MODULE_IMPORT.search(line)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(("line", "found"), [
+    ("from tests.test_serve import Client", True), ("from tests.conftest import TINY", True),
+    ('code = "from tests.test_remote_tier import worker"', True), ("import test_ops", True),
+    ("from tests.helpers.serving import Client", False), ("# see tests/test_serve.py", False),
+])
+def test_an_import_of_a_test_module_is_found(line, found):
+    assert bool(TEST_MODULE_IMPORT.search(line)) == found

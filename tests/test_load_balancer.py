@@ -7,11 +7,8 @@ access log."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +17,9 @@ import torch
 
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.triton_router import ROUTING_HEADER
-from tests.test_serve import ATOL, Client, free_ports, needs_pytriton, user_arrays
-from tests.test_serve import eager  # noqa: F401  (a fixture)
-from tests.test_triton_repo import _ready, write_repo
+from tests.helpers.serving import (ATOL, Client, needs_pytriton, plain_tritonserver, server_ports, started,
+                                   user_arrays)
 
-START_TIMEOUT_S = 90
 needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None,
                                  reason="nginx is not installed (make system-packages installs it)")
 
@@ -59,41 +54,6 @@ http {{
 """
 
 
-@contextlib.contextmanager
-def started(command: list[str], log: Path, port: int, env=None):
-    """A server process, until /v2/health/ready answers on port; stopped (SIGTERM) on exit."""
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{command[0]} did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def tritonserver(artifact, work: Path):
-    """A plain tritonserver on the artifact's repository, the routing header forwarded to the model."""
-    from kvexport.serving import tritonserver as distribution
-
-    work.mkdir()
-    write_repo(artifact, work / "repo", "--this-python")
-    command, env = distribution.prepare(work)
-    ports = free_ports()
-    command += ["--model-repository", str(work / "repo"), "--http-address", "127.0.0.1", "--grpc-address",
-                "127.0.0.1", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port",
-                str(ports.metrics), "--http-header-forward-pattern", f"^{ROUTING_HEADER}$"]
-    return started(command, work / "server.log", ports.http, env), ports
-
-
 def routed(access_log: Path) -> list[tuple[int, list[str]]]:
     """(user, the upstreams nginx tried, in order) of every request in the access log."""
     rows = []
@@ -121,29 +81,32 @@ def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(t
 
     first, second = visit(0) + visit(1), visit(2) + visit(3)
     expected = eager(first + second)
-    a_server, a = tritonserver(tiny_artifact, tmp_path / "a")
-    b_server, b = tritonserver(tiny_artifact, tmp_path / "b")
-    balancer = free_ports().http
+    # The routing header forwarded to the model, as docs/serving.md's servers do.
+    forward = ("--http-header-forward-pattern", f"^{ROUTING_HEADER}$")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    balancer = server_ports().http
     conf = tmp_path / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(work=tmp_path, a=a.http, b=b.http, port=balancer))
-    with b_server, a_server as a_process, \
-            started(["nginx", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
-                    tmp_path / "nginx.log", balancer):
-        client = Client("http", dataclasses.replace(free_ports(), http=balancer), "hstu-tiny")
+    with plain_tritonserver(tiny_artifact, tmp_path / "b", server_options=forward) as (b, _, _), \
+            plain_tritonserver(tiny_artifact, tmp_path / "a", server_options=forward) as (a, _, a_process):
+        conf.write_text(NGINX_CONF.format(work=tmp_path, a=a.http, b=b.http, port=balancer))
+        with started(["nginx", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
+                     tmp_path / "nginx.log", balancer):
+            client = Client("http", dataclasses.replace(server_ports(), http=balancer), "hstu-tiny")
 
-        def send(requests: list[UserRequest]) -> list[np.ndarray]:
-            return [client.client.infer("hstu-tiny", client.inputs(user_arrays(r)),
-                                        headers={ROUTING_HEADER: str(r.user_id)}).as_numpy("logits")[0]
-                    for r in requests]
+            def send(requests: list[UserRequest]) -> list[np.ndarray]:
+                return [client.client.infer("hstu-tiny", client.inputs(user_arrays(r)),
+                                            headers={ROUTING_HEADER: str(r.user_id)}).as_numpy("logits")[0]
+                        for r in requests]
 
-        try:
-            got = send(first)
-            before_stop = len(routed(tmp_path / "access.log"))
-            a_process.terminate()  # server a goes away mid-run
-            a_process.wait(timeout=60)
-            got += send(second)
-        finally:
-            client.close()
+            try:
+                got = send(first)
+                before_stop = len(routed(tmp_path / "access.log"))
+                a_process.terminate()  # server a goes away mid-run
+                a_process.wait(timeout=60)
+                got += send(second)
+            finally:
+                client.close()
     for k, (g, w) in enumerate(zip(got, expected)):
         np.testing.assert_allclose(g, w, rtol=0, atol=ATOL, err_msg=f"request {k}")
     rows = routed(tmp_path / "access.log")

@@ -1,7 +1,7 @@
 """`kvexport import-checkpoint --from meta` end to end: a DLRMv3 checkpoint in its trainer's layout
-(tests/meta_fixture.py, sparse/ from 1 and 2 ranks) imported, then the eager model (full
+(tests/helpers/meta_fixture.py, sparse/ from 1 and 2 ranks) imported, then the eager model (full
 recompute and cached), the built package (verify) and the C++ replay agree with the independent
-DlrmHSTU reference (tests/meta_reference.py) under the per-user rules the import states."""
+DlrmHSTU reference (tests/helpers/meta_reference.py) under the per-user rules the import states."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ from kvexport.model import build_model
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
-from tests.conftest import assert_verifies_and_replays
-from tests.meta_fixture import BATCH, FEATURES, IMPORTABLE_SIZES, ROOT, TABLE_ROWS, dense_state, tables, write_checkpoint
-from tests.meta_reference import Rules, dlrm_hstu_forward
-from tests.test_importers import free_port
+from tests.helpers.artifacts import assert_verifies_and_replays
+from tests.helpers import ROOT
+from tests.helpers.meta_fixture import (BATCH, FEATURES, IMPORTABLE_SIZES, TABLE_ROWS, dense_state, tables,
+                                        write_checkpoint)
+from tests.helpers.meta_reference import Rules, dlrm_hstu_forward
+from tests.helpers.network import free_port
 
 SEED = 7
 MAX_HISTORY, MAX_CANDIDATES = 12, 4

@@ -13,7 +13,7 @@ import torch
 
 from kvexport.importers.dcp import read_metadata, read_tensors
 from kvexport.importers.sharded import load_trainer_file
-from tests.meta_fixture import (
+from tests.helpers.meta_fixture import (
     BATCH,
     FEATURES,
     POSITION_ROWS,
@@ -24,7 +24,7 @@ from tests.meta_fixture import (
     synthetic_state,
     write_checkpoint,
 )
-from tests.meta_reference import (
+from tests.helpers.meta_reference import (
     POST,
     PRE,
     action_features,
@@ -36,7 +36,7 @@ from tests.meta_reference import (
     time_buckets,
     time_features,
 )
-from tests.test_importers import free_port
+from tests.helpers.network import free_port
 
 T0 = 1_699_200_000  # a whole hour (and a multiple of float32's 128 s step there): 2023-11-05 16:00 UTC
 UNUSED = PRE + "_additional_embedding_mlp."  # DlrmHSTU skips it when no feature is "additional"

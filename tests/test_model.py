@@ -7,7 +7,7 @@ import torch
 
 from kvexport.model import Batch, random_batch
 from kvexport.model.hstu import prefix_tokens
-from tests.reference import reference_forward
+from tests.helpers.reference import reference_forward
 
 SHAPES = [
     ([1], [1]),                      # B=1, one event, one candidate

@@ -12,38 +12,9 @@ from kvexport.config import load_config
 from kvexport.model.batch import Batch, random_batch
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
-from tests.conftest import ROOT, host_placement, scratch_runtime
-
-ALPHA, INV_S = 0.5, 1.0 / 64
-
-
-def reference_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate):
-    """Gathers each row's keys by position (page, slot) and applies SiLU attention."""
-    page_size = cache.shape[2]
-    out = torch.zeros_like(q)
-    for r in range(q.shape[0]):
-        positions = torch.arange(int(row_keys[r]))
-        pages, slots = page_table[row_user[r], positions // page_size], positions % page_size
-        keys, values = cache[pages, 0, slots], cache[pages, 1, slots]  # [n, H, dh]
-        if row_candidate[r]:
-            keys, values = torch.cat([keys, k[r][None]]), torch.cat([values, v[r][None]])
-        if keys.shape[0] == 0:
-            continue
-        weights = nn.functional.silu(ALPHA * torch.einsum("hd,nhd->nh", q[r], keys)) * INV_S
-        out[r] = torch.einsum("nh,nhd->hd", weights, values)
-    return out
-
-
-def random_paged_inputs(seed: int, dtype=torch.float32, head_dim: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    num_pages, page_size, heads = 8, 4, 2
-    cache = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g).to(dtype)
-    page_table = torch.tensor([[5, 2, 7], [0, 3, 1]])
-    row_user = torch.tensor([0, 0, 1, 1, 1, 0])
-    row_keys = torch.tensor([12, 12, 9, 1, 0, 7])
-    row_candidate = torch.tensor([True, True, True, False, True, False])
-    q, k, v = (torch.randn(6, heads, head_dim, generator=g).to(dtype) for _ in range(3))
-    return q, k, v, cache, page_table, row_user, row_keys, row_candidate
+from tests.helpers import ROOT
+from tests.helpers.attention import ALPHA, INV_S, random_paged_inputs, reference_paged_attention, strided_like
+from tests.helpers.runtime import host_placement, scratch_runtime
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 24])  # the compile-time sizes and the generic path
@@ -76,19 +47,6 @@ def test_paged_attention_kernel_many_rows_per_user(head_dim, threads, num_rows, 
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, reference_paged_attention(*inputs), rtol=1e-5, atol=1e-5)
-
-
-def strided_like(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """t [N, H, dh] with the same values in another layout: "slices" as one of four column blocks of
-    a projection's output (the model's q, k, v: rows apart by 4 H dh), "transposed" with each row's
-    heads apart (no row of it contiguous), "contiguous" as it is."""
-    if layout == "slices":
-        wide = torch.randn(t.shape[0], 4, *t.shape[1:]).to(t.dtype)
-        wide[:, 2] = t
-        return wide.flatten(1).chunk(4, dim=1)[2].unflatten(1, t.shape[1:])
-    if layout == "transposed":
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    return t
 
 
 @pytest.mark.parametrize("layout", ["slices", "transposed"])
@@ -384,7 +342,6 @@ def test_the_op_list_is_the_librarys():
     has its typed wrapper in wrappers.py, and each one a graph may hold its fake beside it."""
     import re
 
-    from tests.conftest import ROOT
 
     defined = re.findall(r'm\.def\("(\w+)\(', (ROOT / "csrc" / "ops" / "register.cpp").read_text())
     assert list(library.OPS) == defined

@@ -6,43 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from kvexport.trace.replay import harness
-from tests.hostile import good_request, package_corpus
 from kvexport.model import build_model
 from kvexport.model.batch import Batch
 from kvexport.model.checkpoint import save_checkpoint
-
-HERE = Path(__file__).resolve().parent
-HOST_TIMEOUT_S = 300  # a hang fails the test instead of the suite
-
-
-@pytest.fixture(scope="session")
-def host_corpus(tiny_artifact, tiny_config, tiny_checkpoint, tmp_path_factory) -> Path:
-    """Hostile requests plus valid ones with their eager full-recompute logits (no cache)."""
-    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
-    good = []
-    for first_user in (100, 200, 300, 400):
-        request = good_request(tiny_config, first_user)
-        with torch.no_grad():
-            good.append([request, model(Batch(**request))])
-    path = tmp_path_factory.mktemp("corpus") / "corpus.pt"
-    torch.save({"hostile": [list(entry) for entry in package_corpus(tiny_config)], "good": good}, path)
-    return path
-
-
-def run_plain_host(artifact: Path, corpus: Path, mode: str) -> dict:
-    result = subprocess.run([sys.executable, str(HERE / "plain_host.py"), str(artifact), str(corpus), mode],
-                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
-    assert result.returncode in (0, 1), f"host died with {result.returncode}: {result.stderr[-2000:]}"
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert result.returncode == 0, summary["failures"]
-    return summary
+from tests.helpers.configs import ITEM_TOWER, tiny_raw, write_config
+from tests.helpers.hostile import HOST_TIMEOUT_S, good_request, package_corpus, run_plain_host
 
 
 @pytest.mark.slow
@@ -63,11 +36,9 @@ def test_plain_host_survives_every_hostile_request_to_an_item_tower_package(tmp_
     candidate ids that carry its code): every hostile request refused, valid ones exact."""
     from kvexport.config import config_from_dict
     from kvexport.export.build import build_artifact
-    from tests.test_item_tower import tower_raw
 
-    raw = tower_raw(event_tokens="combined", candidate_position="shared_row")
-    raw["name"] = "tower-host"
-    (tmp_path / "tower.yaml").write_text(yaml.safe_dump(raw))
+    raw = tiny_raw(name="tower-host", model={**ITEM_TOWER, "event_tokens": "combined", "candidate_position": "shared_row"})
+    write_config(raw, tmp_path / "tower.yaml")
     config = config_from_dict(raw)
     model = build_model(config, seed=3)
     save_checkpoint(model, tmp_path / "tower.pt")

@@ -7,7 +7,6 @@ import pickle
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
 from kvexport.artifact import open_artifact
@@ -16,7 +15,8 @@ from kvexport.config import load_config
 from kvexport.errors import RequestFailed
 from kvexport.host.package import Package
 from kvexport.model import build_model, random_batch
-from tests.conftest import TINY
+from tests.helpers.configs import TINY
+from tests.helpers.configs import tiny_raw, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -161,10 +161,7 @@ def test_unwritable_outputs(tiny_artifact, tmp_path):
 
 
 def test_hostile_config_through_build_leaves_nothing(tmp_path):
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"]["head_dim"] = 31
-    config = tmp_path / "bad.yaml"
-    config.write_text(yaml.safe_dump(raw))
+    config = write_config(tiny_raw(model={"head_dim": 31}), tmp_path / "bad.yaml")
     result = CliRunner().invoke(main, ["build", str(config), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "model.hidden_size (64) must equal model.num_heads (2) * model.head_dim (31)" in result.output

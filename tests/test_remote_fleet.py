@@ -20,9 +20,9 @@ from kvexport.ops import wrappers as kv
 from kvexport.remote import read_password_file
 from kvexport.trace.record import reference_model
 from kvexport.trace.replay import replay_command
-from tests.conftest import ROOT
-from tests.redis_server import RedisServer, Resp, free_port, need_redis
-from tests.test_remote_tier import BAD_PASSWORD_FILES, GatedProxy, write_password_file
+from tests.helpers import ROOT
+from tests.helpers.network import free_port
+from tests.helpers.remote import BAD_PASSWORD_FILES, GatedProxy, RedisServer, Resp, need_redis, write_password_file
 
 SOAK_TIMEOUT_S = 300
 

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from kvexport.ops import wrappers as kv
 from kvexport.errors import UserError
 from kvexport.remote import WRITE_POLICIES, read_password_file, url_with_password
-from tests.conftest import ROOT, TINY, scratch_runtime, scratch_runtime_name
-from tests.redis_server import RedisServer, Resp, free_port, need_redis
-from tests.test_runtime import kv_values, request
+from tests.helpers import ROOT
+from tests.helpers.network import free_port
+from tests.helpers.remote import (BAD_PASSWORD_FILES, GatedProxy, LocalServer, RedisServer, Resp, need_redis,
+                                  remote_config, wait_for, write_password_file)
+from tests.helpers.runtime import kv_values, request, scratch_runtime, scratch_runtime_name
 
 PAGE_SIZE = 2
 # host_pages 0: every user evicted from the device tier goes on to the remote tier.
@@ -32,16 +30,6 @@ CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size"
 
 def key(runtime: str, user_id: int) -> bytes:
     return f"kvexport:{runtime}:{user_id}".encode()
-
-
-def wait_for(runtime: str, name: str, value: int, timeout_s: float = 10.0) -> dict[str, int]:
-    """Polls the runtime's stats until counter `name` reaches `value` (the writer is asynchronous)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = kv.runtime_stats(runtime)
-        if stats[name] >= value or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -324,29 +312,6 @@ def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, ca
         server.stop()
 
 
-class LocalServer:
-    """A TCP server on a free local port that hands each connection to connected(), until close()."""
-
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connected(client)
-
-    def connected(self, client: socket.socket) -> None:
-        raise NotImplementedError
-
-
 class ErrorServer(LocalServer):
     """A stand-in server that answers every command with one error reply."""
 
@@ -500,43 +465,6 @@ def test_lost_server_mid_run_recomputes_counts_errors_and_reconnects(tmp_path):
         server.stop()
 
 
-class GatedProxy(LocalServer):
-    """A TCP proxy to a server that holds back MGET commands while its gate is closed.
-
-    Its threads are Python threads: they forward a read only while the thread making it has
-    released the GIL.
-    """
-
-    def __init__(self, target_port: int):
-        self.target_port = target_port
-        self.gate = threading.Event()
-        self.gate.set()
-        self.mget_seen = threading.Event()
-        super().__init__()
-
-    def close(self) -> None:
-        self.gate.set()
-        super().close()
-
-    def connected(self, client: socket.socket) -> None:
-        upstream = socket.create_connection(("127.0.0.1", self.target_port))
-        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, gated: bool) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                if gated and b"MGET" in data:
-                    self.mget_seen.set()
-                    self.gate.wait()
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            source.close()
-            sink.close()
-
-
 def test_a_remote_read_holds_neither_the_runtime_nor_the_gil(redis_server):
     config = json.dumps({**json.loads(CONFIG), "remote_read_budget_us": 10_000_000})
     proxy = GatedProxy(redis_server.port)
@@ -588,51 +516,8 @@ def test_flush_waits_for_queued_writes(remote_runtime, redis):
 
 # ---- two processes sharing one server ----------------------------------------------------------------
 
-def _eager_config(name: str):
-    from kvexport.config import config_from_dict
-
-    raw = copy.deepcopy(yaml.safe_load(TINY.read_text()))
-    raw["name"] = name
-    raw["kv_cache"]["host_pages"] = 0
-    raw["kv_cache"]["remote_read_budget_us"] = 200_000
-    return config_from_dict(raw)
-
-
-def _returning_user(config, num_appended: int):
-    """User 7's history (20 events), with `num_appended` more events appended, and 4 candidates."""
-    from kvexport.model.batch import Batch, UserRequest, random_user
-
-    first = random_user(config.model, torch.Generator().manual_seed(11), 7, 20, 4)
-    later = random_user(config.model, torch.Generator().manual_seed(12), 7, num_appended, 4)
-    return Batch.concat([UserRequest(7, torch.cat([first.item_ids, later.item_ids]),
-                                     torch.cat([first.action_ids, later.action_ids]), first.context_ids,
-                                     later.candidate_ids if num_appended else first.candidate_ids)])
-
-
-def remote_worker(spec_json: str) -> None:
-    """One serving process: scores user 7 through the eager model with the remote tier attached.
-
-    Run by the test in a fresh interpreter; prints its runtime stats and outputs as JSON.
-    """
-    from kvexport.model import build_model
-    from kvexport.ops.manager import KVCacheManager
-
-    spec = json.loads(spec_json)
-    config = _eager_config(spec["runtime"])
-    model = build_model(config, seed=1)
-    cache = KVCacheManager(config)
-    kv.attach_remote(config.name, spec["url"], "on_evict")
-    batch = _returning_user(config, spec["num_appended"])
-    with torch.no_grad():
-        cached = model.forward_cached(batch)
-        full = model(batch)
-    cache.evict_user(7)
-    stats = wait_for(config.name, "remote_writes", 1)
-    json.dump({"stats": stats, "cached": cached.tolist(), "full": full.tolist()}, sys.stdout)
-
-
 def _run_worker(spec: dict) -> dict:
-    code = "import sys; from tests.test_remote_tier import remote_worker; remote_worker(sys.argv[1])"
+    code = "import sys; from tests.helpers.remote import remote_worker; remote_worker(sys.argv[1])"
     result = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -644,7 +529,7 @@ def test_a_user_scored_in_one_process_is_a_remote_hit_in_another(redis_server):
     first = _run_worker({"url": redis_server.url, "runtime": runtime, "num_appended": 0})
     first_stats = first["stats"]
     # A prefix is the context tokens, then an item and an action token per event.
-    num_cached_tokens = _eager_config(runtime).model.num_contextual_features + 2 * 20
+    num_cached_tokens = remote_config(runtime).model.num_contextual_features + 2 * 20
     assert (first_stats["hit_tokens"], first_stats["recomputed_tokens"]) == (0, num_cached_tokens)
     assert (first_stats["remote_misses"], first_stats["remote_writes"]) == (1, 1)
 
@@ -679,38 +564,6 @@ def test_a_url_with_a_password_takes_no_second_one():
 def test_a_password_file_loses_one_trailing_newline(tmp_path, content, expected):
     (tmp_path / "pw").write_bytes(content.encode())
     assert read_password_file(tmp_path / "pw") == expected
-
-
-# Contents a password file must not have, as bytes (None: no file; "dir": a directory), and the
-# message naming each; the C++ harness reads it by the same rules (test_remote_fleet.py).
-BAD_PASSWORD_FILES = [
-    (b"", "is empty"), (b"\n", "is empty"), (b"a\nb", "holds more than one line"),
-    (b"pw\r", "holds more than one line"), (b"a\rb\n", "holds more than one line"),
-    (b"\xef\xbb\xbfpw\n", "starts with a byte-order mark: save it without one"), (b"p\xffw\n", "is not UTF-8 text"),
-    (b"x" * 4097, "is over 4096 bytes: not a password file"), (None, "does not exist"),
-    ("dir", "is not a regular file"), ("fifo", "is not a regular file"), ("under a file", "does not exist"),
-    ("slash", "does not exist"), ("loop", "Too many levels of symbolic links"),
-]
-
-
-def write_password_file(path: Path, content: bytes | str | None) -> str:
-    """A password file at path holding content (bytes), or one of the odd paths the tags name; the
-    path to give (as a string: "pw/" would lose its '/' as a Path)."""
-    if content == "dir":
-        path.mkdir()
-    elif content == "fifo":
-        os.mkfifo(path)
-    elif content == "under a file":
-        path.write_bytes(b"pw\n")
-        return str(path / "pw")
-    elif content == "slash":
-        path.write_bytes(b"pw\n")
-        return f"{path}/"
-    elif content == "loop":
-        path.symlink_to(path)
-    elif content is not None:
-        path.write_bytes(content)
-    return str(path)
 
 
 @pytest.mark.parametrize(("content", "message"), BAD_PASSWORD_FILES)

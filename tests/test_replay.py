@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvexport.commands.cli import main
 from kvexport.trace.replay import harness, replay_command
 from kvexport.trace.verify import verify_artifact
-from tests.conftest import edit_manifest, rehash
+from tests.helpers.artifacts import edit_manifest, rehash
 
 pytestmark = pytest.mark.slow
 

@@ -10,48 +10,14 @@ import pytest
 import torch
 
 from kvexport.ops import wrappers as kv
-from tests.conftest import host_placement, scratch_runtime, scratch_runtime_name
-
-PAGE_SIZE = 2
-CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
-                     "device_pages": 6, "host_pages": 4, "dtype": "float32"})
+from tests.helpers.runtime import (CONFIG, host_placement, kv_values, request, scratch_runtime,
+                                   scratch_runtime_name)
 
 
 @pytest.fixture
 def runtime():
     with scratch_runtime(CONFIG) as name:
         yield name
-
-
-def kv_values(tokens: list[int], layer: int) -> torch.Tensor:
-    """Deterministic k/v rows derived from token ids and layer: [N, 1, 2]."""
-    t = torch.tensor(tokens, dtype=torch.float32)
-    return torch.stack([t + 0.25 * layer, -t - 0.5 * layer], dim=1).unsqueeze(1)
-
-
-def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, config: str = CONFIG) -> list[int]:
-    """Runs one batch through the runtime ops, writing kv_values for the new tokens; returns cached
-    lengths (each user's tokens before its first new one, as begin_batch's index of the new tokens
-    says; checked to be a suffix of each user's tokens)."""
-    user_ids = torch.tensor(list(users), dtype=torch.int64)
-    tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
-    lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
-    candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
-    new_index, new_positions = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates,
-                                              host_placement()).tolist()
-    firsts = [sum(len(ts) for ts in list(users.values())[:b]) for b in range(len(users))]
-    cached = [len(ts) - sum(first <= i < first + len(ts) for i in new_index)
-              for first, ts in zip(firsts, users.values())]
-    assert new_index == [first + p for first, ts, c in zip(firsts, users.values(), cached) for p in range(c, len(ts))]
-    assert new_positions == [p for ts, c in zip(users.values(), cached) for p in range(c, len(ts))]
-    new_tokens = [t for (ts, c) in zip(users.values(), cached) for t in ts[c:]]
-    num_rows = num_candidates * len(users) + len(new_tokens)
-    for layer in range(2):
-        rows = torch.cat([torch.zeros(num_candidates * len(users), 1, 2), kv_values(new_tokens, layer)])
-        assert rows.shape[0] == num_rows
-        kv.paged_attention(runtime, layer, rows, rows, rows, 1.0, 1.0)  # stores the new rows' k/v
-    kv.end_batch(runtime, user_ids, rows)
-    return cached
 
 
 def test_cold_then_warm_then_grown(runtime):

@@ -14,16 +14,11 @@ from click.testing import CliRunner
 
 from kvexport.artifact import TRACE_KEYS
 from kvexport.commands.cli import main
-from kvexport.config import ConfigError, config_from_dict
+from kvexport.config import ConfigError
 from kvexport.model import build_model, random_batch
-from tests.conftest import TINY
-from tests.reference import reference_forward
-
-
-def tiny_with(**model_fields) -> dict:
-    raw = yaml.safe_load(TINY.read_text())
-    raw["model"].update(model_fields)
-    return raw
+from tests.helpers.configs import TINY
+from tests.helpers.reference import reference_forward
+from tests.helpers import configs
 
 
 SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
@@ -45,7 +40,7 @@ SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "
 ])
 def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
-        config_from_dict(tiny_with(**{field: value}))
+        configs.tiny_config(model={field: value})
 
 
 def test_yaml_exponent_notation_is_read_as_a_number(tmp_path):
@@ -108,10 +103,10 @@ def test_a_package_with_every_switch_off_its_default_verifies(tmp_path, tiny_art
     seeded anew; the trace draws keys and unknown ids): verify checks the package, the eager cached path and
     the eager full recompute against the float32 reference, step by step."""
     config = tmp_path / "hstu-tiny-switched.yaml"
-    config.write_text(yaml.safe_dump(tiny_with(**SWITCHES)))
+    config.write_text(yaml.safe_dump(configs.tiny_raw(model=SWITCHES)))
     checkpoint = tmp_path / "switched.pt"
     state = torch.load(tiny_checkpoint, weights_only=True)
-    wider = build_model(config_from_dict(tiny_with(**SWITCHES)), seed=1).state_dict()
+    wider = build_model(configs.tiny_config(model=SWITCHES), seed=1).state_dict()
     torch.save({**{k: wider[k] if wider[k].shape != v.shape else v for k, v in state.items()},
                 "item_keys": wider["item_keys"], "context_keys": wider["context_keys"]}, checkpoint)
     out = tmp_path / "switched"

@@ -7,8 +7,6 @@ recompute (the build's checkpoint), never with the server's or the package's own
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
 import json
 import os
 import queue
@@ -23,7 +21,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -33,145 +30,17 @@ from click.testing import CliRunner
 import kvexport
 from kvexport.commands.cli import main
 from kvexport.errors import RequestError
-from kvexport.model import Batch, build_model
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.batcher import BatchScorer, take_batch
 from kvexport.serving.tritonserver import STUB
+from tests.helpers.serving import (ATOL, REQUEST_TIMEOUT_S, Client, Ports, http_get, metric, needs_pytriton,
+                                   returning_users_plan, run_clients, scrape_when, server_ports, settled_scrape,
+                                   split_batch, user_arrays)
 
-ATOL = 1e-5  # server vs eager full recompute in float32: far above float32 rounding, far below a wrong result
 README_EXAMPLE = re.compile(r"<!-- example: tests/test_serve\.py[^>]*-->\n```python\n(.*?)```", re.S)
 README_URL = '"127.0.0.1:8000"'
 START_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 120
-REQUEST_TIMEOUT_S = 60
-
-needs_pytriton = pytest.mark.skipif(importlib.util.find_spec("pytriton") is None,
-                                    reason="nvidia-pytriton is not installed (pip install -e '.[serve]')")
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Ports:
-    http: int
-    grpc: int
-    metrics: int
-
-
-def free_ports() -> Ports:
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(3)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return Ports(*(s.getsockname()[1] for s in sockets))
-
-
-def user_arrays(user: UserRequest) -> dict[str, np.ndarray]:
-    return {"user_id": np.array([user.user_id], dtype=np.int64), "item_ids": user.item_ids.numpy(),
-            "action_ids": user.action_ids.numpy(), "context_ids": user.context_ids.numpy(),
-            "candidate_ids": user.candidate_ids.numpy()}
-
-
-def split_batch(batch: dict[str, torch.Tensor]) -> list[UserRequest]:
-    """A recorded batch (the package's seven tensors) as one request per user."""
-    return Batch(**batch).users()
-
-
-class Client:
-    """tritonclient over HTTP or gRPC, sending one user per request (used by the thread that made it)."""
-
-    def __init__(self, protocol: str, ports: Ports, model: str, concurrency: int = 1):
-        if protocol == "http":
-            import tritonclient.http as module
-
-            self.client = module.InferenceServerClient(f"127.0.0.1:{ports.http}", concurrency=concurrency,
-                                                       network_timeout=REQUEST_TIMEOUT_S,
-                                                       connection_timeout=REQUEST_TIMEOUT_S)
-        else:
-            import tritonclient.grpc as module
-
-            self.client = module.InferenceServerClient(f"127.0.0.1:{ports.grpc}")
-        self.module, self.protocol, self.model = module, protocol, model
-
-    def inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None):
-        """Each array sent as a batch of one (Triton's batch dimension first)."""
-        inputs = []
-        for name, array in arrays.items():
-            datatype = (datatypes or {}).get(name, "INT64")
-            tensor = self.module.InferInput(name, [1, *array.shape], datatype)
-            tensor.set_data_from_numpy(array[None])
-            inputs.append(tensor)
-        return inputs
-
-    def infer(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None) -> np.ndarray:
-        """The user's logits [T, num_tasks] (the response is a batch of one)."""
-        kwargs = {"client_timeout": REQUEST_TIMEOUT_S} if self.protocol == "grpc" else {}
-        logits = self.client.infer(self.model, self.inputs(arrays, datatypes), **kwargs).as_numpy("logits")
-        assert logits.shape[0] == 1, logits.shape
-        return logits[0]
-
-    def infer_at_once(self, requests: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
-        """Sends every request before waiting for any answer."""
-        if self.protocol == "http":
-            pending = [self.client.async_infer(self.model, self.inputs(arrays)) for arrays in requests]
-            return [p.get_result(timeout=REQUEST_TIMEOUT_S).as_numpy("logits")[0] for p in pending]
-        answers: list[queue.Queue] = [queue.Queue() for _ in requests]
-        for arrays, answer in zip(requests, answers):
-            self.client.async_infer(self.model, self.inputs(arrays), client_timeout=REQUEST_TIMEOUT_S,
-                                    callback=lambda result, error, a=answer: a.put((result, error)))
-        results = [answer.get(timeout=REQUEST_TIMEOUT_S) for answer in answers]
-        for _, error in results:
-            if error is not None:
-                raise error
-        return [result.as_numpy("logits")[0] for result, _ in results]
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text scrape."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{re.escape(name)}\{{([^}}]*)\}} (\S+)", line)
-        if match and all(part in match.group(1).split(",") for part in wanted.split(",") if part):
-            return float(match.group(2))
-    raise AssertionError(f"no sample {name}{{{wanted}}} in the scrape")
-
-
-def scrape_when(port: int, ready: Callable[[str], bool], timeout_s: float = 10.0) -> str:
-    """The metrics port's scrape once ready(scrape) holds: the model publishes its counters from a
-    thread, a moment after each batch (failing when they do not arrive within timeout_s)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = http_get(port, "/metrics")[1]
-        if ready(text) or time.monotonic() > deadline:
-            assert ready(text), f"the metrics did not arrive within {timeout_s} s"
-            return text
-        time.sleep(0.05)
-
-
-def settled_scrape(port: int, timeout_s: float = 10.0) -> str:
-    """A scrape once kvexport's counters have stopped moving (earlier batches all published)."""
-    def counters(text: str) -> list[str]:
-        return [line for line in text.splitlines() if line.startswith("kvexport_")]
-
-    deadline = time.monotonic() + timeout_s
-    previous = http_get(port, "/metrics")[1]
-    while True:
-        time.sleep(0.2)
-        text = http_get(port, "/metrics")[1]
-        if counters(text) == counters(previous) or time.monotonic() > deadline:
-            return text
-        previous = text
 
 
 class Served:
@@ -247,32 +116,9 @@ def ports_free(ports: Ports) -> bool:
 # -- fixtures --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def eager(tiny_config, tiny_checkpoint):
-    """The eager model with the build's weights; recompute(users) is each user's full recompute."""
-    model = build_model(tiny_config, checkpoint=tiny_checkpoint)
-
-    def recompute(users: list[UserRequest]) -> list[np.ndarray]:
-        out: list[np.ndarray | None] = [None] * len(users)
-        remaining = list(range(len(users)))
-        while remaining:  # batches of distinct users, each request recomputed from scratch
-            index_of: dict[int, int] = {}
-            for i in remaining:
-                index_of.setdefault(users[i].user_id, i)
-            chosen = list(index_of.values())
-            with torch.no_grad():
-                logits = model(Batch.concat([users[i] for i in chosen]))
-            for i, part in zip(chosen, logits.split([len(users[i].candidate_ids) for i in chosen])):
-                out[i] = part.numpy()
-            remaining = [i for i in remaining if i not in set(chosen)]
-        return out
-
-    return recompute
-
-
-@pytest.fixture(scope="module")
 def server(tiny_artifact, tmp_path_factory):
     """One server for the module (4 instances, the tiny package's max_batch_size)."""
-    served = Served(tiny_artifact, free_ports(), tmp_path_factory.mktemp("serve"))
+    served = Served(tiny_artifact, server_ports(), tmp_path_factory.mktemp("serve"))
     try:
         served.wait_ready()
         yield served
@@ -397,7 +243,7 @@ def test_warm_up_never_reaches_the_shared_remote_tier(tiny_artifact, tiny_config
 def test_a_request_is_one_user():
     from kvexport.config import load_config
     from kvexport.serving.batcher import parse_request
-    from tests.conftest import TINY
+    from tests.helpers.configs import TINY
 
     config = load_config(TINY)
     user = _batched(random_user(config.model, torch.Generator().manual_seed(1), 5, 4, 2))
@@ -434,7 +280,7 @@ def test_inspect_prints_the_serving_signature(tiny_artifact):
 
 @needs_pytriton
 def test_serve_refuses_clashing_or_busy_ports(tmp_path):
-    ports = free_ports()
+    ports = server_ports()
     base = ["serve", str(tmp_path), "--address", "127.0.0.1", "--metrics-port", str(ports.metrics)]
     for option, value, bounds in (("--http-port", "0", "in 1..65535"), ("--grpc-port", "70000", "in 1..65535")):
         result = CliRunner().invoke(main, [*base, option, value])
@@ -495,7 +341,7 @@ def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypat
         return command, env
 
     monkeypatch.setattr(tritonserver, "prepare", without_stub)
-    ports = free_ports()
+    ports = server_ports()
     server = triton.Server(tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc,
                            metrics_port=ports.metrics)
     started = time.monotonic()
@@ -583,7 +429,7 @@ def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_
                                                                             eager):
     """--remote with a password in the URL: the tier is attached (a scored user reaches it, with the
     password), and neither the model's config nor the workspace's repository holds the password."""
-    from tests.redis_server import RedisServer, Resp, need_redis
+    from tests.helpers.remote import RedisServer, Resp, need_redis
 
     need_redis()
     password = "serve:pw@odd/%chars"
@@ -594,7 +440,7 @@ def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_
         from urllib.parse import quote
 
         url = f"redis://:{quote(password, safe='')}@127.0.0.1:{redis_server.port}/0"
-        served = Served(tiny_artifact, free_ports(), tmp_path, "--remote", url, "--remote-write", "after_batch",
+        served = Served(tiny_artifact, server_ports(), tmp_path, "--remote", url, "--remote-write", "after_batch",
                         verbose=True)
         served.wait_ready()
         user = random_user(tiny_config.model, torch.Generator().manual_seed(4), 777, 6, 3)
@@ -639,7 +485,7 @@ def test_a_tampered_artifact_is_refused_in_one_line_and_nothing_is_left(tiny_art
     data = bytearray(step.read_bytes())
     data[100] ^= 1
     step.write_bytes(bytes(data))
-    ports = free_ports()
+    ports = server_ports()
     before = set(Path(tempfile.gettempdir()).glob("kvexport-serve-*"))
     result = subprocess.run([sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
                              "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
@@ -656,7 +502,7 @@ def test_a_tampered_artifact_is_refused_in_one_line_and_nothing_is_left(tiny_art
 @needs_pytriton
 @pytest.mark.slow
 def test_readme_serving_example_runs(server, eager):
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     blocks = README_EXAMPLE.findall((ROOT / "README.md").read_text())
     assert len(blocks) == 1, "README.md has no (or several) serving example blocks"
@@ -674,7 +520,7 @@ def test_readme_serving_example_runs(server, eager):
 @needs_pytriton
 @pytest.mark.slow
 def test_a_dead_tritonserver_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_path):
-    served = Served(tiny_artifact, free_ports(), tmp_path)
+    served = Served(tiny_artifact, server_ports(), tmp_path)
     try:
         served.wait_ready()
         tritonserver = [pid for pid in served.session_processes()
@@ -692,61 +538,10 @@ def test_a_dead_tritonserver_ends_the_command_and_nothing_is_left(tiny_artifact,
     assert ports_free(served.ports)
 
 
-def _returning_users_plan(config, clients: int, per_client: int, users: int, seed: int):
-    """Each client's requests: users shared by all clients, histories growing, about 10% rewritten."""
-    m = config.model
-    generator = torch.Generator().manual_seed(seed)
-    longest = 96
-    base = {uid: random_user(m, generator, uid, longest, 1) for uid in range(5000, 5000 + users)}
-    plans = []
-    for client in range(clients):
-        seen: dict[int, int] = {}
-        plan = []
-        for _ in range(per_client):
-            uid = 5000 + int(torch.randint(users, (1,), generator=generator))
-            seen[uid] = seen.get(uid, 0) + 1
-            events = min(longest, 4 * seen[uid] + int(torch.randint(8, (1,), generator=generator)))
-            items, actions = base[uid].item_ids[:events].clone(), base[uid].action_ids[:events].clone()
-            if events > 2 and torch.rand((), generator=generator) < 0.1:  # a rewritten history
-                at = int(torch.randint(events - 1, (1,), generator=generator))
-                items[at] = (items[at] + 1) % m.item_vocab_size
-            candidates = torch.randint(m.item_vocab_size, (1 + int(torch.randint(8, (1,), generator=generator)),),
-                                       generator=generator)
-            plan.append(UserRequest(uid, items, actions, base[uid].context_ids, candidates))
-        plans.append(plan)
-    return plans
-
-
-def run_clients(ports: Ports, plans: list[list[UserRequest]]) -> list[np.ndarray]:
-    """One client thread per plan (odd ones over HTTP, even ones over gRPC), each sending its
-    requests one at a time; every answer, plan after plan. Fails on any client's error."""
-    outputs: list[list] = [[] for _ in plans]
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        client = Client("http" if index % 2 else "grpc", ports, "hstu-tiny")
-        try:
-            for request in plans[index]:
-                outputs[index].append(client.infer(user_arrays(request)))
-        except BaseException as exc:  # noqa: BLE001 — reported below
-            errors.append(exc)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(plans))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "clients did not finish"
-    assert errors == []
-    return [o for output in outputs for o in output]
-
-
 @needs_pytriton
 @pytest.mark.slow
 def test_concurrent_clients_with_returning_users_are_batched_and_correct(server, tiny_config, eager):
-    plans = _returning_users_plan(tiny_config, clients=16, per_client=50, users=24, seed=5)
+    plans = returning_users_plan(tiny_config, clients=16, per_client=50, users=24, seed=5)
     expected = eager([r for plan in plans for r in plan])
     before = settled_scrape(server.ports.metrics)
     got = run_clients(server.ports, plans)
@@ -881,7 +676,7 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
     generator = torch.Generator().manual_seed(9)
     requests = [random_user(m, generator, 9000 + i % 6, m.max_history_length - i, 4) for i in range(24)]
     expected = eager(requests)
-    ports = free_ports()
+    ports = server_ports()
 
     for run in range(2):  # the second start finds the ports, and everything else, free again
         (tmp_path / f"run{run}").mkdir()
@@ -967,7 +762,7 @@ def test_a_stop_waits_until_the_processes_it_killed_have_ended():
 def test_a_dead_stub_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_path):
     """Triton neither restarts a killed Python-backend stub nor stops reporting ready: the command
     notices, says so in one line, exits 2 and leaves no process, port or workspace behind."""
-    served = Served(tiny_artifact, free_ports(), tmp_path)
+    served = Served(tiny_artifact, server_ports(), tmp_path)
     try:
         served.wait_ready()
         stub = served.stub()

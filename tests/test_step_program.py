@@ -20,7 +20,6 @@ from kvexport.model import build_model
 from kvexport.model.batch import Batch, UserRequest, random_batch, random_user
 from kvexport.ops import wrappers as kv
 from kvexport.trace.replay import replay_command
-from tests.test_cuda_package import cuda_artifact  # noqa: F401  (fixture: the tiny package built for CUDA)
 
 ATOL = 1e-5  # float32: padded and unpadded rows run the same kernels row by row
 
@@ -246,7 +245,7 @@ def _score_rounds(package, sweeps, rounds: int, reference) -> None:
 
 
 @on_gpu
-def test_graphs_replay_exactly_through_eviction(cuda_artifact, tiny_config, reference):  # noqa: F811
+def test_graphs_replay_exactly_through_eviction(cuda_artifact, tiny_config, reference):
     sweeps = [SweepRequests(tiny_config, 60 + 9 * i, 1, first_user=3000 + i, new_events=3, candidates=4)
               for i in range(10)]
     with kvexport.load(cuda_artifact) as package:
@@ -257,7 +256,7 @@ def test_graphs_replay_exactly_through_eviction(cuda_artifact, tiny_config, refe
 
 
 @on_gpu
-def test_graphs_kept_are_bounded_and_large_buckets_run_without_one(cuda_artifact, tiny_config, reference,  # noqa: F811
+def test_graphs_kept_are_bounded_and_large_buckets_run_without_one(cuda_artifact, tiny_config, reference,
                                                                     monkeypatch):
     monkeypatch.setattr(step_runner, "MAX_GRAPHS", 2)
     monkeypatch.setattr(step_runner, "MAX_GRAPH_ROWS", 48)
@@ -269,14 +268,14 @@ def test_graphs_kept_are_bounded_and_large_buckets_run_without_one(cuda_artifact
 
 
 @on_gpu
-def test_graphs_from_eight_threads(cuda_artifact, tiny_config, reference):  # noqa: F811
+def test_graphs_from_eight_threads(cuda_artifact, tiny_config, reference):
     with kvexport.load(cuda_artifact) as package:
         assert _eight_threads(package, tiny_config, 5000, reference) == []
         assert package.cuda_graphs >= 1
 
 
 @on_gpu
-def test_the_harness_replays_the_trace_through_cuda_graphs(cuda_artifact, tmp_path):  # noqa: F811
+def test_the_harness_replays_the_trace_through_cuda_graphs(cuda_artifact, tmp_path):
     report = tmp_path / "replay.json"
     result = subprocess.run(replay_command(cuda_artifact, report, threads=2, route="graphs"), capture_output=True,
                             text=True, timeout=600)

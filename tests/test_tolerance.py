@@ -2,7 +2,7 @@
 
 At build time the eager model's outputs (cached and full recompute, in its dtype) are measured
 against the full recompute of a float32 copy of it, and atol is derived from that error. Here:
-the recorded reference is checked against the plain-PyTorch reference of tests/reference.py, and
+the recorded reference is checked against the plain-PyTorch reference of tests/helpers/reference.py, and
 the derived tolerance must accept the eager outputs and reject outputs scaled by 1.1 or 0.5, for
 float32 and bfloat16 (comparison level, eager model only); end to end, `kvexport verify` must fail
 a package whose outputs are 10% off its trace while every sha256 and digest is consistent.
@@ -18,7 +18,6 @@ import zipfile
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
 from kvexport.artifact import MANIFEST, TRACE_KEYS, open_artifact, sha256_of, trace_digest
@@ -31,8 +30,8 @@ from kvexport.trace.replay import replay_command
 from kvexport.trace.record import (EXPECTED_CACHED, EXPECTED_FULL, EXPECTED_REFERENCE, RecordedTrace,
                                    record_trace)
 from kvexport.trace.verify import compare
-from tests.conftest import TINY
-from tests.reference import reference_forward
+from tests.helpers.reference import reference_forward
+from tests.helpers.configs import tiny_raw, write_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +48,9 @@ class Recorded:
 
 def _tiny_config(dtype: str, directory) -> Config:
     """The tiny config in another dtype, written to a YAML file as a user would."""
-    raw = yaml.safe_load(TINY.read_text())
-    raw["name"] = f"hstu-tiny-{dtype}"  # its own trace runtime, apart from other tests'
-    raw["model"]["dtype"] = dtype
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return load_config(path)
+    # its own name: its own trace runtime, apart from other tests'
+    raw = tiny_raw(name=f"hstu-tiny-{dtype}", model={"dtype": dtype})
+    return load_config(write_config(raw, directory / "config.yaml"))
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -77,7 +73,7 @@ def recorded(request, tmp_path_factory) -> Recorded:
 
 
 def test_recorded_reference_is_the_float32_model(recorded):
-    """Checked against tests/reference.py (its own math), on every fourth step to keep it quick."""
+    """Checked against tests/helpers/reference.py (its own math), on every fourth step to keep it quick."""
     float32_copy = copy.deepcopy(recorded.model).float()
     for request, _, _, reference in recorded.steps[::4]:
         assert reference.dtype == torch.float32
@@ -182,10 +178,8 @@ def test_artifact_records_its_tolerance_with_its_measurement(tiny_artifact):
 
 
 def test_config_overrides_the_derived_tolerance(tmp_path):
-    raw = yaml.safe_load(TINY.read_text())
-    raw["tolerance"] = {"margin": 8, "atol": 0.01}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    raw = tiny_raw(tolerance={"margin": 8, "atol": 0.01})
+    path = write_config(raw, tmp_path / "config.yaml")
     config = load_config(path)
 
     class Measured:
@@ -198,6 +192,6 @@ def test_config_overrides_the_derived_tolerance(tmp_path):
     assert tolerance["atol"] == 0.01 and tolerance["atol_source"] == "config"
     assert tolerance["measured_max_abs_error"] == 1e-5 and tolerance["margin"] == 8
     raw["tolerance"] = {"margin": 0.5}
-    path.write_text(yaml.safe_dump(raw))
+    write_config(raw, path)
     with pytest.raises(ValueError, match="tolerance.margin must be a finite number >= 1, got 0.5"):
         load_config(path)

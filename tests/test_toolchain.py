@@ -23,7 +23,7 @@ from kvexport.errors import UserError
 from kvexport.native import elf, toolchain
 from kvexport.native.paths import OPS_LIBRARY, SOURCE_DIR
 from kvexport.trace.replay import harness, library_flags
-from tests.conftest import rehash
+from tests.helpers.artifacts import rehash, replace_shared_objects
 
 REAL_GXX = shutil.which("g++")
 STATIC_WRAPPER = f"""#!/bin/sh
@@ -135,11 +135,9 @@ def test_kvexport_build_refuses_before_any_work_or_corrects_the_compiler(static_
 @pytest.mark.parametrize("flags", [(), ("-Wl,--exclude-libs,ALL", "-s")], ids=["exported", "hidden"])
 def test_a_package_member_with_its_own_runtime_is_refused_by_python_and_the_harness(
         tiny_artifact, tmp_path, static_cxx, flags):
-    from tests.test_integrity import _replace_shared_objects
-
     member = compile_library(str(static_cxx / "g++"), tmp_path / "own-runtime.so", *flags).read_bytes()
     artifact = shutil.copytree(tiny_artifact, tmp_path / "hstu-tiny")
-    _replace_shared_objects(artifact / "model.pt2", member)
+    replace_shared_objects(artifact / "model.pt2", member)
     rehash(artifact, "model.pt2")
     import kvexport
 

@@ -23,17 +23,9 @@ from click.testing import CliRunner
 from kvexport.commands.cli import main
 from kvexport.model.batch import UserRequest
 from kvexport.serving.tritonserver import WATCH_S
-from tests.test_serve import (ATOL, Client, _returning_users_plan, free_ports, metric, needs_pytriton, run_clients,
-                              scrape_when, settled_scrape, split_batch, user_arrays)
-from tests.test_serve import eager  # noqa: F401  (a fixture)
-
-START_TIMEOUT_S = 90
-
-
-def write_repo(artifact, repo, *extra):
-    result = CliRunner().invoke(main, ["triton-repo", str(artifact), "-o", str(repo), *extra])
-    assert result.exit_code == 0, result.output
-    return result
+from tests.helpers.serving import (ATOL, START_TIMEOUT_S, Client, metric, needs_pytriton, plain_tritonserver,
+                                   returning_users_plan, run_clients, scrape_when, server_ports, settled_scrape,
+                                   split_batch, triton_ready, user_arrays, write_repo)
 
 
 def test_the_repository_is_a_triton_model_config_and_the_artifact(tiny_artifact, tmp_path):
@@ -112,15 +104,6 @@ def _metrics_open(port: int) -> bool:
         return False
 
 
-def _ready(port: int, path: str = "health/ready") -> bool:
-    """Whether the server's HTTP port answers 200 at v2/PATH (by default: the server is ready)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/{path}", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return False
-
-
 # Appended to a repository's model.py by one test: user 4242's requests make the scorer raise.
 FAILING_USER = 4242
 RAISING_MODEL = f"""
@@ -144,44 +127,10 @@ TritonPythonModel.initialize = _initialize_with_a_failing_user
 """
 
 
-@contextlib.contextmanager
-def plain_tritonserver(artifact, work, patch: str = "", options: tuple[str, ...] = ()):
-    """tritonserver --model-repository REPO (127.0.0.1, free ports) on the artifact's repository
-    (`triton-repo --this-python` and options), this venv's Python; yields (ports, server log path)."""
-    from kvexport.serving import tritonserver
-
-    repo = work / "repo"
-    write_repo(artifact, repo, "--this-python", *options)
-    if patch:
-        model = repo / "hstu-tiny" / "1" / "model.py"
-        model.write_text(model.read_text() + patch)
-    command, env = tritonserver.prepare(work)
-    ports = free_ports()
-    log = (work / "server.log").open("w")
-    process = subprocess.Popen([*command, "--model-repository", str(repo), "--http-address", "127.0.0.1",
-                                "--grpc-address", "127.0.0.1", "--http-port", str(ports.http),
-                                "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(ports.http):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"tritonserver did not come up:\n{(work / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield ports, work / "server.log"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-
-
 @pytest.fixture(scope="module")
 def served_repo(tiny_artifact, tmp_path_factory):
-    with plain_tritonserver(tiny_artifact, tmp_path_factory.mktemp("triton-repo")) as (ports, _):
-        yield ports
+    with plain_tritonserver(tiny_artifact, tmp_path_factory.mktemp("triton-repo")) as server:
+        yield server.ports
 
 
 @needs_pytriton
@@ -282,7 +231,7 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
 def test_concurrent_clients_with_returning_users_match_the_eager_recompute(served_repo, tiny_config, eager):
     """16 clients (HTTP and gRPC) sharing returning users: every answer equals the eager full
     recompute; Triton merged requests into batches and returning users came from the cache."""
-    plans = _returning_users_plan(tiny_config, clients=16, per_client=15, users=24, seed=7)
+    plans = returning_users_plan(tiny_config, clients=16, per_client=15, users=24, seed=7)
     expected = eager([r for plan in plans for r in plan])
     before = settled_scrape(served_repo.metrics)
     got = run_clients(served_repo, plans)
@@ -308,13 +257,13 @@ def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_pat
 
     from kvexport.config import load_config
     from kvexport.model.batch import random_user
-    from tests.conftest import TINY
+    from tests.helpers.configs import TINY
 
     m = load_config(TINY).model
     generator = torch.Generator().manual_seed(3)
     good = [random_user(m, generator, uid, 6, 3) for uid in (1, 2)]
     failing = random_user(m, generator, FAILING_USER, 6, 3)
-    with plain_tritonserver(tiny_artifact, tmp_path, RAISING_MODEL) as (ports, server_log):
+    with plain_tritonserver(tiny_artifact, tmp_path, RAISING_MODEL) as (ports, server_log, _):
         import tritonclient.http as http
 
         client = http.InferenceServerClient(f"127.0.0.1:{ports.http}", concurrency=3)
@@ -431,10 +380,10 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
 
     from kvexport.serving.triton_router import shard_of
 
-    plans = _returning_users_plan(tiny_config, clients=16, per_client=10, users=24, seed=11)
+    plans = returning_users_plan(tiny_config, clients=16, per_client=10, users=24, seed=11)
     requests = [r for plan in plans for r in plan]
     expected = eager(requests)
-    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "3")) as (ports, _):
+    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "3")) as (ports, _, _):
         got = run_clients(ports, plans)
         assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
         want = np.bincount([shard_of(r.user_id, 3) for r in requests], minlength=3)
@@ -528,7 +477,7 @@ def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard
         return tuple(sum(metric(text, f"kvexport_cache_{name}_total", instance=f"hstu-tiny_shard{i}_0_0")
                          for i in range(2)) for name in ("prefix_truncations", "lookups"))
 
-    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, _):
+    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, _, _):
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _metrics_open(ports.metrics):  # Triton opens its metrics port a moment after it is ready
             assert time.monotonic() < deadline, "the metrics port did not open"
@@ -574,7 +523,7 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
 
     from kvexport.artifact import open_artifact
     from kvexport.trace.record import load_trace_step
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     blocks = README_REPO_BLOCK.findall((ROOT / "README.md").read_text())
     assert len(blocks) == 1, "README.md has no (or several) triton-repo blocks"
@@ -582,7 +531,7 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
     assert len(lines) == 2 and lines[1].startswith("/tmp/model-repo/tritonserver "), lines
     (tmp_path / "artifacts").mkdir()
     (tmp_path / "artifacts" / "hstu-tiny").symlink_to(tiny_artifact)
-    ports = free_ports()
+    ports = server_ports()
     swap = {"/tmp/model-repo": str(tmp_path / "model-repo"), "--http-port 8000": f"--http-port {ports.http}",
             "--grpc-port 8001": f"--grpc-port {ports.grpc}", "--metrics-port 8002": f"--metrics-port {ports.metrics}"}
     for old, new in swap.items():
@@ -596,7 +545,7 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
                               stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(ports.http):
+        while not triton_ready(ports.http):
             assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(0.2)
         step = open_artifact(tiny_artifact).trace_steps[0]
@@ -633,7 +582,7 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
     repo = tmp_path / "repo"
     subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(tiny_artifact), "-o", str(repo),
                     "--this-python"], check=True, capture_output=True, timeout=300)
-    ports = free_ports()
+    ports = server_ports()
     server = subprocess.Popen([str(repo / "tritonserver"), "--http-port", str(ports.http), "--grpc-port",
                                str(ports.grpc), "--metrics-port", str(ports.metrics), "--model-control-mode",
                                "explicit", "--load-model", "hstu-tiny"],
@@ -657,7 +606,7 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
             time.sleep(0.2)
 
     def model_ready() -> bool:
-        return _ready(ports.http, "models/hstu-tiny/ready")
+        return triton_ready(ports.http, "models/hstu-tiny/ready")
 
     def repository(action: str) -> None:
         request = urllib.request.Request(f"http://127.0.0.1:{ports.http}/v2/repository/models/hstu-tiny/{action}",
@@ -666,7 +615,7 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
             assert response.status == 200
 
     try:
-        wait_for(lambda: _ready(ports.http) and model_ready(), "ready model")
+        wait_for(lambda: triton_ready(ports.http) and model_ready(), "ready model")
         (first, argv), = model_stubs()
         first_region = Path("/dev/shm") / os.fsdecode(argv[2])
         repository("unload")
@@ -690,5 +639,5 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
     assert [line for line in lines if line.startswith("error:")] == [
         f"error: the Python-backend stub of {repo / 'hstu-tiny' / '1' / 'model.py'} (pid {pid}) died; Triton would "
         "keep reporting ready while its requests fail: stopping tritonserver"]
-    assert not _ready(ports.http)
+    assert not triton_ready(ports.http)
     assert not region.exists()

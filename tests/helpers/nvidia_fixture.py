@@ -140,6 +140,6 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.nvidia_fixture OUT")
+        sys.exit("usage: python -m tests.helpers.nvidia_fixture OUT")
     write_sample(Path(sys.argv[1]))
     print(f"wrote {sys.argv[1]}/save (a recsys-examples ranking checkpoint, 2 ranks) and {sys.argv[1]}/ranking.gin")

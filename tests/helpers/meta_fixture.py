@@ -9,7 +9,7 @@ trainer's own on-disk layout (`save_dmp_checkpoint`) with synthetic weights and 
 dense_dict holds every parameter and persistent buffer of a bare DlrmHSTU (float32; the action
 bits buffer int64) under its own names; sparse_tensor_keys is a Python set of the table FQNs;
 the tables are float16, row-sharded over WORLD gloo processes that a subprocess spawns
-(`python -m tests.meta_fixture SPARSE_DIR WORLD PORT`), so no process group touches the caller.
+(`python -m tests.helpers.meta_fixture SPARSE_DIR WORLD PORT SEED`), so no process group touches the caller.
 The optimizer and metric entries are stand-ins of the same kind (Adam state by parameter name,
 metric state dicts of tensors); their exact inner names upstream are unverified.
 
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from tests.meta_reference import HEAD, POS, POST, PRE, STU, Features
+from tests.helpers import ROOT
+from tests.helpers.meta_reference import HEAD, POS, POST, PRE, STU, Features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,6 @@ BATCH = 4000  # the trainer's batch index: the checkpoint's directory name
 TABLE_FQN = "_embedding_collection.embeddings.{}.weight"
 SPARSE_KEY = "sparse_dict." + TABLE_FQN
 BUFFERS = (PRE + "_action_encoder._combined_action_weights", POST + "_period_units", POST + "_units_per_period")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def dense_state(seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES) -> dict[str, torch.Tensor]:
@@ -158,7 +158,7 @@ def _trainer_extras(dense: dict[str, torch.Tensor], batch: int) -> dict:
     }
 
 
-def write_checkpoint(out: Path, world: int, port: str, batch: int = BATCH, seed: int = 0,
+def write_checkpoint(out: Path, world: int, port: int, batch: int = BATCH, seed: int = 0,
                      sizes: Sizes = DEFAULT_SIZES) -> Path:
     """Writes <out>/<batch>/ (non_sparse.ckpt here, sparse/ from `world` gloo processes in a
     subprocess, listening on `port`); returns that directory. sizes: the dense state's (the tables
@@ -169,7 +169,8 @@ def write_checkpoint(out: Path, world: int, port: str, batch: int = BATCH, seed:
     (root / "sparse").mkdir(parents=True)
     dense = dense_state(seed, sizes=sizes)
     torch.save({"dense_dict": dense, **_trainer_extras(dense, batch)}, root / "non_sparse.ckpt")
-    command = [sys.executable, "-m", "tests.meta_fixture", str(root / "sparse"), str(world), port, str(seed)]
+    command = [sys.executable, "-m", "tests.helpers.meta_fixture", str(root / "sparse"), str(world), str(port),
+               str(seed)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"the sparse/ writer failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -214,6 +215,6 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     if len(sys.argv) != 5:
-        sys.exit("usage: python -m tests.meta_fixture SPARSE_DIR WORLD PORT SEED")
+        sys.exit("usage: python -m tests.helpers.meta_fixture SPARSE_DIR WORLD PORT SEED")
     sparse_dir, num_ranks, master_port, table_seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     mp.spawn(_write_sparse_rank, args=(num_ranks, sparse_dir, master_port, table_seed), nprocs=num_ranks)

@@ -13,11 +13,13 @@ Run by the tests in a subprocess, so the process group never touches the test pr
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+WRITER = Path(__file__)  # the script the tests run: python WRITER FORMAT OUT WORLD PORT
 ROWS, COLUMNS = 10, 4
 PREFIX = "sparse_dict._embedding_collection.embeddings."
 

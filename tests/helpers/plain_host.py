@@ -3,7 +3,7 @@
     python plain_host.py OUT CORPUS {sequential,threads}
 
 CORPUS is a torch.save'd dict: "hostile" (a list of [request, expected message]) and "good"
-(a list of [request, expected logits]). Run by tests/test_package_safety.py in a subprocess, so a
+(a list of [request, expected logits]). Run by tests.helpers.hostile.run_plain_host in a subprocess, so a
 crash or a hang of the package shows as this process's exit status or timeout. Prints one JSON
 summary line; exits 0 when every expectation held.
 """

@@ -2,14 +2,23 @@
 
 Each entry is a complete request (all seven signature tensors) that a host could hand to
 model.pt2 directly, with the words the refusal must contain. Shared by the plain-torch host, the
-C++ harness and kvexport's own runner tests.
+C++ harness and kvexport's own runner tests; run_plain_host runs a corpus (the `host_corpus`
+fixture's) through plain_host.py.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from kvexport.model import random_batch
+
+PLAIN_HOST = Path(__file__).with_name("plain_host.py")
+HOST_TIMEOUT_S = 300  # a hang fails the test instead of the suite
 
 
 def good_request(config, first_user: int = 0) -> dict[str, torch.Tensor]:
@@ -57,3 +66,14 @@ def package_corpus(config) -> list[tuple[dict[str, torch.Tensor], str]]:
         (too_many, f"{max_batch + 1} users exceed serving.max_batch_size ({max_batch})"),
         (too_long, f"history_lengths has {m.max_history_length + 1}, outside events"),
     ]
+
+
+def run_plain_host(artifact: Path, corpus: Path, mode: str) -> dict:
+    """plain_host.py's summary of a corpus run against the artifact in a subprocess (mode sequential
+    or threads); fails on a crash, a hang or any expectation that did not hold."""
+    result = subprocess.run([sys.executable, str(PLAIN_HOST), str(artifact), str(corpus), mode],
+                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
+    assert result.returncode in (0, 1), f"host died with {result.returncode}: {result.stderr[-2000:]}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, summary["failures"]
+    return summary
