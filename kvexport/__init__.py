@@ -1,6 +1,6 @@
 """kvexport: ship an HSTU ranking model with a user-history KV cache as an AOTInductor package.
 
-The Python API of a built package (README, *Python API*):
+The Python API of a built package (docs/hosting.md, *The Python API*):
 
     import kvexport
 
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from kvexport.host.package import Package
 
 
-def load(out: "str | Path | Artifact", device: "torch.device | str | None" = None, *,
-         check_files: bool = True, remote: "str | None" = None, remote_write: str = "on_evict",
-         step_program: bool = True, cuda_graphs: bool = True) -> "Package":
+def load(out: str | Path | Artifact, device: torch.device | str | None = None, *,
+         check_files: bool = True, remote: str | None = None, remote_write: str = "on_evict",
+         step_program: bool = True, cuda_graphs: bool = True) -> Package:
     """Loads a built artifact directory (`kvexport build -o OUT`) and returns its `Package`.
 
     device: None runs it on the device it was built for; any other device raises UserError.

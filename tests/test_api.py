@@ -1,4 +1,4 @@
-"""The Python API: kvexport.load(OUT) -> Package (score, score_users, stats, close), and the README's example.
+"""The Python API: kvexport.load(OUT) -> Package (score, score_users, stats, close), and docs/hosting.md's example.
 
 Every output is compared with the eager model's full recompute (the build's checkpoint), never
 with the package's own output.
@@ -64,12 +64,12 @@ def test_import_kvexport_does_not_import_torch():
 
 @pytest.mark.slow
 def test_readme_example_runs(tiny_artifact, eager, capsys):
-    blocks = README_EXAMPLE.findall((ROOT / "README.md").read_text())
-    assert len(blocks) == 1, "README.md has no (or several) Python API example blocks"
+    blocks = README_EXAMPLE.findall((ROOT / "docs" / "hosting.md").read_text())
+    assert len(blocks) == 1, "docs/hosting.md has no (or several) Python API example blocks"
     code = blocks[0]
-    assert code.count(README_OUT) == 1, f"the README example must set {README_OUT}"
+    assert code.count(README_OUT) == 1, f"the example must set {README_OUT}"
     namespace: dict = {"__name__": "readme_example"}
-    exec(compile(code.replace(README_OUT, f"OUT = {str(tiny_artifact)!r}"), "README.md", "exec"), namespace)
+    exec(compile(code.replace(README_OUT, f"OUT = {str(tiny_artifact)!r}"), "docs/hosting.md", "exec"), namespace)
 
     torch.testing.assert_close(namespace["logits"], eager(namespace["request"]), rtol=0, atol=ATOL)
     users, per_user = namespace["users"], namespace["per_user"]

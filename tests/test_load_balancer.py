@@ -1,6 +1,6 @@
 """Affinity across hosts: two plain tritonservers on loopback (each `kvexport triton-repo`'s
 repository, its own cache) behind nginx, which hashes on the kvexport-user-id header with
-consistent hashing, as docs/hosting.md configures it. Each user's requests reach one server; once
+consistent hashing, as docs/serving.md configures it. Each user's requests reach one server; once
 one server is stopped, its users move to the other, which recomputes them: no wrong answer, no
 error. Answers are compared with the eager model's; which server answered comes from nginx's own
 access log."""
@@ -17,13 +17,12 @@ import torch
 
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.triton_router import ROUTING_HEADER
-from tests.helpers.serving import (ATOL, Client, needs_pytriton, plain_tritonserver, server_ports, started,
-                                   user_arrays)
+from tests.helpers.serving import ATOL, Client, needs_pytriton, plain_tritonserver, server_ports, started, user_arrays
 
 needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None,
                                  reason="nginx is not installed (make system-packages installs it)")
 
-# docs/hosting.md's load balancer, with this test's ports and files.
+# docs/serving.md's load balancer, with this test's ports and files.
 NGINX_CONF = """
 user root;
 worker_processes 1;

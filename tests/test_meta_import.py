@@ -27,10 +27,17 @@ from kvexport.model import build_model
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
-from tests.helpers.artifacts import assert_verifies_and_replays
 from tests.helpers import ROOT
-from tests.helpers.meta_fixture import (BATCH, FEATURES, IMPORTABLE_SIZES, TABLE_ROWS, dense_state, tables,
-                                        write_checkpoint)
+from tests.helpers.artifacts import assert_verifies_and_replays
+from tests.helpers.meta_fixture import (
+    BATCH,
+    FEATURES,
+    IMPORTABLE_SIZES,
+    TABLE_ROWS,
+    dense_state,
+    tables,
+    write_checkpoint,
+)
 from tests.helpers.meta_reference import Rules, dlrm_hstu_forward
 from tests.helpers.network import free_port
 
@@ -336,9 +343,9 @@ README_BLOCK = re.compile(r"<!-- example: tests/test_meta_import\.py[^>]*-->\n``
 
 @pytest.mark.slow
 def test_the_readme_example_runs(tmp_path):
-    """The README's import-and-build block, run as written with its paths moved to tmp_path."""
-    blocks = README_BLOCK.findall((ROOT / "README.md").read_text())
-    assert len(blocks) == 1, "README.md has no (or several) Meta import example blocks"
+    """docs/checkpoint.md's import-and-build block, run as written with its paths moved to tmp_path."""
+    blocks = README_BLOCK.findall((ROOT / "docs" / "checkpoint.md").read_text())
+    assert len(blocks) == 1, "docs/checkpoint.md has no (or several) Meta import example blocks"
     script = blocks[0].replace("/tmp/meta-sample", str(tmp_path / "sample")).replace(
         ".venv/bin/", str(Path(sys.executable).parent) + "/")
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,

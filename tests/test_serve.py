@@ -33,9 +33,22 @@ from kvexport.errors import RequestError
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.batcher import BatchScorer, take_batch
 from kvexport.serving.tritonserver import STUB
-from tests.helpers.serving import (ATOL, REQUEST_TIMEOUT_S, Client, Ports, http_get, metric, needs_pytriton,
-                                   returning_users_plan, run_clients, scrape_when, server_ports, settled_scrape,
-                                   split_batch, user_arrays)
+from tests.helpers.serving import (
+    ATOL,
+    REQUEST_TIMEOUT_S,
+    Client,
+    Ports,
+    http_get,
+    metric,
+    needs_pytriton,
+    returning_users_plan,
+    run_clients,
+    scrape_when,
+    server_ports,
+    settled_scrape,
+    split_batch,
+    user_arrays,
+)
 
 README_EXAMPLE = re.compile(r"<!-- example: tests/test_serve\.py[^>]*-->\n```python\n(.*?)```", re.S)
 README_URL = '"127.0.0.1:8000"'
@@ -504,12 +517,12 @@ def test_a_tampered_artifact_is_refused_in_one_line_and_nothing_is_left(tiny_art
 def test_readme_serving_example_runs(server, eager):
     from tests.helpers import ROOT
 
-    blocks = README_EXAMPLE.findall((ROOT / "README.md").read_text())
-    assert len(blocks) == 1, "README.md has no (or several) serving example blocks"
-    assert blocks[0].count(README_URL) == 1, f"the README example must connect to {README_URL}"
+    blocks = README_EXAMPLE.findall((ROOT / "docs" / "serving.md").read_text())
+    assert len(blocks) == 1, "docs/serving.md has no (or several) serving example blocks"
+    assert blocks[0].count(README_URL) == 1, f"the example must connect to {README_URL}"
     namespace: dict = {"__name__": "readme_serving_example"}
     code = blocks[0].replace(README_URL, f'"127.0.0.1:{server.ports.http}"')
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/serving.md", "exec"), namespace)
     user = namespace["user"]
     request = UserRequest(user["user_id"][0], *(torch.tensor(user[k]) for k in
                                                 ("item_ids", "action_ids", "context_ids", "candidate_ids")))

@@ -23,9 +23,23 @@ from click.testing import CliRunner
 from kvexport.commands.cli import main
 from kvexport.model.batch import UserRequest
 from kvexport.serving.tritonserver import WATCH_S
-from tests.helpers.serving import (ATOL, START_TIMEOUT_S, Client, metric, needs_pytriton, plain_tritonserver,
-                                   returning_users_plan, run_clients, scrape_when, server_ports, settled_scrape,
-                                   split_batch, triton_ready, user_arrays, write_repo)
+from tests.helpers.serving import (
+    ATOL,
+    START_TIMEOUT_S,
+    Client,
+    metric,
+    needs_pytriton,
+    plain_tritonserver,
+    returning_users_plan,
+    run_clients,
+    scrape_when,
+    server_ports,
+    settled_scrape,
+    split_batch,
+    triton_ready,
+    user_arrays,
+    write_repo,
+)
 
 
 def test_the_repository_is_a_triton_model_config_and_the_artifact(tiny_artifact, tmp_path):
@@ -217,7 +231,7 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
     assert metric(text, "kvexport_batches_total", **instance) >= 1
     assert "# TYPE kvexport_cache_device_pages_used gauge" in text
     # Triton counts a request the model answers with its own error response as a success: its failure
-    # counter does not move, so alerts read kvexport_requests_total{result="refused"} (README, Metrics).
+    # counter does not move, so alerts read kvexport_requests_total{result="refused"} (docs/serving.md, Metrics).
     def triton_total(name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") and 'model="hstu-tiny"' in line)
@@ -512,7 +526,7 @@ README_REPO_BLOCK = re.compile(r"```sh\n(kvexport triton-repo artifacts/hstu-tin
 @needs_pytriton
 @pytest.mark.slow
 def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, eager):
-    """README's two lines, run by a shell from a directory holding artifacts/hstu-tiny, this venv's
+    """docs/serving.md's two lines, run by a shell from a directory holding artifacts/hstu-tiny, this venv's
     bin first on PATH (an activated venv), /tmp/model-repo and the three ports swapped for private
     ones: the repository's launcher serves the trace's first user exactly, SIGTERM stops it (exit 0)
     and its backend directory is gone."""
@@ -525,8 +539,8 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
     from kvexport.trace.record import load_trace_step
     from tests.helpers import ROOT
 
-    blocks = README_REPO_BLOCK.findall((ROOT / "README.md").read_text())
-    assert len(blocks) == 1, "README.md has no (or several) triton-repo blocks"
+    blocks = README_REPO_BLOCK.findall((ROOT / "docs" / "serving.md").read_text())
+    assert len(blocks) == 1, "docs/serving.md has no (or several) triton-repo blocks"
     lines = blocks[0].strip().splitlines()
     assert len(lines) == 2 and lines[1].startswith("/tmp/model-repo/tritonserver "), lines
     (tmp_path / "artifacts").mkdir()

@@ -1,7 +1,7 @@
 """The Python API of a built package: `kvexport.load(OUT)` returns a `Package`.
 
     with kvexport.load("artifacts/hstu-tiny") as pkg:
-        logits = pkg.score(batch)                 # the README's seven int64 tensors
+        logits = pkg.score(batch)                 # seven int64 tensors (docs/hosting.md, Requests)
         per_user = pkg.score_users([request, ...])  # one dict per user, merged into one batch
         counters = pkg.stats()                  # named cache counters
 
@@ -14,13 +14,14 @@ import copy
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from kvexport.artifact import LIB_DIR, Artifact, check_files as check_artifact_files, \
-    check_manifest_against_package, open_artifact, sha256_of
+from kvexport.artifact import LIB_DIR, Artifact, check_manifest_against_package, open_artifact, sha256_of
+from kvexport.artifact import check_files as check_artifact_files
 from kvexport.config import Config
 from kvexport.errors import RequestError, RequestFailed, UserError
 from kvexport.host.package_file import check_shared_objects
@@ -198,8 +199,8 @@ class Package:
     # -- scoring -----------------------------------------------------------------------------
 
     def score(self, batch: Batch | dict[str, torch.Tensor], index: int | None = None) -> torch.Tensor:
-        """Scores one request: a Batch or a dict of the seven int64 tensors of the README's
-        *Request format*. Returns float32 logits [sum(num_candidates), num_tasks], candidates in
+        """Scores one request: a Batch or a dict of the seven int64 tensors of docs/hosting.md,
+        *Requests*. Returns float32 logits [sum(num_candidates), num_tasks], candidates in
         input order. The cache carries over to the next call.
 
         A refused request raises RequestFailed with the runtime's code: RequestError ("invalid_request",
@@ -275,7 +276,7 @@ class Package:
         kv.drop_runtime(self.runtime_name)
         self._compiled = self._step = None
 
-    def __enter__(self) -> "Package":
+    def __enter__(self) -> Package:
         return self
 
     def __exit__(self, *exc_info) -> None:

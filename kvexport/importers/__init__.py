@@ -1,4 +1,4 @@
-"""Reading checkpoints as other trainers write them (docs/importers.md)."""
+"""Reading checkpoints as other trainers write them (docs/checkpoint.md)."""
 
 from __future__ import annotations
 

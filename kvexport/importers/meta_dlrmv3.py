@@ -1,7 +1,7 @@
 """Meta generative-recommenders DLRMv3 (`DlrmHSTU`) dense state -> kvexport's tables and layers.
 
-Most of DlrmHSTU's input side is a function of one id at a time (docs/importers.md, *How the
-import can be built*), so it folds into kvexport's tables instead of running in the package:
+Most of DlrmHSTU's input side is a function of one id at a time (docs/checkpoint.md, *Meta
+generative-recommenders*), so it folds into kvexport's tables instead of running in the package:
 - an item's token part is `content MLP(item row)`: a row of kvexport's item table;
 - an event's action part is `action MLP(the 8-wide rows of the action bits it has, concatenated)`,
   a function of its action value alone: a row of kvexport's action table for every value the
@@ -23,8 +23,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -194,7 +195,7 @@ def layer_state(dense: dict[str, Any], index: int, num_heads: int) -> dict[str, 
 def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
                   history_time_row: int | None = 0, history_positions: str = "from_max") -> torch.Tensor:
     """kvexport's position table [C + M + 1, D] for event_tokens combined and candidate_position
-    shared_row, under the per-user rules of docs/importers.md:
+    shared_row, under the per-user rules of docs/checkpoint.md (*Approximated*):
     - contextual token c: DlrmHSTU's position row c plus its last time row (a contextual token's
       time is 0, so its age at any query time past (time rows)^2 minutes after the epoch is capped),
       plus sqrt(D) times the feature's bias (context_rows leaves it out);

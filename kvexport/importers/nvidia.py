@@ -1,4 +1,4 @@
-"""What NVIDIA recsys-examples' HSTU trainer writes besides its `.pth` (docs/importers.md).
+"""What NVIDIA recsys-examples' HSTU trainer writes besides its `.pth` (docs/checkpoint.md).
 
 Hash-keyed tables (dynamicemb) are dumped per rank as raw little-endian files in one directory:
 

@@ -37,7 +37,7 @@ def from_package_signature(name: str, signature: dict) -> dict | None:
         return None
 
 
-# The package's refusals name its batch format's lengths (README, Request format); a Triton client
+# The package's refusals name its batch format's lengths (docs/hosting.md, Requests); a Triton client
 # sends each user's tensors instead, whose lengths those are.
 _BATCH_LENGTHS = (
     (re.compile(r"history_lengths has (-?\d+), outside events (\[-?\d+, -?\d+\])"), ITEM_IDS, "events"),

@@ -28,10 +28,11 @@ import os
 import site
 
 _MASK = (1 << 64) - 1
-# A shard's request: one int64 tensor PACK holding its users in the package's batch format (README,
-# Request format), each part after the other (pack); its answer: the users' logits concatenated (a
-# refused user's rows zero) and ERRORS, a JSON list of {"index", "code", "message"} of the refused
-# users, as UTF-8 bytes. One tensor each way: a Python-backend tensor costs its own crossing.
+# A shard's request: one int64 tensor PACK holding its users in the package's batch format
+# (docs/hosting.md, Requests), each part after the other (pack); its answer: the users' logits
+# concatenated (a refused user's rows zero) and ERRORS, a JSON list of {"index", "code", "message"}
+# of the refused users, as UTF-8 bytes. One tensor each way: a Python-backend tensor costs its own
+# crossing.
 PACK = "pack"
 ERRORS = "errors"
 # kvexport's refusal codes (kvexport.errors.RequestFailed.code) as Triton's error codes.
