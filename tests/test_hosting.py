@@ -1,9 +1,9 @@
 """The example hosts of docs/hosting.md on the shared tiny package, in their own processes.
 
 docs/examples/host.py (torch only) and docs/examples/host.cpp (libtorch only, built here with
-docs/examples/CMakeLists.txt) each score the first request of the artifact's trace, then a bad
-request, read the runtime's last_error, and score the first request again. Each prints one line
-per stage:
+docs/examples/CMakeLists.txt), each built and run by the commands of docs/hosting.md's blocks as
+written, score the first request of the artifact's trace, then a bad request, read the runtime's
+last_error, and score the first request again. Each prints one line per stage:
 
     good shape [N, T] max_abs_err E
     bad refused | bad accepted
@@ -17,6 +17,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,32 +35,45 @@ pytestmark = pytest.mark.slow
 EXAMPLES = ROOT / "docs" / "examples"
 HOSTS = ("python", "cpp")
 SCORE_LINE = re.compile(r"^(good|again) shape \[(\d+), (\d+)\] max_abs_err (\S+)$")
+DOC_BLOCK = re.compile(r"<!-- example: tests/test_hosting\.py[^>]*-->\n```sh\n(.*?)```", re.S)
+
+
+def doc_commands(host: str, artifact: Path, build: Path) -> list[str]:
+    """The commands of docs/hosting.md's block for `host` (python, or cpp: build, then run), one a
+    line, with the tiny package for artifacts/hstu-tiny and `build` for /tmp/host-build."""
+    blocks = DOC_BLOCK.findall((ROOT / "docs" / "hosting.md").read_text())
+    assert len(blocks) == len(HOSTS), "docs/hosting.md has no (or other) example host blocks"
+    text = blocks[HOSTS.index(host)].replace("\\\n", " ")
+    text = text.replace("artifacts/hstu-tiny", str(artifact)).replace("/tmp/host-build", str(build))
+    return text.splitlines()
+
+
+def _run(command: str, temp: Path) -> subprocess.CompletedProcess:
+    """A command run by a shell from the repository, this interpreter's `python` first on PATH."""
+    temp.mkdir(exist_ok=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": path, "TMPDIR": str(temp)})
 
 
 @pytest.fixture(scope="session")
-def host_binary(tmp_path_factory) -> Path:
-    """docs/examples/host.cpp built with its CMakeLists.txt against this environment's torch."""
+def host_binary(tmp_path_factory, tiny_artifact) -> Path:
+    """docs/examples/host.cpp built with its CMakeLists.txt against this environment's torch, by
+    the block's commands but its last."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
     build = tmp_path_factory.mktemp("host-build")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    for command in (["cmake", "-S", str(EXAMPLES), "-B", str(build), *generator,
-                     f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                    ["cmake", "--build", str(build)]):
-        result = subprocess.run(command, capture_output=True, text=True)
-        assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    for command in doc_commands("cpp", tiny_artifact, build)[:-1]:
+        result = _run(command, build / "tmp")
+        assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
     return build / "host"
-
-
-def _run(command: list[str], temp: Path) -> subprocess.CompletedProcess:
-    temp.mkdir()
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(temp)})
 
 
 @pytest.fixture(scope="session")
 def python_host_run(tiny_artifact, tmp_path_factory) -> subprocess.CompletedProcess:
     temp = tmp_path_factory.mktemp("python-host") / "tmp"
-    return _run([sys.executable, str(EXAMPLES / "host.py"), str(tiny_artifact)], temp)
+    (command,) = doc_commands("python", tiny_artifact, temp)
+    return _run(command, temp)
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +81,8 @@ def cpp_host_run(host_binary, tiny_artifact, tmp_path_factory) -> subprocess.Com
     manifest = json.loads((tiny_artifact / MANIFEST).read_text())
     extra = library_flags(manifest["required_libraries"])[1::2]  # paths of libraries lib/ does not carry
     temp = tmp_path_factory.mktemp("cpp-host") / "tmp"
-    return _run([str(host_binary), str(tiny_artifact), *extra], temp)
+    command = doc_commands("cpp", tiny_artifact, host_binary.parent)[-1].split("#")[0]
+    return _run(" ".join([command, *map(shlex.quote, extra)]), temp)
 
 
 @pytest.fixture(params=HOSTS)
