@@ -17,7 +17,7 @@ CUDA_DISASSEMBLERS := nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.
 # The remote KV tier's server (tests) and client library (op library, found through pkg-config).
 REMOTE_PACKAGES := redis-server libhiredis-dev pkg-config
 
-.PHONY: demo test setup system-packages native clean
+.PHONY: demo test lint setup system-packages native clean
 
 demo: setup
 	$(VENV)/bin/kvexport score $(CONFIG)
@@ -26,22 +26,37 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# Python: ruff's lint rules and formatting (pyproject.toml's [tool.ruff]). C++ under csrc/: clang-format
+# (.clang-format) where it is installed (system-packages installs it); where it is not, said in one line.
+CPP_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	@if command -v clang-format >/dev/null 2>&1; then \
+		clang-format --dry-run --Werror $(CPP_SOURCES) && echo "clang-format: $(words $(CPP_SOURCES)) C++ files formatted"; \
+	else \
+		echo "clang-format is not installed (apt-get install clang-format): C++ formatting not checked"; \
+	fi
+
 setup: system-packages $(STAMP) native
 
-# Installs what of REMOTE_PACKAGES is missing when running as root with apt-get; otherwise names it in
-# one line (the op library then builds without the remote tier and its tests skip). Quick when present.
+# Installs what of REMOTE_PACKAGES and the tools below is missing when running as root with apt-get;
+# otherwise names it in one line (the op library then builds without the remote tier, the runtime's C++
+# unit tests are not built, and their tests skip; make lint skips the C++ check). Quick when present.
 system-packages:
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v pkg-config >/dev/null 2>&1 || missing="$$missing pkg-config"; \
 	pkg-config --exists hiredis 2>/dev/null || missing="$$missing libhiredis-dev"; \
 	command -v nginx >/dev/null 2>&1 || missing="$$missing nginx-light"; \
+	pkg-config --exists gtest 2>/dev/null || missing="$$missing libgtest-dev"; \
+	command -v clang-format >/dev/null 2>&1 || missing="$$missing clang-format"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing$$missing (the remote KV tier; nginx: the load-balancer test)"; \
+		echo "installing$$missing (the remote KV tier; nginx: the load-balancer test; GoogleTest: the runtime's C++ unit tests; clang-format: make lint)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
 	else \
-		echo "remote KV tier, load balancer: install$$missing (sudo apt-get install$$missing); until then their tests skip"; \
+		echo "remote KV tier, load balancer, C++ unit tests, C++ lint: install$$missing (sudo apt-get install$$missing); until then their tests skip"; \
 	fi
 
 $(STAMP): pyproject.toml Makefile

@@ -242,8 +242,9 @@ def main() -> None:
     users = draw_users(args.users, args.max_history, args.max_candidates, args.seed, args.long_share)
     rules = rule_set(args.max_history, args.max_candidates)
     lengths = sorted(len(user["history"]) for user in users)
-    print("Random synthetic weights (tests/helpers/meta_fixture.dense_state at benchmarks/meta_rules.SIZES), not a trained "
-          "model:\nthe differences are how far each rule moves this network, not a trained model's quality loss.")
+    print("Random synthetic weights (tests/helpers/meta_fixture.dense_state at benchmarks/meta_rules.SIZES), "
+          "not a trained model:\nthe differences are how far each rule moves this network, "
+          "not a trained model's quality loss.")
     print(f"{args.users} users, history lengths {lengths[0]}..{lengths[-1]} (median {lengths[len(lengths) // 2]}), "
           f"M = {args.max_history}, Tmax = {args.max_candidates}, mixed batches of {args.batch}; "
           f"rules: this script's docstring; rel: |Δ| / |upstream logit|; order: share of candidate pairs kept "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 DEFAULT_INTERVAL_S = 5.0
 
@@ -45,7 +45,7 @@ class Progress:
         steps = f"{self.done}/{self.total}" if self.total is not None else str(self.done)
         self.logger.info("%s: %s steps, %.1f s elapsed", self.name, steps, now - self.started)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvexport.model import build_model
-from tests.helpers.configs import TINY, tiny_config as load_tiny_config
+from tests.helpers.configs import TINY
+from tests.helpers.configs import tiny_config as load_tiny_config
 
 pytest_plugins = ("tests.helpers.remote", "tests.helpers.serving")
 

@@ -14,9 +14,9 @@ from kvexport.host.package import Package
 from kvexport.model import build_model, random_batch
 from kvexport.trace.record import load_trace_step
 from kvexport.trace.verify import verify_artifact
-from tests.helpers.hostile import good_request, package_corpus
 from tests.helpers.artifacts import edit_manifest, rehash
 from tests.helpers.configs import TINY
+from tests.helpers.hostile import good_request, package_corpus
 
 pytestmark = pytest.mark.slow
 

@@ -77,7 +77,7 @@ def make_inputs(users, heads: int, head_dim: int, page_size: int, dtype: torch.d
         row_user += [u] * candidates
         row_keys += [cached + prefix] * candidates
         row_candidate += [True] * candidates
-    for u, (cached, prefix, candidates) in enumerate(users):
+    for u, (cached, prefix, _) in enumerate(users):
         row_user += [u] * prefix
         row_keys += [cached + i + 1 for i in range(prefix)]  # a prefix row reads up to its own position
         row_candidate += [False] * prefix

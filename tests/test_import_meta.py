@@ -13,9 +13,9 @@ import torch
 from kvexport.importers import CheckpointImportError
 from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model.hstu import HSTULayer, jagged_attention
+from tests.helpers.configs import tiny_config
 from tests.helpers.meta_fixture import DEFAULT_SIZES, FEATURES, dense_state, synthetic_state
 from tests.helpers.meta_reference import PRE, STU, Rules, contextual_tokens, event_tokens, layer_inputs, stu_layer
-from tests.helpers.configs import tiny_config
 
 USER = {"contextual": [3, 4], "history": [5, 17, 2, 39], "actions": [0, 7, 2, 5], "timestamps": [1, 2, 3, 4],
         "candidates": [8, 17, 30], "query_time": 10}

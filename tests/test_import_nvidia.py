@@ -184,19 +184,21 @@ def test_contextual_tables_are_refused_unless_named_or_left_out(tmp_path):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"extra_key": "_hstu_block._attention_layers.0._linear_qkv_extra"},
-     "checkpoint tensor _hstu_block._attention_layers.0._linear_qkv_extra has no counterpart in kvexport's model "
-     "(unknown key)"),
+     "checkpoint tensor _hstu_block._attention_layers.0._linear_qkv_extra has no counterpart in "
+     "kvexport's model (unknown key)"),
     ({"drop_key": "_mlp._mlp.2.bias"}, "checkpoint lacks _mlp._mlp.2.bias"),
     ({"gin": {"NetworkArgs.num_layers": 1}}, "checkpoint has a layer 1 but NetworkArgs.num_layers is 1"),
     ({"gin": {"NetworkArgs.num_layers": 3}}, "checkpoint lacks _hstu_block._attention_layers.2._linear_uvqk_weight"),
     ({"gin": {"NetworkArgs.kv_channels": 8, "NetworkArgs.hidden_size": 16}},
-     "_hstu_block._attention_layers.0._linear_uvqk_weight has shape [8, 32], the trainer config implies [16, 64]"),
+     "_hstu_block._attention_layers.0._linear_uvqk_weight has shape [8, 32], "
+     "the trainer config implies [16, 64]"),
     ({"gin": {"RankingArgs.num_tasks": None}},
      "does not bind RankingArgs.num_tasks, which the checkpoint does not hold"),
     ({"gin": {"NetworkArgs.num_layers": "'2'"}}, "NetworkArgs.num_layers = '2' is not a positive integer"),
     ({"gin": {"NetworkArgs.scaling_seqlen": 0}}, "NetworkArgs.scaling_seqlen = 0 is neither -1 nor a positive integer"),
     ({"gin": {"NetworkArgs.hidden_size": 6}},
-     "NetworkArgs.hidden_size (6) is not num_attention_heads (2) * kv_channels (4): kvexport's layers need them equal"),
+     "NetworkArgs.hidden_size (6) is not num_attention_heads (2) * kv_channels (4): "
+     "kvexport's layers need them equal"),
     ({"rows": []}, "the rows of data-parallel table action_weights are not in the checkpoint; give them "
                    "(--table-rows action_weights=N, as the trainer's embedding config says)"),
     ({"rows": ["--table-rows", "action_weights=5"]},

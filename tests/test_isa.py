@@ -81,7 +81,8 @@ def test_compiler_features_follow_march():
 
 
 def test_feature_tables_agree():
-    """kvexport/native/isa.py, the library's record (compiled_isa.h) and the harness (isa.cpp): same names, same order."""
+    """kvexport/native/isa.py, the library's record (compiled_isa.h) and the harness (isa.cpp): same
+    names, same order."""
     header = (ROOT / "csrc" / "ops" / "compiled_isa.h").read_text()
     harness = (ROOT / "csrc" / "replay" / "isa.cpp").read_text()
     assert re.findall(r'\{"(\w+)", KVEXPORT_IS_SET\(__\w+__\)\}', header) == list(isa.FEATURES)
@@ -227,6 +228,7 @@ def test_every_command_refuses_a_host_lacking_a_feature_in_one_line(artifact_cop
 @pytest.mark.slow
 def test_run_refuses_a_host_lacking_a_feature(artifact_copy, tmp_path):
     import torch
+
     from kvexport.artifact import open_artifact
     from kvexport.trace.record import load_trace_step
 
@@ -244,10 +246,10 @@ def test_run_refuses_a_host_lacking_a_feature(artifact_copy, tmp_path):
 @pytest.fixture(scope="module")
 def portable_artifact(tmp_path_factory, tiny_checkpoint):
     """hstu-tiny built with serving.cpu_isa: x86-64-v3 (the op library and the package's CPU code)."""
+    from torch._inductor import config as inductor_config
+
     from kvexport.export.build import build_artifact
     from tests.helpers.configs import tiny_raw, write_config
-
-    from torch._inductor import config as inductor_config
 
     if not hasattr(inductor_config.cpp, "march"):
         pytest.skip("this torch compiles package code for the build host only (no inductor cpp.march)")

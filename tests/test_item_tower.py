@@ -16,8 +16,9 @@ from kvexport.model.batch import Batch, UserRequest
 from kvexport.model.hstu import time_codes
 from kvexport.ops import wrappers as kv
 from tests.helpers.artifacts import assert_verifies_and_replays
-from tests.helpers.reference import reference_forward, time_code
 from tests.helpers.configs import ITEM_TOWER, tiny_raw
+from tests.helpers.reference import reference_forward, time_code
+
 
 def tower_raw(**fields) -> dict:
     """hstu-tiny with the item-tower head and these model fields."""

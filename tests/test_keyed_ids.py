@@ -4,7 +4,6 @@ other id reads the table's last row (docs/checkpoint.md)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -15,8 +14,8 @@ from kvexport.model.checkpoint import CheckpointError, load_checkpoint
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec, context_keys_of, item_keys_of
-from tests.helpers.reference import reference_forward
 from tests.helpers.configs import tiny_config
+from tests.helpers.reference import reference_forward
 
 
 def keyed_config(name: str = "keyed", context_ids: str = "rows", **cache):

@@ -6,6 +6,7 @@ DlrmHSTU reference (tests/helpers/meta_reference.py) under the per-user rules th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -125,6 +126,16 @@ def test_eager_full_and_cached_match_the_reference(imported):
         cache.close()
 
 
+def noise(t: torch.Tensor) -> torch.Tensor:
+    """t plus noise, not a constant: a constant added before a LayerNorm cancels."""
+    return t + 0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype)
+
+
+def read_rows(tables: dict[str, torch.Tensor], key: str, rows: torch.Tensor | None) -> torch.Tensor:
+    """meta_dlrmv3.fold's table reader over tables held in memory: the whole table, or those rows."""
+    return tables[key] if rows is None else tables[key][rows]
+
+
 def test_every_upstream_tensor_moves_the_imported_logits(imported):
     """Each dense tensor and table changed alone and folded again (meta_dlrmv3.fold, the import
     without its reader): the logits move, so the import drops nothing."""
@@ -145,12 +156,10 @@ def test_every_upstream_tensor_moves_the_imported_logits(imported):
             continue  # unread without extra features; the action bits, an integer buffer
         if key in (meta.PERIOD_UNITS, meta.UNITS_PER_PERIOD):
             continue  # whole periods, read into the config (test_the_import_states_its_rules...)
-        # Noise, not a constant: a constant added before a LayerNorm cancels.
-        noise = lambda t: t + 0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype)
         changed_dense = {**dense, **({key: noise(dense[key])} if key in dense else {})}
         sparse = {meta.SPARSE_TABLE.format(n): noise(t) if n == key else t for n, t in by_name.items()}
         imported_state = meta.fold(changed_dense, {k: tuple(t.shape) for k, t in sparse.items()},
-                                   lambda k, rows: sparse[k] if rows is None else sparse[k][rows], options, "x")
+                                   functools.partial(read_rows, sparse), options, "x")
         model = build_model(config)
         model.load_state_dict(imported_state.state_dict)
         with torch.no_grad():

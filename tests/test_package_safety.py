@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from kvexport.trace.replay import harness
 from kvexport.model import build_model
 from kvexport.model.batch import Batch
 from kvexport.model.checkpoint import save_checkpoint
+from kvexport.trace.replay import harness
 from tests.helpers.configs import ITEM_TOWER, tiny_raw, write_config
 from tests.helpers.hostile import HOST_TIMEOUT_S, good_request, package_corpus, run_plain_host
 

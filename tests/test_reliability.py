@@ -15,8 +15,7 @@ from kvexport.config import load_config
 from kvexport.errors import RequestFailed
 from kvexport.host.package import Package
 from kvexport.model import build_model, random_batch
-from tests.helpers.configs import TINY
-from tests.helpers.configs import tiny_raw, write_config
+from tests.helpers.configs import TINY, tiny_raw, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +128,9 @@ def test_truncated_package_fails_verify(artifact_copy):
 @pytest.mark.parametrize("content,message", [
     ("{not json", "manifest.json is not valid JSON"),
     ('{"format_version": 1}', "manifest.json lacks the field config"),
-    ('{"format_version": 99, "config": {}, "runtime_config": {}, "dims": {}, "files": {}, "trace": {"steps": []},'
-     ' "tolerance": {}, "runtime_name": "x", "required_libraries": []}', "has format_version 99"),
+    ('{"format_version": 99, "config": {}, "runtime_config": {}, "dims": {}, "files": {},'
+     ' "trace": {"steps": []}, "tolerance": {}, "runtime_name": "x", "required_libraries": []}',
+     "has format_version 99"),
     ('{"format_version": 1, "config": {}, "runtime_config": {}, "dims": {}, "files": {}, "trace": {},'
      ' "tolerance": {}, "runtime_name": "x", "required_libraries": []}', "lacks the trace step list"),
 ])

@@ -206,7 +206,8 @@ def test_replay_harness_runs_without_an_unreachable_tier_and_refuses_a_bad_url(t
 # ---- soaks: two processes, random routing -------------------------------------------------------------
 
 # One intra-op thread per soak process: the two processes would otherwise oversubscribe a small host's cores.
-SOAK = "import sys, torch; torch.set_num_threads(1); from kvexport.commands.cli import main; main(sys.argv[1:], 'kvexport')"
+SOAK = ("import sys, torch; torch.set_num_threads(1); from kvexport.commands.cli import main; "
+        "main(sys.argv[1:], 'kvexport')")
 
 
 def start_soaks(artifact: Path, checkpoint: Path, url: str, num_requests: int, tmp_path: Path,
@@ -261,7 +262,7 @@ def _wait_for_progress(soak: subprocess.Popen, done: int, lines: list[str]) -> N
         lines.append(line)
         if line.startswith("soak: ") and int(line.split()[1].split("/")[0]) >= done:
             return
-    pytest.fail("soak ended before reaching request %d: %s" % (done, "".join(lines[-20:])))
+    pytest.fail(f"soak ended before reaching request {done}: {''.join(lines[-20:])}")
 
 
 def test_soak_with_the_server_killed_and_restarted_is_exact_and_counts_the_outage(tiny_artifact, tiny_checkpoint, tmp_path):

@@ -12,13 +12,22 @@ import time
 import pytest
 import torch
 
-from kvexport.ops import wrappers as kv
 from kvexport.errors import UserError
+from kvexport.ops import wrappers as kv
 from kvexport.remote import WRITE_POLICIES, read_password_file, url_with_password
 from tests.helpers import ROOT
 from tests.helpers.network import free_port
-from tests.helpers.remote import (BAD_PASSWORD_FILES, GatedProxy, LocalServer, RedisServer, Resp, need_redis,
-                                  remote_config, wait_for, write_password_file)
+from tests.helpers.remote import (
+    BAD_PASSWORD_FILES,
+    GatedProxy,
+    LocalServer,
+    RedisServer,
+    Resp,
+    need_redis,
+    remote_config,
+    wait_for,
+    write_password_file,
+)
 from tests.helpers.runtime import kv_values, request, scratch_runtime, scratch_runtime_name
 
 PAGE_SIZE = 2

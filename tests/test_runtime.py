@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from kvexport.ops import wrappers as kv
-from tests.helpers.runtime import (CONFIG, host_placement, kv_values, request, scratch_runtime,
-                                   scratch_runtime_name)
+from tests.helpers.runtime import CONFIG, host_placement, kv_values, request, scratch_runtime, scratch_runtime_name
 
 
 @pytest.fixture

@@ -16,10 +16,9 @@ from kvexport.artifact import TRACE_KEYS
 from kvexport.commands.cli import main
 from kvexport.config import ConfigError
 from kvexport.model import build_model, random_batch
+from tests.helpers import configs
 from tests.helpers.configs import TINY
 from tests.helpers.reference import reference_forward
-from tests.helpers import configs
-
 
 SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
             "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined", "candidate_position": "shared_row",

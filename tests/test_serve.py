@@ -707,7 +707,7 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
                 for k, request in enumerate(requests):
                     client.client.async_infer("hstu-tiny", client.inputs(user_arrays(request)),
                                               client_timeout=REQUEST_TIMEOUT_S,
-                                              callback=lambda result, error, k=k: answers.put((k, result, error)))
+                                              callback=lambda result, error, k=k, answers=answers: answers.put((k, result, error)))
                 deadline = time.monotonic() + START_TIMEOUT_S
                 # All but the batch handed over: four package calls' worth of users (the tiny package's 4 each).
                 queued = len(requests) - 4 * tiny_config.serving.max_batch_size

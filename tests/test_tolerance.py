@@ -26,12 +26,11 @@ from kvexport.config import Config, load_config
 from kvexport.export.build import _tolerance
 from kvexport.model import Batch, build_model
 from kvexport.ops import library
+from kvexport.trace.record import EXPECTED_CACHED, EXPECTED_FULL, EXPECTED_REFERENCE, RecordedTrace, record_trace
 from kvexport.trace.replay import replay_command
-from kvexport.trace.record import (EXPECTED_CACHED, EXPECTED_FULL, EXPECTED_REFERENCE, RecordedTrace,
-                                   record_trace)
 from kvexport.trace.verify import compare
-from tests.helpers.reference import reference_forward
 from tests.helpers.configs import tiny_raw, write_config
+from tests.helpers.reference import reference_forward
 
 
 @dataclasses.dataclass(frozen=True)

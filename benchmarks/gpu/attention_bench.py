@@ -137,19 +137,26 @@ def device_peaks(warmup: int = 3, repeats: int = 10) -> dict:
     written, per second) and an 8192 x 8192 x 8192 bf16 matrix product on random data (FLOP/s),
     each the median of `repeats` after `warmup`. Fractions are of these, so that a run on another
     GPU than the one a target was set on (an H100 for an H200) is held to its own memory."""
-    size = 1 << 30
-    source = torch.ones(size, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    copy_ms = event_times(lambda _: target.copy_(source), 1, warmup, repeats)
-    del source, target
-    n = 8192
-    g = torch.Generator(device="cuda").manual_seed(0)
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    matmul_ms = event_times(lambda _: a @ b, 1, warmup, repeats)
-    del a, b
+    size, n = 1 << 30, 8192
+    copy_ms = _copy_ms(size, warmup, repeats)
+    matmul_ms = _matmul_ms(n, warmup, repeats)
     torch.cuda.empty_cache()
     return {"bytes_per_s": round(2 * size / (copy_ms / 1e3), -9), "flops": round(2 * n**3 / (matmul_ms / 1e3), -12),
             "measured": "a 1 GiB device-to-device copy (read + written) and an 8192^3 bf16 matmul, medians"}
+
+
+def _copy_ms(size: int, warmup: int, repeats: int) -> float:
+    """event_times of a device-to-device copy of `size` bytes (its buffers freed on return)."""
+    source = torch.ones(size, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return event_times(lambda _: target.copy_(source), 1, warmup, repeats)
+
+
+def _matmul_ms(n: int, warmup: int, repeats: int) -> float:
+    """event_times of an n x n x n bf16 matrix product on random data (its matrices freed on return)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    return event_times(lambda _: a @ b, 1, warmup, repeats)
 
 
 def kernel_times(fn, layers: int, warmup: int, repeats: int, name: str = "kvexport") -> tuple[float, int]:
@@ -177,7 +184,12 @@ def kernel_times(fn, layers: int, warmup: int, repeats: int, name: str = "kvexpo
 
 
 def bench(args: argparse.Namespace, batch: int, peaks: dict) -> dict:
-    request = Request(args, batch)
+    result = _measure(Request(args, batch), args, batch, peaks)
+    torch.cuda.empty_cache()  # the request's tensors are gone: the next batch has the memory
+    return result
+
+
+def _measure(request: Request, args: argparse.Namespace, batch: int, peaks: dict) -> dict:
     kernel_ms, kernels_per_call = kernel_times(request.kernel, args.layers, args.warmup, args.repeats)
     op_ms = event_times(request.kernel, args.layers, args.warmup, args.repeats)
     naive_ms = event_times(lambda layer: request.torch_reference(layer, torch.bfloat16), args.layers, 2,
@@ -206,8 +218,6 @@ def bench(args: argparse.Namespace, batch: int, peaks: dict) -> dict:
         "max_abs_diff": float((actual - expected).abs().max()),
         "max_abs_ref": float(expected.abs().max()),
     }
-    del request
-    torch.cuda.empty_cache()
     return result
 
 

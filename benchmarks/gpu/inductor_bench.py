@@ -40,7 +40,8 @@ from kvexport.export.compile import compile_package
 from kvexport.export.wrap import CachedRanker, export_cached
 from kvexport.host.package import _load_compiled
 from kvexport.model import build_model
-from kvexport.ops import library, wrappers as kv
+from kvexport.ops import library
+from kvexport.ops import wrappers as kv
 
 VARIANTS = {"default": {}, "no_split_reductions": {"split_reductions": False},
             "combo_kernels": {"combo_kernels": True}}
@@ -98,7 +99,7 @@ def bench_batch(packages: dict, runtime: str, config, args, batch_size: int, dev
         for name, compiled in packages.items():
             tensors = requests.variant(call).tensors()
             call += 1
-            ms = timed_ms(lambda: compiled(*tensors))
+            ms = timed_ms(compiled, *tensors)
             if i >= args.warmup:
                 times[name].append(ms)
     for name, compiled in packages.items():

@@ -40,7 +40,8 @@ from kvexport.bench.timing import summary, timed_ms
 from kvexport.errors import UserError
 from kvexport.host.package import package_device
 from kvexport.host.requests import check_batch
-from kvexport.ops import library, wrappers as kv
+from kvexport.ops import library
+from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.soak import eager_model_for
 
@@ -88,7 +89,7 @@ ROUTE_LABELS = {"graphs": "step.pt2 as CUDA graphs", "step": "step.pt2 without g
 
 
 def times(run, warmup: int, repeats: int) -> list[float]:
-    return [ms for i, ms in enumerate(timed_ms(lambda: run(i)) for i in range(warmup + repeats)) if i >= warmup]
+    return [ms for i, ms in enumerate(timed_ms(run, i) for i in range(warmup + repeats)) if i >= warmup]
 
 
 # The ops a request runs, as the profiler names them.

@@ -138,7 +138,7 @@ def main() -> int:
             done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(args.config), str(package), args.device,
                                    package_runtime, str(logits_path)], capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                row["error"] = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
+                row["error"] = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
             else:
                 row.update(json.loads(done.stdout.strip().splitlines()[-1]))
                 logits[name] = torch.load(logits_path, weights_only=True)

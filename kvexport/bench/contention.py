@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -63,11 +63,11 @@ def _sample(runner: Package, requests: SweepRequests, variant: int) -> tuple[flo
     """(full recompute ms, cached ms): one request from an empty cache, then cached ones."""
     kv.reset_runtime(runner.artifact.runtime_name)
     batch = check_batch(requests.variant(variant), runner.config)
-    full = timed_ms(lambda: runner.run(batch))
+    full = timed_ms(runner.run, batch)
     cached = []
     for i in range(1, CACHED_PER_SAMPLE + 1):
         batch = check_batch(requests.variant(variant + i), runner.config)
-        cached.append(timed_ms(lambda: runner.run(batch)))
+        cached.append(timed_ms(runner.run, batch))
     return full, statistics.median(cached)
 
 

@@ -11,8 +11,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kvexport.artifact import Artifact
 from kvexport.bench.suite import NEW_EVENTS, SweepRequests
@@ -51,7 +51,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise UserError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
@@ -88,7 +88,7 @@ def local_redis() -> Iterator[str]:
 
 def _score_ms(pkg, requests: SweepRequests, variant: int) -> float:
     batch = check_batch(requests.variant(variant), pkg.config)
-    return timed_ms(lambda: pkg.run(batch))
+    return timed_ms(pkg.run, batch)
 
 
 def _prime(artifact: Artifact, url: str, lengths: list[int]) -> None:

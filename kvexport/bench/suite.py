@@ -98,60 +98,59 @@ class SweepRequests:
 def cache_benefit(runner: Package, lengths: list[int], batch_sizes: list[int], warmup: int,
                   repeats: int) -> list[dict]:
     """Package latency: cached path (NEW_EVENTS new) vs full recompute (empty cache), same shapes."""
-    rows = []
-    for batch_size in batch_sizes:
-        for length in lengths:
-            requests = SweepRequests(runner.config, length, batch_size, first_user=0)
+    return [_cache_benefit_row(runner, length, batch_size, warmup, repeats)
+            for batch_size in batch_sizes for length in lengths]
 
-            def full(r: int) -> float:
-                kv.reset_runtime(runner.artifact.runtime_name)
-                batch = check_batch(requests.variant(2 * r), runner.config)
-                return timed_ms(lambda: runner.run(batch))
 
-            def cached(r: int) -> float:
-                batch = check_batch(requests.variant(2 * r + 1), runner.config)
-                return timed_ms(lambda: runner.run(batch))
+def _cache_benefit_row(runner: Package, length: int, batch_size: int, warmup: int, repeats: int) -> dict:
+    requests = SweepRequests(runner.config, length, batch_size, first_user=0)
 
-            result = paired(full, cached, warmup, repeats)
-            rows.append({"cached_events": length, "new_events": NEW_EVENTS, "candidates": CANDIDATES,
-                         "batch_size": batch_size, "full_ms": result["a_ms"], "cached_ms": result["b_ms"],
-                         "speedup": result["ratio"]})
-            log.info("cache benefit L=%d B=%d: full %.1f ms, cached %.2f ms, x%.1f", length, batch_size,
-                     result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
-    return rows
+    def full(r: int) -> float:
+        kv.reset_runtime(runner.artifact.runtime_name)
+        return timed_ms(runner.run, check_batch(requests.variant(2 * r), runner.config))
+
+    def cached(r: int) -> float:
+        return timed_ms(runner.run, check_batch(requests.variant(2 * r + 1), runner.config))
+
+    result = paired(full, cached, warmup, repeats)
+    log.info("cache benefit L=%d B=%d: full %.1f ms, cached %.2f ms, x%.1f", length, batch_size,
+             result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
+    return {"cached_events": length, "new_events": NEW_EVENTS, "candidates": CANDIDATES, "batch_size": batch_size,
+            "full_ms": result["a_ms"], "cached_ms": result["b_ms"], "speedup": result["ratio"]}
 
 
 def package_vs_eager(runner: Package, model: HSTURanker, lengths: list[int], batch_sizes: list[int],
                      warmup: int, repeats: int) -> list[dict]:
     """Cached request through the package vs the eager model's cached path (each its own runtime)."""
     eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager", device=runner.device)
-    rows = []
     try:
-        for batch_size, cached_events in ((b, n) for b in batch_sizes for n in lengths):
-            requests = SweepRequests(runner.config, cached_events, batch_size, first_user=10_000)
-            eager.reset()
-            kv.reset_runtime(runner.artifact.runtime_name)
-            with torch.no_grad():
-                model.forward_cached(requests.variant(0), eager.name)
-            runner.score(requests.variant(0))
-
-            def eager_ms(r: int) -> float:
-                batch = requests.variant(r + 1)
-                with torch.no_grad():
-                    return timed_ms(lambda: model.forward_cached(batch, eager.name))
-
-            def package_ms(r: int) -> float:
-                batch = check_batch(requests.variant(r + 1), runner.config)
-                return timed_ms(lambda: runner.run(batch))
-
-            result = paired(eager_ms, package_ms, warmup, repeats)
-            rows.append({"batch_size": batch_size, "cached_events": cached_events, "new_events": NEW_EVENTS,
-                         "eager_ms": result["a_ms"], "package_ms": result["b_ms"], "speedup": result["ratio"]})
-            log.info("package vs eager L=%d B=%d: eager %.2f ms, package %.2f ms, x%.2f", cached_events,
-                     batch_size, result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
+        return [_package_vs_eager_row(runner, model, eager, batch_size, cached_events, warmup, repeats)
+                for batch_size in batch_sizes for cached_events in lengths]
     finally:
         eager.close()
-    return rows
+
+
+def _package_vs_eager_row(runner: Package, model: HSTURanker, eager: KVCacheManager, batch_size: int,
+                          cached_events: int, warmup: int, repeats: int) -> dict:
+    requests = SweepRequests(runner.config, cached_events, batch_size, first_user=10_000)
+    eager.reset()
+    kv.reset_runtime(runner.artifact.runtime_name)
+    with torch.no_grad():
+        model.forward_cached(requests.variant(0), eager.name)
+    runner.score(requests.variant(0))
+
+    def eager_ms(r: int) -> float:
+        with torch.no_grad():
+            return timed_ms(model.forward_cached, requests.variant(r + 1), eager.name)
+
+    def package_ms(r: int) -> float:
+        return timed_ms(runner.run, check_batch(requests.variant(r + 1), runner.config))
+
+    result = paired(eager_ms, package_ms, warmup, repeats)
+    log.info("package vs eager L=%d B=%d: eager %.2f ms, package %.2f ms, x%.2f", cached_events,
+             batch_size, result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
+    return {"batch_size": batch_size, "cached_events": cached_events, "new_events": NEW_EVENTS,
+            "eager_ms": result["a_ms"], "package_ms": result["b_ms"], "speedup": result["ratio"]}
 
 
 def cpp_vs_python(runner: Package, repeats: int, workdir: Path) -> dict:
@@ -172,7 +171,7 @@ def cpp_vs_python(runner: Package, repeats: int, workdir: Path) -> dict:
         for _ in range(PASSES_PER_SAMPLE):
             kv.reset_runtime(artifact.runtime_name)
             for i in timed:
-                step_ms[i].append(timed_ms(lambda: runner.run(batches[i])))
+                step_ms[i].append(timed_ms(runner.run, batches[i]))
         return sum(statistics.median(ms) for ms in step_ms.values())
 
     def cpp_pass(_: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -16,10 +16,11 @@ def _wait_for_device() -> None:
         torch.cuda.synchronize()
 
 
-def timed_ms(run: Callable[[], object]) -> float:
+def timed_ms(run: Callable[..., object], *args: object) -> float:
+    """Wall milliseconds of run(*args), the device's work included."""
     _wait_for_device()
     started = time.perf_counter()
-    run()
+    run(*args)
     _wait_for_device()
     return (time.perf_counter() - started) * 1e3
 

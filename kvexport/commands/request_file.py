@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 from kvexport.artifact import open_artifact
-from kvexport.errors import UserError
-from kvexport.errors import RequestError
+from kvexport.errors import RequestError, UserError
 from kvexport.host.requests import check_batch
 from kvexport.io import first_line, load_tensor_file, write_atomically
 from kvexport.model.batch import Batch

@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 
-
 # A child process that inherited fd 2 (a compile worker) keeps the pipe open: do not wait for it.
 _DRAIN_SECONDS = 2.0
 

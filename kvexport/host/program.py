@@ -17,7 +17,7 @@ class Program:
     """A package's model. Call it with its positional tensors, as the package was exported
     (kvexport's programs take tensors only); it returns what the exported module returned."""
 
-    def __init__(self, loader: "torch._C._aoti.AOTIModelPackageLoader"):
+    def __init__(self, loader: torch._C._aoti.AOTIModelPackageLoader):
         self.loader = loader
         in_spec, self._out_spec = (pytree.treespec_loads(spec) for spec in loader.get_call_spec())
         self.num_inputs = in_spec.num_leaves

@@ -18,8 +18,9 @@ import os
 import pickle
 import pickletools
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO
 
 import torch
 

@@ -82,7 +82,8 @@ def iteration_directory(source: Path, iteration: int | None) -> Path:
     found = {int(p.name[4:]): p for p in source.iterdir() if re.fullmatch(r"iter\d+", p.name) and p.is_dir()}
     if iteration is not None:
         if iteration not in found:
-            _refuse(f"{source}: no iter{iteration} directory (found: {', '.join(f'iter{i}' for i in sorted(found)) or 'none'})")
+            names = ", ".join(f"iter{i}" for i in sorted(found)) or "none"
+            _refuse(f"{source}: no iter{iteration} directory (found: {names})")
         return found[iteration]
     if not found:
         _refuse(f"{source}: neither torch_module/ nor any iter<N> directory inside")

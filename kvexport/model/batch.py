@@ -6,7 +6,6 @@ import dataclasses
 
 import torch
 
-
 # Input order of the exported module and of every recorded request.
 SIGNATURE = (
     "user_ids",          # [B]
@@ -44,7 +43,7 @@ class Batch:
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in SIGNATURE}
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         """The batch on `device`. Seven int64 host tensors go to a GPU in one copy through pinned
         memory, not seven blocking ones: the copy is asynchronous on the device's current stream
         (work queued later on that stream sees the data), and each tensor is a view of the one
@@ -68,7 +67,7 @@ class Batch:
         return self.user_ids.shape[0]
 
     @staticmethod
-    def concat(users: list["UserRequest"]) -> "Batch":
+    def concat(users: list[UserRequest]) -> Batch:
         """Builds a batch from per-user requests, in order."""
         return Batch(
             user_ids=torch.tensor([u.user_id for u in users], dtype=torch.int64),
@@ -80,7 +79,7 @@ class Batch:
             candidate_ids=torch.cat([u.candidate_ids for u in users]),
         )
 
-    def users(self) -> list["UserRequest"]:
+    def users(self) -> list[UserRequest]:
         """The inverse of concat: each user's request, in order."""
         lengths, counts = self.history_lengths.tolist(), self.num_candidates.tolist()
         return [UserRequest(int(u), items, actions, context, candidates) for u, items, actions, context, candidates in

@@ -122,7 +122,7 @@ class ItemTowerHead(nn.Module):
         user = self.user_norm(self.combiner(states) + self.time_embedding(codes))
         return self.mlp(user * self.tower_embedding(item_rows))
 
-    def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: "HSTURanker") -> torch.Tensor:
+    def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: HSTURanker) -> torch.Tensor:
         """Final states [T, d] of checked candidate ids [T] -> [T, num_tasks]: each reads its item's
         tower row and its query time's code."""
         items = model.candidates.items(candidate_ids)
@@ -138,7 +138,7 @@ class MlpHead(nn.Sequential):
         super().__init__(nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(),
                          nn.Linear(m.mlp_hidden_size, m.num_tasks))
 
-    def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: "HSTURanker") -> torch.Tensor:
+    def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: HSTURanker) -> torch.Tensor:
         """Final states [T, d] -> [T, num_tasks]; the candidate ids play no part."""
         return self(nn.functional.normalize(states, dim=-1))
 
@@ -148,7 +148,7 @@ class PairEvents:
 
     action_bits = None  # prefix_tokens' layout of pairs
 
-    def embed(self, model: "HSTURanker", token_ids: torch.Tensor, positions: torch.Tensor,
+    def embed(self, model: HSTURanker, token_ids: torch.Tensor, positions: torch.Tensor,
               is_context: torch.Tensor) -> torch.Tensor:
         """History tokens [N] at their positions [N] -> [N, d] (rows of context tokens are zeros)."""
         is_item = ~is_context & ((positions - model.num_contextual_features) % 2 == 0)
@@ -165,7 +165,7 @@ class CombinedEvents:
     def __init__(self, action_bits: int):
         self.action_bits = action_bits
 
-    def embed(self, model: "HSTURanker", token_ids: torch.Tensor, positions: torch.Tensor,
+    def embed(self, model: HSTURanker, token_ids: torch.Tensor, positions: torch.Tensor,
               is_context: torch.Tensor) -> torch.Tensor:
         event = torch.where(is_context, 0, token_ids)
         item = model.item_embedding(model.item_rows(event >> self.action_bits))

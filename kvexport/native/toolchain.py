@@ -21,9 +21,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch  # noqa: F401  (loads the C++ runtime the probe library must share)
 
@@ -112,7 +112,7 @@ def probe(compiler: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _select(tried: tuple[tuple[str, str], ...]) -> Compiler:
     reasons = []
     for path, source in tried:

@@ -15,8 +15,8 @@ ordered by their effect alone. A host that only runs a compiled package needs th
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch._library.effects import EffectType

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch

@@ -47,8 +47,8 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kvexport.artifact import Artifact, open_artifact
 from kvexport.errors import UserError

@@ -48,5 +48,5 @@ _BATCH_LENGTHS = (
 def client_message(message: str) -> str:
     """A refusal's message in the names of the tensors a Triton client sent."""
     for pattern, tensor, what in _BATCH_LENGTHS:
-        message = pattern.sub(lambda m: f"{tensor} has {m.group(1)} {what}, outside {m.group(2)}", message)
+        message = pattern.sub(rf"{tensor} has \1 {what}, outside \2", message)
     return message

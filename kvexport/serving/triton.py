@@ -50,8 +50,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
@@ -181,7 +181,7 @@ class Server:
 
     # -- start -----------------------------------------------------------------------------------
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         tritonserver.distribution()  # the serve extra, before anything else
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                              ("--metrics-port", self.metrics_port)):
@@ -334,7 +334,7 @@ class Server:
                 shutil.rmtree(self.workspace, ignore_errors=True)
                 self.workspace = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -13,9 +13,10 @@ every request alone: its logits, or its own error — a refused request its one-
 INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure
 INTERNAL, logged once with its traceback. A shard behind kvexport's router (the `routed`
 parameter) takes packs instead, several users in the package's batch format, and answers each pack
-with their logits and refusals (kvexport.serving.triton_router). A moment after each batch (at most every 50 ms), a thread
-publishes kvexport's counters (the cache's, the batches', the requests') through the Python
-backend's custom metrics API, on Triton's own metrics port (kvexport.serving.metrics names them).
+with their logits and refusals (kvexport.serving.triton_router). A moment after each batch (at most
+every 50 ms), a thread publishes kvexport's counters (the cache's, the batches', the requests')
+through the Python backend's custom metrics API, on Triton's own metrics port
+(kvexport.serving.metrics names them).
 """
 
 import json

@@ -5,9 +5,9 @@ Each step stores the request and two independent expectations: the eager model's
 copy of the model is the reference both are measured against; that measurement sets the build's
 tolerance. With FP8 pages every one of these attends over FP8-rounded keys and values, and a third
 reference, the float32 model with unrounded ones, measures what the rounding costs (the manifest's
-fp8_distance; a build past FP8_MAX_RELATIVE_ERROR is refused). The script exercises cold users, appended events, zero new events, a rewritten
-history, a changed context, a user evicted to the host tier and onboarded back, and batch sizes 1
-and max_batch_size.
+fp8_distance; a build past FP8_MAX_RELATIVE_ERROR is refused). The script exercises cold users,
+appended events, zero new events, a rewritten history, a changed context, a user evicted to the
+host tier and onboarded back, and batch sizes 1 and max_batch_size.
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kvexport.errors import RequestFailed, UserError
-
 from kvexport.artifact import TRACE_KEYS, Artifact, check_files, check_manifest_against_package, open_artifact
+from kvexport.errors import RequestFailed, UserError
 from kvexport.host.package_file import read_package
 from kvexport.io import load_tensor_file
 from kvexport.native.isa import check_host

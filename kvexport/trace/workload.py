@@ -37,7 +37,7 @@ class WorkloadSpec:
     rewrite_fraction: float = 0.1
 
     @classmethod
-    def from_trace_config(cls, trace, num_users: int, rewrite_fraction: float) -> "WorkloadSpec":
+    def from_trace_config(cls, trace, num_users: int, rewrite_fraction: float) -> WorkloadSpec:
         """History lengths and candidates as in a config's trace section."""
         return cls(num_users=num_users, min_history_length=trace.min_history_length,
                    max_history_length=trace.max_trace_history_length, max_new_events=trace.max_new_events,

@@ -4,10 +4,10 @@ process that shares the remote tier (remote_worker)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
-import json
 import sys
 import threading
 import time

@@ -14,8 +14,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -164,7 +165,7 @@ def returning_users_plan(config, clients: int, per_client: int, users: int, seed
     longest = 96
     base = {uid: random_user(m, generator, uid, longest, 1) for uid in range(5000, 5000 + users)}
     plans = []
-    for client in range(clients):
+    for _ in range(clients):
         seen: dict[int, int] = {}
         plan = []
         for _ in range(per_client):
