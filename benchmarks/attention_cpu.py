@@ -48,8 +48,10 @@ def main() -> None:
                 kv.hstu_paged_attention(*args)
             samples.append((time.perf_counter() - started) / calls * 1e6)
         rows, keys, heads, head_dim = shape
-        print(f"{rows} rows over {keys} cached keys, {heads} heads x {head_dim}: "
-              f"{statistics.median(samples):9.1f} us (median of 7)")
+        print(
+            f"{rows} rows over {keys} cached keys, {heads} heads x {head_dim}: "
+            f"{statistics.median(samples):9.1f} us (median of 7)"
+        )
 
 
 if __name__ == "__main__":

@@ -31,12 +31,18 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runner = Package(open_artifact(args.artifact))
-    rows = [slowdowns(runner, int(length), args.warmup, args.repeats, available_cpus(), own_sessions=True)
-            for length in args.lengths.split(",")]
+    rows = [
+        slowdowns(runner, int(length), args.warmup, args.repeats, available_cpus(), own_sessions=True)
+        for length in args.lengths.split(",")
+    ]
     runner.close()
     if args.json:
-        machine = {"platform": platform.platform(), "cpus": available_cpus(), "torch": torch.__version__,
-                   "torch_threads": torch.get_num_threads()}
+        machine = {
+            "platform": platform.platform(),
+            "cpus": available_cpus(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        }
         args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
 
 

@@ -43,12 +43,14 @@ def planning_config(batch_size: int):
     return config_from_dict(raw)
 
 
-def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, candidates: int,
-            gap_ms: float = 0.0) -> dict:
+def measure(
+    batch_size: int, repeats: int, cached_events: int, new_events: int, candidates: int, gap_ms: float = 0.0
+) -> dict:
     config = planning_config(batch_size)
     model = HSTURanker(config).eval()
-    requests = SweepRequests(config, cached_events, batch_size, first_user=0, new_events=new_events,
-                             candidates=candidates)
+    requests = SweepRequests(
+        config, cached_events, batch_size, first_user=0, new_events=new_events, candidates=candidates
+    )
     name, placement = config.name, model.position_embedding.weight
     check_us, begin_us, step_us = [], [], []
     with torch.no_grad():
@@ -59,22 +61,39 @@ def measure(batch_size: int, repeats: int, cached_events: int, new_events: int, 
                 time.sleep(gap_ms / 1e3)
             started = time.perf_counter()
             user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-                name, model.request_limits, *batch.tensors())
+                name, model.request_limits, *batch.tensors()
+            )
             checked = time.perf_counter()
             kv.begin_batch(name, model.runtime_config, user_ids, token_ids, token_lengths, num_candidates, placement)
             planned = time.perf_counter()
             kv.abort_batch(name)
             stepped = time.perf_counter()
-            kv.begin_step(name, model.runtime_config, user_ids, token_ids, token_lengths, num_candidates,
-                          candidate_ids, placement, config.model.max_prefix_length)
+            kv.begin_step(
+                name,
+                model.runtime_config,
+                user_ids,
+                token_ids,
+                token_lengths,
+                num_candidates,
+                candidate_ids,
+                placement,
+                config.model.max_prefix_length,
+            )
             step_us.append((time.perf_counter() - stepped) * 1e6)
             kv.abort_batch(name)
             check_us.append((checked - started) * 1e6)
             begin_us.append((planned - checked) * 1e6)
     kv.drop_runtime(name)
     check, begin, step = (statistics.median(us) for us in (check_us, begin_us, step_us))
-    return {"batch_size": batch_size, "check_request_us": round(check, 1), "begin_batch_us": round(begin, 1),
-            "begin_step_us": round(step, 1), "total_us": round(check + begin, 1), "repeats": repeats, "gap_ms": gap_ms}
+    return {
+        "batch_size": batch_size,
+        "check_request_us": round(check, 1),
+        "begin_batch_us": round(begin, 1),
+        "begin_step_us": round(step, 1),
+        "total_us": round(check + begin, 1),
+        "repeats": repeats,
+        "gap_ms": gap_ms,
+    }
 
 
 def main() -> None:
@@ -85,8 +104,12 @@ def main() -> None:
     parser.add_argument("--new-events", type=int, default=32)
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--threads", help="comma-separated intra-op thread counts (default: torch's)")
-    parser.add_argument("--gap-ms", type=float, default=0.0,
-                        help="idle milliseconds before each repetition (a GPU request's device wait)")
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle milliseconds before each repetition (a GPU request's device wait)",
+    )
     args = parser.parse_args()
     if args.gap_ms < 0:
         parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
@@ -97,10 +120,12 @@ def main() -> None:
         torch.set_num_threads(threads)
         for batch_size in (int(b) for b in args.batch.split(",")):
             row = measure(batch_size, args.repeats, args.cached_events, args.new_events, args.candidates, args.gap_ms)
-            print(f"{threads:2d} threads, batch {row['batch_size']:3d}: "
-                  f"check_request {row['check_request_us']:7.1f} us, "
-                  f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us; "
-                  f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats}, {args.gap_ms} ms apart)")
+            print(
+                f"{threads:2d} threads, batch {row['batch_size']:3d}: "
+                f"check_request {row['check_request_us']:7.1f} us, "
+                f"begin_batch {row['begin_batch_us']:7.1f} us, total {row['total_us']:7.1f} us; "
+                f"begin_step {row['begin_step_us']:7.1f} us (median of {args.repeats}, {args.gap_ms} ms apart)"
+            )
 
 
 if __name__ == "__main__":

@@ -58,10 +58,13 @@ def write_ranker(save: Path, table_dumps: Path, dim: int, world: int) -> Path:
         "_hstu_block._attention_layers.0._linear_uvqk_weight": torch.randn(dim, 4 * dim, generator=g),
         "_hstu_block._attention_layers.0._linear_uvqk_bias": torch.zeros(4 * dim),
         "_hstu_block._preprocessor._positional_encoder._position_embeddings_weight": torch.randn(64, dim, generator=g),
-        "_mlp._mlp.0.weight": torch.randn(dim, dim, generator=g), "_mlp._mlp.0.bias": torch.zeros(dim),
-        "_mlp._mlp.2.weight": torch.randn(2, dim, generator=g), "_mlp._mlp.2.bias": torch.zeros(2),
-        "_embedding_collection._data_parallel_embedding_collection.embeddings.action_weights_weights":
-            torch.randn(4 * dim, generator=g),
+        "_mlp._mlp.0.weight": torch.randn(dim, dim, generator=g),
+        "_mlp._mlp.0.bias": torch.zeros(dim),
+        "_mlp._mlp.2.weight": torch.randn(2, dim, generator=g),
+        "_mlp._mlp.2.bias": torch.zeros(2),
+        "_embedding_collection._data_parallel_embedding_collection.embeddings.action_weights_weights": torch.randn(
+            4 * dim, generator=g
+        ),
     }
     for name in ("_input_layernorm", "_output_layernorm"):
         state[f"_hstu_block._attention_layers.0.{name}_weight"] = torch.ones(dim)
@@ -74,11 +77,23 @@ def write_ranker(save: Path, table_dumps: Path, dim: int, world: int) -> Path:
     (root / "dynamicemb_module").mkdir()
     (root / "dynamicemb_module" / COLLECTION).symlink_to(table_dumps)
     gin = save / "ranking.gin"
-    gin.write_text("\n".join([
-        "DatasetArgs.max_history_seqlen = 16", "DatasetArgs.max_num_candidates = 4", "NetworkArgs.num_layers = 1",
-        "NetworkArgs.num_attention_heads = 2", f"NetworkArgs.hidden_size = {dim}", f"NetworkArgs.kv_channels = {dim // 2}",
-        "NetworkArgs.num_position_buckets = 64", "NetworkArgs.dtype_str = 'float32'",
-        f"RankingArgs.prediction_head_arch = [{dim}, 2]", "RankingArgs.num_tasks = 2"]) + "\n")
+    gin.write_text(
+        "\n".join(
+            [
+                "DatasetArgs.max_history_seqlen = 16",
+                "DatasetArgs.max_num_candidates = 4",
+                "NetworkArgs.num_layers = 1",
+                "NetworkArgs.num_attention_heads = 2",
+                f"NetworkArgs.hidden_size = {dim}",
+                f"NetworkArgs.kv_channels = {dim // 2}",
+                "NetworkArgs.num_position_buckets = 64",
+                "NetworkArgs.dtype_str = 'float32'",
+                f"RankingArgs.prediction_head_arch = [{dim}, 2]",
+                "RankingArgs.num_tasks = 2",
+            ]
+        )
+        + "\n"
+    )
     return gin
 
 
@@ -87,14 +102,29 @@ def import_whole(work: Path, dim: int, world: int) -> dict:
     save = work / "save"
     gin = write_ranker(save, work / "dumps", dim, world)
     baseline_kib = _peak_kib("import kvexport.commands.cli")
-    arguments = ["import-checkpoint", "--from", "nvidia", str(save), "--trainer-config", str(gin),
-                 "--table-rows", "action_weights=4", "--item-table", "table", "-o", str(work / "model.pt")]
+    arguments = [
+        "import-checkpoint",
+        "--from",
+        "nvidia",
+        str(save),
+        "--trainer-config",
+        str(gin),
+        "--table-rows",
+        "action_weights=4",
+        "--item-table",
+        "table",
+        "-o",
+        str(work / "model.pt"),
+    ]
     started = time.perf_counter()
     peak_kib = _peak_kib(f"from kvexport.commands.cli import main; main({arguments!r}, standalone_mode=False)")
     seconds = time.perf_counter() - started
-    return {"import_seconds": round(seconds, 2), "import_peak_rss_mib": round(peak_kib / 1024, 1),
-            "import_baseline_rss_mib": round(baseline_kib / 1024, 1),
-            "checkpoint_mib": round((work / "model.pt").stat().st_size / 2**20, 1)}
+    return {
+        "import_seconds": round(seconds, 2),
+        "import_peak_rss_mib": round(peak_kib / 1024, 1),
+        "import_baseline_rss_mib": round(baseline_kib / 1024, 1),
+        "checkpoint_mib": round((work / "model.pt").stat().st_size / 2**20, 1),
+    }
 
 
 def _peak_kib(code: str) -> int:
@@ -112,7 +142,7 @@ def write_dcp(directory: Path, rows: int, dim: int) -> None:
 
     table = torch.empty(rows, dim, dtype=torch.float16)
     for first in range(0, rows, CHUNK):
-        table[first:first + CHUNK] = torch.randn(min(CHUNK, rows - first), dim).half()
+        table[first : first + CHUNK] = torch.randn(min(CHUNK, rows - first), dim).half()
     dcp.save({DCP_KEY: table}, checkpoint_id=str(directory))
 
 
@@ -124,8 +154,13 @@ def read_dcp_in_this_process(directory: Path) -> dict:
     table = read_tensors(directory, [DCP_KEY])[DCP_KEY]
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rows": table.shape[0], "seconds": round(seconds, 2), "peak_rss_mib": round(peak_kib / 1024, 1),
-            "rss_before_mib": round(before / 1024, 1), "table_mib": round(table.numel() * 2 / 2**20, 1)}
+    return {
+        "rows": table.shape[0],
+        "seconds": round(seconds, 2),
+        "peak_rss_mib": round(peak_kib / 1024, 1),
+        "rss_before_mib": round(before / 1024, 1),
+        "table_mib": round(table.numel() * 2 / 2**20, 1),
+    }
 
 
 def read_dcp_rows_in_this_process(directory: Path, rows: int, share: float) -> dict:
@@ -137,9 +172,13 @@ def read_dcp_rows_in_this_process(directory: Path, rows: int, share: float) -> d
     selected = read_rows(directory, DCP_KEY, wanted)
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"selected_rows": selected.shape[0], "select_seconds": round(seconds, 2),
-            "select_peak_rss_mib": round(peak_kib / 1024, 1), "select_rss_before_mib": round(before / 1024, 1),
-            "selected_mib": round(selected.numel() * 2 / 2**20, 1)}
+    return {
+        "selected_rows": selected.shape[0],
+        "select_seconds": round(seconds, 2),
+        "select_peak_rss_mib": round(peak_kib / 1024, 1),
+        "select_rss_before_mib": round(before / 1024, 1),
+        "selected_mib": round(selected.numel() * 2 / 2**20, 1),
+    }
 
 
 def read_in_this_process(directory: Path, dim: int) -> dict:
@@ -150,9 +189,13 @@ def read_in_this_process(directory: Path, dim: int) -> dict:
     table = read_dynamic_table(directory, "table", dim)
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rows": table.keys.numel(), "seconds": round(seconds, 2), "peak_rss_mib": round(peak_kib / 1024, 1),
-            "rss_before_mib": round(before / 1024, 1),
-            "table_mib": round(table.values.numel() * 4 / 2**20, 1)}
+    return {
+        "rows": table.keys.numel(),
+        "seconds": round(seconds, 2),
+        "peak_rss_mib": round(peak_kib / 1024, 1),
+        "rss_before_mib": round(before / 1024, 1),
+        "table_mib": round(table.values.numel() * 4 / 2**20, 1),
+    }
 
 
 def main() -> None:
@@ -171,8 +214,13 @@ def main() -> None:
         print(json.dumps(read_dcp_rows_in_this_process(args.read_rows, args.rows, args.select)))
         return
     if args.read:
-        print(json.dumps(read_dcp_in_this_process(args.read) if args.format == "dcp"
-                         else read_in_this_process(args.read, args.dim)))
+        print(
+            json.dumps(
+                read_dcp_in_this_process(args.read)
+                if args.format == "dcp"
+                else read_in_this_process(args.read, args.dim)
+            )
+        )
         return
     if args.write:
         write_dcp(args.write, args.rows, args.dim)
@@ -180,17 +228,35 @@ def main() -> None:
     if args.format == "dcp":
         with tempfile.TemporaryDirectory(prefix="kvexport-import-bench-") as work:
             # Written in a process of its own: a child's peak RSS counts what its parent held when it forked.
-            subprocess.run([sys.executable, __file__, "--write", work, "--rows", str(args.rows), "--dim",
-                            str(args.dim)], check=True, capture_output=True)
-            reader = subprocess.run([sys.executable, __file__, "--read", work, "--format", "dcp"], check=True,
-                                    capture_output=True, text=True)
-            selector = subprocess.run([sys.executable, __file__, "--read-rows", work, "--rows", str(args.rows),
-                                       "--select", str(args.select)], check=True, capture_output=True, text=True)
-        result = {**json.loads(reader.stdout), **json.loads(selector.stdout), "dim": args.dim, "format": "dcp",
-                  "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
+            subprocess.run(
+                [sys.executable, __file__, "--write", work, "--rows", str(args.rows), "--dim", str(args.dim)],
+                check=True,
+                capture_output=True,
+            )
+            reader = subprocess.run(
+                [sys.executable, __file__, "--read", work, "--format", "dcp"],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            selector = subprocess.run(
+                [sys.executable, __file__, "--read-rows", work, "--rows", str(args.rows), "--select", str(args.select)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+        result = {
+            **json.loads(reader.stdout),
+            **json.loads(selector.stdout),
+            "dim": args.dim,
+            "format": "dcp",
+            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+            "torch": torch.__version__,
+        }
         result["peak_over_table"] = round((result["peak_rss_mib"] - result["rss_before_mib"]) / result["table_mib"], 2)
         result["select_peak_over_table"] = round(
-            (result["select_peak_rss_mib"] - result["select_rss_before_mib"]) / result["table_mib"], 3)
+            (result["select_peak_rss_mib"] - result["select_rss_before_mib"]) / result["table_mib"], 3
+        )
         print(json.dumps(result, indent=2))
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -199,14 +265,25 @@ def main() -> None:
         dumps = Path(work) / "dumps"
         dumps.mkdir()
         write_dump(dumps, args.rows, args.dim, args.world)
-        reader = subprocess.run([sys.executable, __file__, "--read", str(dumps), "--dim", str(args.dim)], check=True,
-                                capture_output=True, text=True)
+        reader = subprocess.run(
+            [sys.executable, __file__, "--read", str(dumps), "--dim", str(args.dim)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         whole = import_whole(Path(work), args.dim, args.world)
-    result = {**json.loads(reader.stdout), **whole, "world": args.world, "dim": args.dim,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__}
+    result = {
+        **json.loads(reader.stdout),
+        **whole,
+        "world": args.world,
+        "dim": args.dim,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+    }
     result["peak_over_table"] = round((result["peak_rss_mib"] - result["rss_before_mib"]) / result["table_mib"], 2)
     result["import_peak_over_table"] = round(
-        (result["import_peak_rss_mib"] - result["import_baseline_rss_mib"]) / result["table_mib"], 2)
+        (result["import_peak_rss_mib"] - result["import_baseline_rss_mib"]) / result["table_mib"], 2
+    )
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -62,9 +62,22 @@ from tests.helpers.meta_reference import POS, Features, Rules, dlrm_hstu_forward
 # Upstream's DLRMv3 (kuairand): D = E = 512, Hd 256, 4 heads of 128, 5 layers, 512-wide towers, 8
 # action bits, 8 tasks, 8192 position and 2049 time rows, 10 candidates in training. Scaled to run
 # in well under a minute on one core; M (max history) is this benchmark's choice.
-SIZES = meta_fixture.Sizes(D=128, E=64, HIDDEN=64, HEADS=4, DQK=32, DV=32, LAYERS=3, POSITION_ROWS=8192,
-                           TIME_ROWS=2049, MLP_WIDTH=128, ACTION_DIM=8, ACTION_WEIGHTS=(1, 2, 4, 8, 16, 32, 64, 128),
-                           TASKS=8, TABLE_ROWS={"video_id": 4000, "user_id": 1000, "user_active_degree": 8})
+SIZES = meta_fixture.Sizes(
+    D=128,
+    E=64,
+    HIDDEN=64,
+    HEADS=4,
+    DQK=32,
+    DV=32,
+    LAYERS=3,
+    POSITION_ROWS=8192,
+    TIME_ROWS=2049,
+    MLP_WIDTH=128,
+    ACTION_DIM=8,
+    ACTION_WEIGHTS=(1, 2, 4, 8, 16, 32, 64, 128),
+    TASKS=8,
+    TABLE_ROWS={"video_id": 4000, "user_id": 1000, "user_active_degree": 8},
+)
 ACTION_RATES = [0.6, 0.1, 0.01, 0.02, 0.02, 0.01, 0.3, 0.1]  # each bit's share of events (click, like, ...)
 T0 = 1_699_200_000
 
@@ -92,19 +105,29 @@ def draw_users(count: int, max_history: int, max_candidates: int, seed: int, lon
         newest = query_time - rng.randint(5, 300)
         ages = sorted((span * rng.random() ** 3 for _ in range(history - 1)), reverse=True)
         timestamps = [int(newest - age) for age in ages] + [newest]
-        actions = [sum(bit for bit, rate in zip(SIZES.ACTION_WEIGHTS, ACTION_RATES) if rng.random() < rate)
-                   for _ in range(history)]
+        actions = [
+            sum(bit for bit, rate in zip(SIZES.ACTION_WEIGHTS, ACTION_RATES) if rng.random() < rate)
+            for _ in range(history)
+        ]
         candidates = rng.randint(2, max_candidates)
         ids = [order[i] for i in rng.choices(range(items), cum_weights=popularity, k=history + candidates)]
-        users.append({"contextual": [rng.randrange(SIZES.TABLE_ROWS["user_id"]),
-                                     rng.randrange(SIZES.TABLE_ROWS["user_active_degree"])],
-                      "history": ids[:history], "actions": actions, "timestamps": timestamps,
-                      "candidates": ids[history:], "query_time": query_time})
+        users.append(
+            {
+                "contextual": [
+                    rng.randrange(SIZES.TABLE_ROWS["user_id"]),
+                    rng.randrange(SIZES.TABLE_ROWS["user_active_degree"]),
+                ],
+                "history": ids[:history],
+                "actions": actions,
+                "timestamps": timestamps,
+                "candidates": ids[history:],
+                "query_time": query_time,
+            }
+        )
     return users
 
 
-def scenario_state(dense: dict, tables: dict, features: Features, users: list[dict], scenario: str,
-                   seed: int) -> dict:
+def scenario_state(dense: dict, tables: dict, features: Features, users: list[dict], scenario: str, seed: int) -> dict:
     """dense for a scenario: "fixture" as built; "strong" the position and time tables rescaled to the
     RMS of sqrt(D) times the users' event tokens; "smooth" those tables replaced, at that RMS, by rows
     that vary slowly with their index (each coordinate a sinusoid of wavelength 4 to 4096 rows), as
@@ -130,11 +153,13 @@ def scenario_state(dense: dict, tables: dict, features: Features, users: list[di
 def rule_set(max_history: int, max_candidates: int) -> list[tuple[str, Rules]]:
     """(label, rules): upstream, each replacement alone, then every cache-exact combination."""
     limits = dict(max_history=max_history, max_candidates=max_candidates)
-    normalisers = {"N fixed": dict(normaliser="fixed"),
-                   "N fixed+cand batch": dict(normaliser="fixed", candidate_normaliser="batch"),
-                   "N fixed+cand own": dict(normaliser="fixed", candidate_normaliser="own"),
-                   "N causal": dict(normaliser="causal"),
-                   "N causal+cand batch": dict(normaliser="causal", candidate_normaliser="batch")}
+    normalisers = {
+        "N fixed": dict(normaliser="fixed"),
+        "N fixed+cand batch": dict(normaliser="fixed", candidate_normaliser="batch"),
+        "N fixed+cand own": dict(normaliser="fixed", candidate_normaliser="own"),
+        "N causal": dict(normaliser="causal"),
+        "N causal+cand batch": dict(normaliser="causal", candidate_normaliser="batch"),
+    }
     positions = {f"pos {rule}": dict(positions=rule) for rule in ("from_max", "from_start", "none")}
     times = {f"time {rule}": dict(times=rule) for rule in ("previous", "zero", "none")}
     rules = [("upstream", Rules())]
@@ -168,17 +193,22 @@ def compare(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
         i, j = torch.triu_indices(a.shape[0], a.shape[0], 1)
         same = torch.sign(a[i] - a[j]) == torch.sign(b[i] - b[j])
         kept, total = kept + int(same.sum()), total + same.numel()
-    return {"max_abs": float(delta.max()), "median_abs": float(delta.median()),
-            "median_rel": float(relative.median()), "p90_rel": float(relative.quantile(0.9)),
-            "pairs_kept": kept / max(total, 1)}
+    return {
+        "max_abs": float(delta.max()),
+        "median_abs": float(delta.median()),
+        "median_rel": float(relative.median()),
+        "p90_rel": float(relative.quantile(0.9)),
+        "pairs_kept": kept / max(total, 1),
+    }
 
 
-def run_scenario(state: tuple, users: list[dict], rules: list[tuple[str, Rules]], batch_size: int, seed: int,
-                 fixed_normaliser: int) -> dict:
+def run_scenario(
+    state: tuple, users: list[dict], rules: list[tuple[str, Rules]], batch_size: int, seed: int, fixed_normaliser: int
+) -> dict:
     """Every rule against upstream, in one-user batches and in shuffled batches of batch_size."""
     order = list(range(len(users)))
     random.Random(seed + 1).shuffle(order)
-    mixed = [[users[i] for i in order[first:first + batch_size]] for first in range(0, len(order), batch_size)]
+    mixed = [[users[i] for i in order[first : first + batch_size]] for first in range(0, len(order), batch_size)]
     singles = [[user] for user in users]
 
     def unshuffle(values: list[torch.Tensor]) -> list[torch.Tensor]:  # mixed batches' order -> users'
@@ -188,36 +218,54 @@ def run_scenario(state: tuple, users: list[dict], rules: list[tuple[str, Rules]]
         return out
 
     num_contextual = len(state[2].contextual_tables)
-    batch_ns = [num_contextual + max(len(u["history"]) for u in batch) + max(len(u["candidates"]) for u in batch)
-                for batch in mixed]
+    batch_ns = [
+        num_contextual + max(len(u["history"]) for u in batch) + max(len(u["candidates"]) for u in batch)
+        for batch in mixed
+    ]
     upstream_single = forward(state, singles, Rules())
     upstream_mixed = unshuffle(forward(state, mixed, Rules()))
     logit_scale = torch.cat([b.flatten() for b in upstream_single])
-    rows = [{"rule": "upstream, batches vs one user", "single": compare(upstream_mixed, upstream_single),
-             "mixed": compare(upstream_single, upstream_mixed)}]
+    rows = [
+        {
+            "rule": "upstream, batches vs one user",
+            "single": compare(upstream_mixed, upstream_single),
+            "mixed": compare(upstream_single, upstream_mixed),
+        }
+    ]
     for label, rule in rules[1:]:
         alone = forward(state, singles, rule)
         together = unshuffle(forward(state, mixed, rule)) if batch_dependent(rule) else alone
-        rows.append({"rule": label, "single": compare(alone, upstream_single),
-                     "mixed": compare(together, upstream_mixed)})
-    return {"fixed_normaliser": fixed_normaliser, "mixed_batch_normalisers": batch_ns,
-            "upstream_logits": {"mean": float(logit_scale.mean()), "std": float(logit_scale.std()),
-                                "median_abs": float(logit_scale.abs().median())},
-            "rows": rows}
+        rows.append(
+            {"rule": label, "single": compare(alone, upstream_single), "mixed": compare(together, upstream_mixed)}
+        )
+    return {
+        "fixed_normaliser": fixed_normaliser,
+        "mixed_batch_normalisers": batch_ns,
+        "upstream_logits": {
+            "mean": float(logit_scale.mean()),
+            "std": float(logit_scale.std()),
+            "median_abs": float(logit_scale.abs().median()),
+        },
+        "rows": rows,
+    }
 
 
 def print_table(name: str, result: dict) -> None:
     scale = result["upstream_logits"]
-    print(f"\n== {name}: upstream logits mean {scale['mean']:.3g}, std {scale['std']:.3g}, "
-          f"median |logit| {scale['median_abs']:.3g}; fixed N {result['fixed_normaliser']}, "
-          f"mixed batches' N {result['mixed_batch_normalisers']}")
+    print(
+        f"\n== {name}: upstream logits mean {scale['mean']:.3g}, std {scale['std']:.3g}, "
+        f"median |logit| {scale['median_abs']:.3g}; fixed N {result['fixed_normaliser']}, "
+        f"mixed batches' N {result['mixed_batch_normalisers']}"
+    )
     head = f"{'max|Δ|':>8} {'med|Δ|':>8} {'med rel':>8} {'p90 rel':>8} {'order':>6}"
     print(f"{'':48} | {'vs upstream, one user a batch':^42} | {'vs upstream, mixed batches':^42}")
     print(f"{'rule':48} | {head} | {head}")
 
     def cells(m: dict) -> str:
-        return (f"{m['max_abs']:8.3g} {m['median_abs']:8.3g} {m['median_rel']:8.3g} {m['p90_rel']:8.3g} "
-                f"{m['pairs_kept']:6.3f}")
+        return (
+            f"{m['max_abs']:8.3g} {m['median_abs']:8.3g} {m['median_rel']:8.3g} {m['p90_rel']:8.3g} "
+            f"{m['pairs_kept']:6.3f}"
+        )
 
     for row in result["rows"]:
         print(f"{row['rule']:48} | {cells(row['single'])} | {cells(row['mixed'])}")
@@ -228,8 +276,12 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=48)
     parser.add_argument("--max-history", type=int, default=256, help="M: the config's max history length")
     parser.add_argument("--max-candidates", type=int, default=10, help="Tmax: the config's max candidates")
-    parser.add_argument("--long-share", type=float, default=0.2,
-                        help="share of users at M events (active users, truncated; they send most requests)")
+    parser.add_argument(
+        "--long-share",
+        type=float,
+        default=0.2,
+        help="share of users at M events (active users, truncated; they send most requests)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="users a mixed batch")
     parser.add_argument("--scenarios", default="fixture,strong,smooth")
     parser.add_argument("--seed", type=int, default=0)
@@ -242,17 +294,29 @@ def main() -> None:
     users = draw_users(args.users, args.max_history, args.max_candidates, args.seed, args.long_share)
     rules = rule_set(args.max_history, args.max_candidates)
     lengths = sorted(len(user["history"]) for user in users)
-    print("Random synthetic weights (tests/helpers/meta_fixture.dense_state at benchmarks/meta_rules.SIZES), "
-          "not a trained model:\nthe differences are how far each rule moves this network, "
-          "not a trained model's quality loss.")
-    print(f"{args.users} users, history lengths {lengths[0]}..{lengths[-1]} (median {lengths[len(lengths) // 2]}), "
-          f"M = {args.max_history}, Tmax = {args.max_candidates}, mixed batches of {args.batch}; "
-          f"rules: this script's docstring; rel: |Δ| / |upstream logit|; order: share of candidate pairs kept "
-          f"in order")
+    print(
+        "Random synthetic weights (tests/helpers/meta_fixture.dense_state at benchmarks/meta_rules.SIZES), "
+        "not a trained model:\nthe differences are how far each rule moves this network, "
+        "not a trained model's quality loss."
+    )
+    print(
+        f"{args.users} users, history lengths {lengths[0]}..{lengths[-1]} (median {lengths[len(lengths) // 2]}), "
+        f"M = {args.max_history}, Tmax = {args.max_candidates}, mixed batches of {args.batch}; "
+        f"rules: this script's docstring; rel: |Δ| / |upstream logit|; order: share of candidate pairs kept "
+        f"in order"
+    )
     sizes = {k: v for k, v in dataclasses.asdict(SIZES).items() if k not in ("ACTION_DIM", "TABLE_ROWS")}
-    result = {"sizes": sizes, "users": args.users,
-              "max_history": args.max_history, "max_candidates": args.max_candidates, "batch": args.batch,
-              "long_share": args.long_share, "seed": args.seed, "trained": False, "scenarios": {}}
+    result = {
+        "sizes": sizes,
+        "users": args.users,
+        "max_history": args.max_history,
+        "max_candidates": args.max_candidates,
+        "batch": args.batch,
+        "long_share": args.long_share,
+        "seed": args.seed,
+        "trained": False,
+        "scenarios": {},
+    }
     with torch.inference_mode():
         for scenario in args.scenarios.split(","):
             state_dense = scenario_state(dense, tables, features, users, scenario, args.seed)
@@ -260,8 +324,11 @@ def main() -> None:
             outcome = run_scenario((state_dense, tables, features), users, rules, args.batch, args.seed, fixed)
             result["scenarios"][scenario] = outcome
             print_table(scenario, outcome)
-    result.update(seconds=round(time.perf_counter() - started, 1), torch=torch.__version__,
-                  machine=f"{platform.machine()}, {torch.get_num_threads()} threads")
+    result.update(
+        seconds=round(time.perf_counter() - started, 1),
+        torch=torch.__version__,
+        machine=f"{platform.machine()}, {torch.get_num_threads()} threads",
+    )
     print(f"\n{result['seconds']} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -42,10 +42,18 @@ def run(artifact_dir: Path, lengths: list[int], warmup: int, repeats: int) -> di
     with remote.local_redis() as url:
         hits = remote.hit_vs_recompute(artifact, url, lengths, warmup, repeats)
         writes = remote.write_behind_cost(artifact, url, lengths, warmup, repeats)
-    return {"config": artifact.config.name, "machine": machine(),
-            "settings": {"lengths": lengths, "warmup": warmup, "repeats": repeats,
-                         "remote_read_budget_us": artifact.config.kv_cache.remote_read_budget_us},
-            "remote_hit_vs_recompute": hits, "write_behind": writes}
+    return {
+        "config": artifact.config.name,
+        "machine": machine(),
+        "settings": {
+            "lengths": lengths,
+            "warmup": warmup,
+            "repeats": repeats,
+            "remote_read_budget_us": artifact.config.kv_cache.remote_read_budget_us,
+        },
+        "remote_hit_vs_recompute": hits,
+        "write_behind": writes,
+    }
 
 
 def main() -> int:
@@ -60,12 +68,22 @@ def main() -> int:
         log.error("error: %s", exc)
         return exc.exit_code
     for row in results["remote_hit_vs_recompute"]:
-        log.info("L=%d: remote hit x%.1f faster than recompute (%.1f vs %.1f ms), %.1f MB read at %.2f GB/s",
-                 row["cached_events"], row["remote_speedup"]["median"], row["remote_hit_ms"]["median"],
-                 row["recompute_ms"]["median"], row["entry_bytes"] / 1e6, row["read_gb_per_s"])
+        log.info(
+            "L=%d: remote hit x%.1f faster than recompute (%.1f vs %.1f ms), %.1f MB read at %.2f GB/s",
+            row["cached_events"],
+            row["remote_speedup"]["median"],
+            row["remote_hit_ms"]["median"],
+            row["recompute_ms"]["median"],
+            row["entry_bytes"] / 1e6,
+            row["read_gb_per_s"],
+        )
     for row in results["write_behind"]:
-        log.info("L=%d: device hit with on_evict x%.3f, after_batch x%.3f of no remote tier", row["cached_events"],
-                 row["on_evict_over_no_remote"]["median"], row["after_batch_over_no_remote"]["median"])
+        log.info(
+            "L=%d: device hit with on_evict x%.3f, after_batch x%.3f of no remote tier",
+            row["cached_events"],
+            row["on_evict_over_no_remote"]["median"],
+            row["after_batch_over_no_remote"]["median"],
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

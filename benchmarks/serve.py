@@ -59,17 +59,35 @@ class Served:
     plain tritonserver on `kvexport triton-repo`'s repository (route "repository", `instances` model
     instances)."""
 
-    def __init__(self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1,
-                 routing: bool = True):
+    def __init__(
+        self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1, routing: bool = True
+    ):
         self.grpc, self.metrics = free_port(), free_port()
         self.shards = instances if routing else 1
         http = free_port()
         flag = "--batching" if batching else "--no-batching"
         if route == "serve":
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
-                 "--http-port", str(http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), flag],
-                stdout=subprocess.PIPE, text=True, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "kvexport",
+                    "serve",
+                    str(artifact),
+                    "--address",
+                    "127.0.0.1",
+                    "--http-port",
+                    str(http),
+                    "--grpc-port",
+                    str(self.grpc),
+                    "--metrics-port",
+                    str(self.metrics),
+                    flag,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             line = self.process.stdout.readline()
             if not line.startswith("serving "):
                 raise SystemExit(f"kvexport serve did not start: {line!r}")
@@ -77,14 +95,46 @@ class Served:
         from kvexport.serving import tritonserver
 
         repo, server = work / f"repo-{flag[2:]}-{instances}", work / f"server-{flag[2:]}-{instances}"
-        subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(artifact), "-o", str(repo),
-                        "--this-python", flag, "--instances", str(instances),
-                        "--routing" if routing else "--no-routing"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvexport",
+                "triton-repo",
+                str(artifact),
+                "-o",
+                str(repo),
+                "--this-python",
+                flag,
+                "--instances",
+                str(instances),
+                "--routing" if routing else "--no-routing",
+            ],
+            check=True,
+            capture_output=True,
+        )
         command, env = tritonserver.prepare(server)
         self.process = subprocess.Popen(
-            [*command, "--model-repository", str(repo), "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
-             "--http-port", str(http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                *command,
+                "--model-repository",
+                str(repo),
+                "--http-address",
+                "127.0.0.1",
+                "--grpc-address",
+                "127.0.0.1",
+                "--http-port",
+                str(http),
+                "--grpc-port",
+                str(self.grpc),
+                "--metrics-port",
+                str(self.metrics),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _ready(http):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -99,8 +149,11 @@ class Served:
         samples = re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)
         if not samples:
             raise LookupError(f"no sample of {name}")
-        return sum(float(value) for labels, value in samples
-                   if not models or any(f'model="{m}"' in labels.split(",") for m in models))
+        return sum(
+            float(value)
+            for labels, value in samples
+            if not models or any(f'model="{m}"' in labels.split(",") for m in models)
+        )
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) of every process of the server's session: kvexport, tritonserver, stub."""
@@ -140,9 +193,13 @@ def workload(config, client: int, num_users: int, seed: int):
         user = users[visit % num_users]
         events = 8 + 4 * (visit // num_users) % (longest - 8)
         visit += 1
-        yield {"user_id": np.array([user.user_id]), "item_ids": user.item_ids[:events].numpy(),
-               "action_ids": user.action_ids[:events].numpy(), "context_ids": user.context_ids.numpy(),
-               "candidate_ids": user.candidate_ids.numpy()}
+        yield {
+            "user_id": np.array([user.user_id]),
+            "item_ids": user.item_ids[:events].numpy(),
+            "action_ids": user.action_ids[:events].numpy(),
+            "context_ids": user.context_ids.numpy(),
+            "candidate_ids": user.candidate_ids.numpy(),
+        }
 
 
 def grpc_inputs(arrays: dict[str, np.ndarray]) -> list:
@@ -165,14 +222,22 @@ def in_process(artifact: Path, config, seconds: float) -> dict:
         stop = time.monotonic() + seconds
         while time.monotonic() < stop:
             arrays = next(requests)
-            user = UserRequest(int(arrays["user_id"][0]), *(torch.from_numpy(arrays[name].astype(np.int64)) for name in
-                                                            ("item_ids", "action_ids", "context_ids", "candidate_ids")))
+            user = UserRequest(
+                int(arrays["user_id"][0]),
+                *(
+                    torch.from_numpy(arrays[name].astype(np.int64))
+                    for name in ("item_ids", "action_ids", "context_ids", "candidate_ids")
+                ),
+            )
             sent = time.perf_counter()
             package.score_users([user])
             latencies.append(time.perf_counter() - sent)
     flat = np.array(latencies) * 1e3
-    return {"requests": int(flat.size), "p50_ms": round(float(np.percentile(flat, 50)), 3),
-            "p99_ms": round(float(np.percentile(flat, 99)), 3)}
+    return {
+        "requests": int(flat.size),
+        "p50_ms": round(float(np.percentile(flat, 50)), 3),
+        "p99_ms": round(float(np.percentile(flat, 99)), 3),
+    }
 
 
 def drive(served: Served, model: str, config, clients: int, seconds: float) -> dict:
@@ -210,16 +275,25 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     time.sleep(0.2)
     triton = {name: served.metric(name, scoring) - before for name, before in triton.items()}
     # Triton adds a batch's compute time once per request of the batch: once per execution is the busy time.
-    busy_us = triton["nv_inference_compute_infer_duration_us"] * triton["nv_inference_exec_count"] / max(
-        triton["nv_inference_request_success"], 1)
+    busy_us = (
+        triton["nv_inference_compute_infer_duration_us"]
+        * triton["nv_inference_exec_count"]
+        / max(triton["nv_inference_request_success"], 1)
+    )
     batches = served.metric("kvexport_batches_total") - batches
     users = served.metric("kvexport_batch_users_total") - users
-    return {"clients": clients, "requests": int(flat.size), "seconds": round(elapsed, 2),
-            "throughput_rps": round(flat.size / elapsed, 1), "p50_ms": round(float(np.percentile(flat, 50)), 2),
-            "p99_ms": round(float(np.percentile(flat, 99)), 2), "mean_batch": round(users / max(batches, 1), 2),
-            "model_busy": round(busy_us / (elapsed * 1e6), 2),
-            "server_cpu_ms_per_request": round(1e3 * server_cpu / flat.size, 2),
-            "client_cpu_ms_per_request": round(1e3 * client_cpu / flat.size, 2)}
+    return {
+        "clients": clients,
+        "requests": int(flat.size),
+        "seconds": round(elapsed, 2),
+        "throughput_rps": round(flat.size / elapsed, 1),
+        "p50_ms": round(float(np.percentile(flat, 50)), 2),
+        "p99_ms": round(float(np.percentile(flat, 99)), 2),
+        "mean_batch": round(users / max(batches, 1), 2),
+        "model_busy": round(busy_us / (elapsed * 1e6), 2),
+        "server_cpu_ms_per_request": round(1e3 * server_cpu / flat.size, 2),
+        "client_cpu_ms_per_request": round(1e3 * client_cpu / flat.size, 2),
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -234,10 +308,22 @@ def plot(results: dict, path: Path) -> None:
         throughput.plot(clients, [row["throughput_rps"] for row in rows], marker="o", label=mode)
         latency.plot(clients, [row["p50_ms"] for row in rows], marker="o", label=f"p50, {mode}")
         latency.plot(clients, [row["p99_ms"] for row in rows], marker="x", linestyle="--", label=f"p99, {mode}")
-    throughput.set(xlabel="concurrent clients", ylabel="requests / s", xscale="log", xticks=CONCURRENCY,
-                   xticklabels=[str(c) for c in CONCURRENCY], title=f"{results['model']}: throughput")
-    latency.set(xlabel="concurrent clients", ylabel="latency (ms)", xscale="log", xticks=CONCURRENCY,
-                xticklabels=[str(c) for c in CONCURRENCY], title=f"{results['model']}: latency")
+    throughput.set(
+        xlabel="concurrent clients",
+        ylabel="requests / s",
+        xscale="log",
+        xticks=CONCURRENCY,
+        xticklabels=[str(c) for c in CONCURRENCY],
+        title=f"{results['model']}: throughput",
+    )
+    latency.set(
+        xlabel="concurrent clients",
+        ylabel="latency (ms)",
+        xscale="log",
+        xticks=CONCURRENCY,
+        xticklabels=[str(c) for c in CONCURRENCY],
+        title=f"{results['model']}: latency",
+    )
     throughput.legend()
     latency.legend(fontsize=8)
     figure.tight_layout()
@@ -253,12 +339,18 @@ def main() -> None:
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     load = os.getloadavg()
-    results = {"model": artifact.config.name, "machine": f"{platform.processor() or platform.machine()}, "
-               f"{os.cpu_count()} cores", "load_before": [round(x, 2) for x in load],
-               "seconds_per_point": args.seconds, "modes": {}}
+    results = {
+        "model": artifact.config.name,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "load_before": [round(x, 2) for x in load],
+        "seconds_per_point": args.seconds,
+        "modes": {},
+    }
     results["in_process"] = in_process(args.artifact, artifact.config, args.seconds)
-    print(f"in-process, 1 thread: p50 {results['in_process']['p50_ms']} ms, p99 {results['in_process']['p99_ms']} ms",
-          flush=True)
+    print(
+        f"in-process, 1 thread: p50 {results['in_process']['p50_ms']} ms, p99 {results['in_process']['p99_ms']} ms",
+        flush=True,
+    )
     servers = {}
     with tempfile.TemporaryDirectory(prefix="kvexport-serve-bench-") as work:
         try:
@@ -271,11 +363,14 @@ def main() -> None:
                 for mode, served in servers.items():
                     row = drive(served, artifact.config.name, artifact.config, clients, args.seconds)
                     results["modes"][mode].append(row)
-                    print(f"{mode:>26}, {clients:>2} clients: {row['throughput_rps']:7.1f} req/s, "
-                          f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
-                          f"model busy {row['model_busy']:.0%}, "
-                          f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
-                          f"client {row['client_cpu_ms_per_request']} ms", flush=True)
+                    print(
+                        f"{mode:>26}, {clients:>2} clients: {row['throughput_rps']:7.1f} req/s, "
+                        f"p50 {row['p50_ms']:6.2f} ms, p99 {row['p99_ms']:6.2f} ms, mean batch {row['mean_batch']}, "
+                        f"model busy {row['model_busy']:.0%}, "
+                        f"cpu/request server {row['server_cpu_ms_per_request']} ms, "
+                        f"client {row['client_cpu_ms_per_request']} ms",
+                        flush=True,
+                    )
             results["stop_s"] = {mode: round(served.stop(), 2) for mode, served in servers.items()}
             print(f"stop (SIGTERM to exit, after the last answer): {results['stop_s']} s", flush=True)
         finally:
@@ -289,9 +384,11 @@ def main() -> None:
         on, off = results["modes"][f"{route}, batching on"], results["modes"][f"{route}, batching off"]
         results["speedup_at_16"][route] = round(on[-1]["throughput_rps"] / off[-1]["throughput_rps"], 2)
         results["overhead_ms_at_1"][route] = round(on[0]["p50_ms"] - results["in_process"]["p50_ms"], 2)
-    print(f"throughput at 16 clients, batching on / off: {results['speedup_at_16']}; server overhead per request "
-          f"at 1 client (p50 minus in-process p50): {results['overhead_ms_at_1']} ms; load average before "
-          f"{results['load_before']}, after {results['load_after']}")
+    print(
+        f"throughput at 16 clients, batching on / off: {results['speedup_at_16']}; server overhead per request "
+        f"at 1 client (p50 minus in-process p50): {results['overhead_ms_at_1']} ms; load average before "
+        f"{results['load_before']}, after {results['load_after']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:

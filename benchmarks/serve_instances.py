@@ -43,8 +43,10 @@ def cache_counters(served: Served) -> dict[str, float]:
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         try:
-            return {name: served.metric(f"kvexport_cache_{name}_total")
-                    for name in ("hit_tokens", "recomputed_tokens", "prefix_truncations", "lookups")}
+            return {
+                name: served.metric(f"kvexport_cache_{name}_total")
+                for name in ("hit_tokens", "recomputed_tokens", "prefix_truncations", "lookups")
+            }
         except (OSError, LookupError):  # not published yet
             if time.monotonic() > deadline:
                 raise
@@ -56,15 +58,25 @@ def main() -> None:
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--instances", default="1,2,4", help="comma-separated instance counts")
     parser.add_argument("--seconds", type=float, default=20.0, help="driving time per instance count")
-    parser.add_argument("--no-routing", dest="routing", action="store_false",
-                        help="K instances of one model, no router (Triton hands a request to any instance)")
+    parser.add_argument(
+        "--no-routing",
+        dest="routing",
+        action="store_false",
+        help="K instances of one model, no router (Triton hands a request to any instance)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     config = artifact.config
-    results = {"model": config.name, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-               "clients": CLIENTS, "seconds": args.seconds, "routing": args.routing, "load_before": [round(x, 2) for x in os.getloadavg()],
-               "rows": []}
+    results = {
+        "model": config.name,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "clients": CLIENTS,
+        "seconds": args.seconds,
+        "routing": args.routing,
+        "load_before": [round(x, 2) for x in os.getloadavg()],
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory(prefix="kvexport-serve-instances-") as work:
         for instances in (int(k) for k in args.instances.split(",")):
             served = Served(args.artifact, "repository", True, Path(work), instances, args.routing)
@@ -77,15 +89,21 @@ def main() -> None:
                     served.stop()
             delta = {name: after[name] - before[name] for name in after}
             prefix_tokens = delta["hit_tokens"] + delta["recomputed_tokens"]
-            row.update(instances=instances, hit_ratio=round(delta["hit_tokens"] / max(prefix_tokens, 1), 3),
-                       recomputed_tokens_per_request=round(delta["recomputed_tokens"] / max(row["requests"], 1), 1),
-                       prefix_truncations=int(delta["prefix_truncations"]), lookups=int(delta["lookups"]))
+            row.update(
+                instances=instances,
+                hit_ratio=round(delta["hit_tokens"] / max(prefix_tokens, 1), 3),
+                recomputed_tokens_per_request=round(delta["recomputed_tokens"] / max(row["requests"], 1), 1),
+                prefix_truncations=int(delta["prefix_truncations"]),
+                lookups=int(delta["lookups"]),
+            )
             results["rows"].append(row)
-            print(f"K = {instances}: {row['throughput_rps']:7.1f} req/s, p50 {row['p50_ms']:6.2f} ms, "
-                  f"p99 {row['p99_ms']:6.2f} ms, hit ratio {row['hit_ratio']:.3f}, recomputed tokens per request "
-                  f"{row['recomputed_tokens_per_request']}, prefix truncations "
-                  f"{row['prefix_truncations']} of {row['lookups']} lookups, mean batch {row['mean_batch']}",
-                  flush=True)
+            print(
+                f"K = {instances}: {row['throughput_rps']:7.1f} req/s, p50 {row['p50_ms']:6.2f} ms, "
+                f"p99 {row['p99_ms']:6.2f} ms, hit ratio {row['hit_ratio']:.3f}, recomputed tokens per request "
+                f"{row['recomputed_tokens_per_request']}, prefix truncations "
+                f"{row['prefix_truncations']} of {row['lookups']} lookups, mean batch {row['mean_batch']}",
+                flush=True,
+            )
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -24,9 +24,16 @@ if TYPE_CHECKING:
     from kvexport.host.package import Package
 
 
-def load(out: str | Path | Artifact, device: torch.device | str | None = None, *,
-         check_files: bool = True, remote: str | None = None, remote_write: str = "on_evict",
-         step_program: bool = True, cuda_graphs: bool = True) -> Package:
+def load(
+    out: str | Path | Artifact,
+    device: torch.device | str | None = None,
+    *,
+    check_files: bool = True,
+    remote: str | None = None,
+    remote_write: str = "on_evict",
+    step_program: bool = True,
+    cuda_graphs: bool = True,
+) -> Package:
     """Loads a built artifact directory (`kvexport build -o OUT`) and returns its `Package`.
 
     device: None runs it on the device it was built for; any other device raises UserError.
@@ -38,8 +45,15 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
     """
     from kvexport.host.package import load as _load
 
-    return _load(out, device, check_files=check_files, remote=remote, remote_write=remote_write,
-                 step_program=step_program, cuda_graphs=cuda_graphs)
+    return _load(
+        out,
+        device,
+        check_files=check_files,
+        remote=remote,
+        remote_write=remote_write,
+        step_program=step_program,
+        cuda_graphs=cuda_graphs,
+    )
 
 
 def __getattr__(name: str):

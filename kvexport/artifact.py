@@ -144,8 +144,11 @@ def _is_step(step: Any) -> bool:
     """A trace step: an object whose contract fields, where present, are strings (file, description required)."""
     required = (TRACE_KEYS["file"], TRACE_KEYS["description"])
     optional = (TRACE_KEYS["reference_file"], TRACE_KEYS["expect_error"])
-    return (isinstance(step, dict) and all(isinstance(step.get(key), str) for key in required)
-            and all(isinstance(step.get(key, ""), str) for key in optional))
+    return (
+        isinstance(step, dict)
+        and all(isinstance(step.get(key), str) for key in required)
+        and all(isinstance(step.get(key, ""), str) for key in optional)
+    )
 
 
 def present_files(root: Path) -> list[str]:
@@ -187,6 +190,7 @@ def trace_digest(steps: list[dict[str, Any]], files: dict[str, str]) -> str:
     Stored in the package metadata, so an edited trace list or trace hash in manifest.json is
     caught (the C++ harness computes the same lines from the same contract).
     """
+
     def cell(step: dict[str, Any], column: str) -> str:
         if column.startswith("sha256:"):
             return files.get(step.get(column.removeprefix("sha256:"), ""), "")
@@ -214,8 +218,12 @@ def same_json(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, dict) or isinstance(b, dict):
-        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
-                and all(same_json(a[k], b[k]) for k in a))
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same_json(a[k], b[k]) for k in a)
+        )
     if isinstance(a, list) or isinstance(b, list):
         return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same_json, a, b))
     return a == b

@@ -81,7 +81,7 @@ HEADS = ("mlp", "item_tower")
 MAX_TIME_CODES = 1 << 16
 CONTEXT_FEATURE_SHIFT = 56
 MAX_CONTEXT_KEY = 2**CONTEXT_FEATURE_SHIFT  # context keys lie in [0, 2^56)
-MAX_KEYED_CONTEXT_FEATURES = 2**(63 - CONTEXT_FEATURE_SHIFT)  # so that every pair is a non-negative int64
+MAX_KEYED_CONTEXT_FEATURES = 2 ** (63 - CONTEXT_FEATURE_SHIFT)  # so that every pair is a non-negative int64
 
 
 class ConfigError(UserError):
@@ -340,8 +340,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 def _int_pairs(key: str, value: Any) -> tuple:
     """A YAML list of [int, int] pairs as a tuple of tuples."""
     if not isinstance(value, (list, tuple)) or not all(
-            isinstance(pair, (list, tuple)) and len(pair) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) for pair in value):
+        isinstance(pair, (list, tuple))
+        and len(pair) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+        for pair in value
+    ):
         raise ConfigError(f"{key} must be a list of [int, int] pairs, got {value!r}")
     return tuple(tuple(pair) for pair in value)
 
@@ -369,17 +372,21 @@ def _check_head(m: ModelConfig) -> None:
     if m.head_activation != "silu":
         raise ConfigError("model.head_activation applies to model.head: mlp (item_tower's is SwishLayerNorm)")
     if not m.query_time_periods:
-        raise ConfigError("model.query_time_periods must name at least one [seconds, units] period with "
-                          "model.head: item_tower")
+        raise ConfigError(
+            "model.query_time_periods must name at least one [seconds, units] period with model.head: item_tower"
+        )
     for seconds, units in m.query_time_periods:
         if seconds <= 0 or units <= 0 or seconds >= 1 << 24:
             raise ConfigError(f"model.query_time_periods: [{seconds}, {units}] must be positive, seconds below 2^24")
     if not 2 <= m.num_time_codes <= MAX_TIME_CODES:
-        raise ConfigError(f"model.query_time_periods make {m.num_time_codes} codes; an item_tower head reads "
-                          f"2 to {MAX_TIME_CODES}")
+        raise ConfigError(
+            f"model.query_time_periods make {m.num_time_codes} codes; an item_tower head reads 2 to {MAX_TIME_CODES}"
+        )
     if m.item_ids == "rows" and m.item_vocab_size > 1 << (63 - m.time_code_bits):
-        raise ConfigError(f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for the query time's "
-                          f"{m.time_code_bits}-bit code in a checked candidate id")
+        raise ConfigError(
+            f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for the query time's "
+            f"{m.time_code_bits}-bit code in a checked candidate id"
+        )
 
 
 def _check(config: Config) -> None:
@@ -411,21 +418,34 @@ def _check(config: Config) -> None:
         )
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
-    for name, allowed in (("head_activation", HEAD_ACTIVATIONS), ("silu_on", SILU_ON),
-                          ("layer_output", LAYER_OUTPUTS), ("item_ids", ITEM_IDS), ("context_ids", CONTEXT_IDS),
-                          ("event_tokens", EVENT_TOKENS), ("candidate_position", CANDIDATE_POSITIONS),
-                          ("head", HEADS), ("context_attention", CONTEXT_ATTENTION)):
+    for name, allowed in (
+        ("head_activation", HEAD_ACTIVATIONS),
+        ("silu_on", SILU_ON),
+        ("layer_output", LAYER_OUTPUTS),
+        ("item_ids", ITEM_IDS),
+        ("context_ids", CONTEXT_IDS),
+        ("event_tokens", EVENT_TOKENS),
+        ("candidate_position", CANDIDATE_POSITIONS),
+        ("head", HEADS),
+        ("context_attention", CONTEXT_ATTENTION),
+    ):
         if getattr(m, name) not in allowed:
             raise ConfigError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
     if m.context_ids == "keys" and not 0 < m.num_contextual_features <= MAX_KEYED_CONTEXT_FEATURES:
-        raise ConfigError(f"model.num_contextual_features must be 1..{MAX_KEYED_CONTEXT_FEATURES} with "
-                          f"model.context_ids: keys, got {m.num_contextual_features}")
+        raise ConfigError(
+            f"model.num_contextual_features must be 1..{MAX_KEYED_CONTEXT_FEATURES} with "
+            f"model.context_ids: keys, got {m.num_contextual_features}"
+        )
     if m.item_ids == "keys" and m.item_vocab_size < 2:
-        raise ConfigError(f"model.item_vocab_size must be >= 2 with model.item_ids: keys (the keyed rows, then "
-                          f"the row of unknown ids), got {m.item_vocab_size}")
+        raise ConfigError(
+            f"model.item_vocab_size must be >= 2 with model.item_ids: keys (the keyed rows, then "
+            f"the row of unknown ids), got {m.item_vocab_size}"
+        )
     if m.event_tokens == "combined" and m.item_id_limit > 1 << (63 - m.action_bits):
-        raise ConfigError(f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for model.action_vocab_size "
-                          f"({m.action_vocab_size}) in a combined event token (items below 2^{63 - m.action_bits})")
+        raise ConfigError(
+            f"model.item_vocab_size ({m.item_vocab_size}) leaves no room for model.action_vocab_size "
+            f"({m.action_vocab_size}) in a combined event token (items below 2^{63 - m.action_bits})"
+        )
     _check_head(m)
     if not (math.isfinite(m.layer_norm_eps) and 0 < m.layer_norm_eps < 1):
         raise ConfigError(f"model.layer_norm_eps must be a number in (0, 1), got {m.layer_norm_eps}")
@@ -453,8 +473,13 @@ def _check(config: Config) -> None:
         raise ConfigError(f"serving.device must be one of {', '.join(DEVICES)}, got {s.device!r}")
     if s.cpu_isa not in CPU_ISAS:
         raise ConfigError(f"serving.cpu_isa must be one of {', '.join(CPU_ISAS)}, got {s.cpu_isa!r}")
-    _positive("trace", num_users=t.num_users, min_history_length=t.min_history_length,
-              max_new_events=t.max_new_events, num_candidates=t.num_candidates)
+    _positive(
+        "trace",
+        num_users=t.num_users,
+        min_history_length=t.min_history_length,
+        max_new_events=t.max_new_events,
+        num_candidates=t.num_candidates,
+    )
     if not t.min_history_length <= t.max_trace_history_length <= m.max_history_length:
         raise ConfigError(
             f"trace.max_trace_history_length ({t.max_trace_history_length}) must lie between "

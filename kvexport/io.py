@@ -148,7 +148,7 @@ def remove_stale_staging(parent: Path, prefix: str, suffixes: tuple[str, ...] = 
     """Removes `parent/{prefix}{pid}{suffix}` entries whose process is gone (debris of a killed writer)."""
     removed = []
     for path in sorted(parent.glob(glob.escape(prefix) + "*")):
-        pid, dot, rest = path.name[len(prefix):].partition(".")
+        pid, dot, rest = path.name[len(prefix) :].partition(".")
         if not pid.isdigit() or dot + rest not in suffixes or process_alive(int(pid)):
             continue
         if path.is_dir() and not path.is_symlink():

@@ -22,8 +22,14 @@ class Progress:
     total may be None when the number of steps is not known in advance.
     """
 
-    def __init__(self, name: str, total: int | None, logger: logging.Logger, interval: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        name: str,
+        total: int | None,
+        logger: logging.Logger,
+        interval: float = DEFAULT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.name, self.total, self.logger, self.interval, self.clock = name, total, logger, interval, clock
         self.done, self.logged_done = 0, None
         self.started = self.last_logged = clock()

@@ -44,8 +44,9 @@ def read_password_file(path: str | os.PathLike) -> str:
     except (FileNotFoundError, NotADirectoryError):
         raise contract_failure("password_file_missing", path=path) from None
     except OSError as exc:
-        raise contract_failure("password_file_unreadable", path=path,
-                               reason=exc.strerror or type(exc).__name__) from None
+        raise contract_failure(
+            "password_file_unreadable", path=path, reason=exc.strerror or type(exc).__name__
+        ) from None
     if len(data) > max_bytes:
         raise contract_failure("password_file_too_large", path=path, max_bytes=max_bytes)
     if data.startswith(b"\xef\xbb\xbf"):
@@ -71,7 +72,7 @@ def url_with_password(url: str, password: str) -> str:
     user = authority.rsplit("@", 1)[0] if "@" in authority else ""
     if ":" in user:
         raise UserError("the remote URL holds a password already: give it there or in a password file, not both")
-    host = rest[len(user) + 1:] if "@" in authority else rest
+    host = rest[len(user) + 1 :] if "@" in authority else rest
     return f"{scheme}://{user}:{quote(password, safe='')}@{host}"
 
 
@@ -86,5 +87,5 @@ def split_password(url: str) -> tuple[str, str | None]:
     if ":" not in user:
         return url, None
     name, password = user.split(":", 1)
-    host = rest[len(user) + 1:]
+    host = rest[len(user) + 1 :]
     return f"{scheme}://{name + '@' if name else ''}{host}", unquote(password)

@@ -84,8 +84,9 @@ def cuda_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
     """The tiny package built for CUDA (only tests that skip without a CUDA device ask for it)."""
     from kvexport.export.build import build_artifact
 
-    return build_artifact(TINY, tmp_path_factory.mktemp("cuda") / "hstu-tiny", checkpoint=tiny_checkpoint,
-                          device="cuda")
+    return build_artifact(
+        TINY, tmp_path_factory.mktemp("cuda") / "hstu-tiny", checkpoint=tiny_checkpoint, device="cuda"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -47,8 +47,13 @@ def pkg(tiny_artifact):
 
 
 def _user_dict(user, user_id=None) -> dict:
-    return {"user_id": user.user_id if user_id is None else user_id, "item_ids": user.item_ids,
-            "action_ids": user.action_ids, "context_ids": user.context_ids, "candidate_ids": user.candidate_ids}
+    return {
+        "user_id": user.user_id if user_id is None else user_id,
+        "item_ids": user.item_ids,
+        "action_ids": user.action_ids,
+        "context_ids": user.context_ids,
+        "candidate_ids": user.candidate_ids,
+    }
 
 
 def _users(config, seed: int, shapes: list[tuple[int, int]], first_user_id: int):
@@ -89,9 +94,18 @@ def test_score_equals_eager_full_recompute(pkg, tiny_config, eager):
     more = _users(tiny_config, seed=22, shapes=[(4, 2)] * 3, first_user_id=100)
     cold = Batch.concat(users)
     # The same users with four more events each: their prefixes come from the cache.
-    grown = Batch.concat([UserRequest(u.user_id, torch.cat([u.item_ids, x.item_ids]),
-                                      torch.cat([u.action_ids, x.action_ids]), u.context_ids, x.candidate_ids)
-                          for u, x in zip(users, more)])
+    grown = Batch.concat(
+        [
+            UserRequest(
+                u.user_id,
+                torch.cat([u.item_ids, x.item_ids]),
+                torch.cat([u.action_ids, x.action_ids]),
+                u.context_ids,
+                x.candidate_ids,
+            )
+            for u, x in zip(users, more)
+        ]
+    )
     for batch in (cold, grown, grown, cold.to_dict()):
         got = pkg.score(batch)
         rows = int(Batch(**batch).num_candidates.sum()) if isinstance(batch, dict) else int(batch.num_candidates.sum())
@@ -170,8 +184,9 @@ def test_bad_request_raises_invalid_request_and_the_next_is_correct(pkg, tiny_co
 @pytest.mark.slow
 def test_capacity_refusal_has_the_runtime_code(pkg, tiny_config, eager):
     m = tiny_config.model
-    too_big = random_batch(m, seed=2, history_lengths=[m.max_history_length] * 2, num_candidates=[1, 1],
-                           first_user_id=600)
+    too_big = random_batch(
+        m, seed=2, history_lengths=[m.max_history_length] * 2, num_candidates=[1, 1], first_user_id=600
+    )
     with pytest.raises(RequestFailed, match="KV cache capacity exceeded") as refused:
         pkg.score(too_big)
     assert refused.value.code == "capacity_exceeded"
@@ -182,8 +197,10 @@ def test_capacity_refusal_has_the_runtime_code(pkg, tiny_config, eager):
 @pytest.mark.slow
 def test_threads_scoring_through_one_package(pkg, tiny_config, eager):
     m = tiny_config.model
-    batches = [random_batch(m, seed=s, history_lengths=[5 + 3 * s, 11], num_candidates=[2, 3],
-                            first_user_id=700 + 2 * (s % 4)) for s in range(8)]
+    batches = [
+        random_batch(m, seed=s, history_lengths=[5 + 3 * s, 11], num_candidates=[2, 3], first_user_id=700 + 2 * (s % 4))
+        for s in range(8)
+    ]
     expected = [eager(b) for b in batches]
     errors: list[BaseException] = []
     worst = [0.0]
@@ -214,8 +231,12 @@ def test_close_then_score_raises(tiny_artifact, tiny_config):
         runtime = package.runtime_name
     assert package.closed
     package.close()  # idempotent
-    for call in (lambda: package.score(batch), lambda: package.stats(),
-                 lambda: package.score_users([{"user_id": 1}]), lambda: package.run(batch)):
+    for call in (
+        lambda: package.score(batch),
+        lambda: package.stats(),
+        lambda: package.score_users([{"user_id": 1}]),
+        lambda: package.run(batch),
+    ):
         with pytest.raises(UserError, match="^package closed"):
             call()
     assert kv.drop_runtime(runtime) is False  # close() dropped it

@@ -20,23 +20,50 @@ from kvexport.ops import wrappers as kv
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
-HEADLINES = ("cache_speedup", "package_speedup_vs_eager", "cpp_over_python_latency", "build_seconds_cold",
-             "build_seconds_warm", "bytes_per_cached_token", "contention_cached_slowdown", "contention_full_slowdown",
-             "portable_kernel_over_native", "portable_kernel_no_fmv_over_native")
+HEADLINES = (
+    "cache_speedup",
+    "package_speedup_vs_eager",
+    "cpp_over_python_latency",
+    "build_seconds_cold",
+    "build_seconds_warm",
+    "bytes_per_cached_token",
+    "contention_cached_slowdown",
+    "contention_full_slowdown",
+    "portable_kernel_over_native",
+    "portable_kernel_no_fmv_over_native",
+)
 
 
 def test_bench_writes_every_figure(tmp_path):
     results_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = CliRunner().invoke(main, ["bench", str(ROOT / "configs" / "hstu-bench.yaml"), "--lengths", "16,64",
-                                       "--warmup", "0", "--repeats", "1", "--json", str(results_path),
-                                       "--plot", str(plot_path)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(ROOT / "configs" / "hstu-bench.yaml"),
+            "--lengths",
+            "16,64",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--json",
+            str(results_path),
+            "--plot",
+            str(plot_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     results = json.loads(results_path.read_text())
     for key in HEADLINES:
         assert isinstance(results[key], (int, float)) and results[key] > 0, key
     assert results["bytes_per_cached_token"] == 2 * 2 * 2 * 32 * 4  # layers * (k, v) * heads * head_dim * fp32
     assert {(r["cached_events"], r["batch_size"]) for r in results["cache_benefit"]} == {
-        (16, 1), (64, 1), (16, 4), (64, 4)}
+        (16, 1),
+        (64, 1),
+        (16, 4),
+        (64, 4),
+    }
     assert results["cpp_vs_python"]["steps"] > 0
     assert results["cache_memory"]["device_occupancy"] > 0
     contention = results["contention"]
@@ -96,10 +123,12 @@ def test_on_a_busy_host_requests_take_fewer_threads_and_answer_the_same(tiny_art
 def test_busy_processes_end_when_the_bench_is_killed(tmp_path):
     """A bench killed mid-measurement (no finally runs) leaves no busy process behind."""
     pids_file = tmp_path / "pids"
-    script = ("import sys, time\nfrom kvexport.bench.contention import busy_processes\n"
-              "with busy_processes(2) as ps:\n"
-              f"    open({str(pids_file)!r}, 'w').write(' '.join(str(p.pid) for p in ps))\n"
-              "    time.sleep(60)\n")
+    script = (
+        "import sys, time\nfrom kvexport.bench.contention import busy_processes\n"
+        "with busy_processes(2) as ps:\n"
+        f"    open({str(pids_file)!r}, 'w').write(' '.join(str(p.pid) for p in ps))\n"
+        "    time.sleep(60)\n"
+    )
     bench = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 60
@@ -142,11 +171,35 @@ def test_kernel_bench_inputs_are_a_request_the_kernel_computes(threads):
 
 def _request_bench(artifact, checkpoint, out):
     """benchmarks/gpu/request_bench.py on a CPU artifact, small: returns its rows."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "request_bench.py"), str(artifact),
-                             "--length", "32", "--new-events", "4", "--candidates", "8", "--batch", "1,2",
-                             "--warmup", "1", "--repeats", "3", "--full-repeats", "2", "--json", str(out),
-                             "--checkpoint", str(checkpoint)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu" / "request_bench.py"),
+            str(artifact),
+            "--length",
+            "32",
+            "--new-events",
+            "4",
+            "--candidates",
+            "8",
+            "--batch",
+            "1,2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "3",
+            "--full-repeats",
+            "2",
+            "--json",
+            str(out),
+            "--checkpoint",
+            str(checkpoint),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(out.read_text())["rows"]
 
@@ -170,14 +223,27 @@ def test_request_bench_times_each_route_side_by_side(step_artifact, tiny_checkpo
     assert ["eager_cached_ms" in row for row in rows] == [True, True, False, False]
 
 
-@pytest.mark.parametrize("config, problem", [
-    ("hstu-tiny.yaml", "was built with a checkpoint; this script compares the seeded weights"),
-    ("hstu-bench.yaml", "was built from another config than hstu-bench's"),
-])
+@pytest.mark.parametrize(
+    "config, problem",
+    [
+        ("hstu-tiny.yaml", "was built with a checkpoint; this script compares the seeded weights"),
+        ("hstu-bench.yaml", "was built from another config than hstu-bench's"),
+    ],
+)
 def test_weights_bench_refuses_a_package_it_cannot_compare(tiny_artifact, config, problem):
     """benchmarks/gpu/weights_bench.py --package: the built package must hold the weights the script
     exports (the seeded ones of the same config), else the bitwise comparison means nothing."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "weights_bench.py"),
-                             str(ROOT / "configs" / config), "--package", str(tiny_artifact)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu" / "weights_bench.py"),
+            str(ROOT / "configs" / config),
+            "--package",
+            str(tiny_artifact),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert (result.returncode, result.stderr) == (2, f"error: {tiny_artifact} {problem}\n")

@@ -33,8 +33,14 @@ def test_package_matches_both_expectations_on_every_step(tiny_artifact):
 def test_trace_covers_the_required_situations(tiny_artifact):
     report = verify_artifact(tiny_artifact)
     descriptions = " | ".join(s.description for s in report.steps)
-    for needle in ("cold users", "appended events", "zero new events", "rewritten history", "changed context",
-                   "onboard from host tier"):
+    for needle in (
+        "cold users",
+        "appended events",
+        "zero new events",
+        "rewritten history",
+        "changed context",
+        "onboard from host tier",
+    ):
         assert needle in descriptions
     sizes = {s.batch_size for s in report.steps}
     assert {1, 4} <= sizes
@@ -47,8 +53,9 @@ def test_trace_covers_the_required_situations(tiny_artifact):
 def test_package_reproduces_the_checkpoint(tiny_artifact, tiny_checkpoint, tiny_config):
     model = build_model(tiny_config, checkpoint=tiny_checkpoint)
     default = build_model(tiny_config)
-    batch = random_batch(tiny_config.model, seed=11, history_lengths=[1, 30, 7], num_candidates=[3, 1, 5],
-                         first_user_id=1000)
+    batch = random_batch(
+        tiny_config.model, seed=11, history_lengths=[1, 30, 7], num_candidates=[3, 1, 5], first_user_id=1000
+    )
     runner = Package(open_artifact(tiny_artifact))
     with torch.no_grad():
         expected, other = model(batch), default(batch)
@@ -62,13 +69,14 @@ def test_package_serves_batch_one_single_event_and_maxima(tiny_artifact, tiny_co
     model = build_model(tiny_config, checkpoint=tiny_checkpoint)
     runner = Package(open_artifact(tiny_artifact))
     cases = [
-        ([1], [1]),                              # batch 1, a single event, a single candidate
+        ([1], [1]),  # batch 1, a single event, a single candidate
         ([m.max_history_length], [m.max_num_candidates]),  # one user at both maxima
-        ([3, 0, 9, 2], [1, 2, 3, 4]),            # max batch, one user without history
+        ([3, 0, 9, 2], [1, 2, 3, 4]),  # max batch, one user without history
     ]
     for seed, (histories, candidates) in enumerate(cases):
-        batch = random_batch(m, seed=seed, history_lengths=histories, num_candidates=candidates,
-                             first_user_id=2000 + 10 * seed)
+        batch = random_batch(
+            m, seed=seed, history_lengths=histories, num_candidates=candidates, first_user_id=2000 + 10 * seed
+        )
         got = runner.score(batch)
         assert got.shape == (sum(candidates), m.num_tasks)
         with torch.no_grad():
@@ -114,8 +122,10 @@ def test_perturbed_expectation_with_rehashed_manifest_is_caught(artifact_copy):
     assert "manifest.json was edited: its trace does not match model.pt2's metadata" in result.output
 
 
-@pytest.mark.parametrize("field,value", [("tolerance", {"atol": 1.0, "rtol": 1.0}),
-                                         ("required_libraries", ["fbgemm_gpu_py", "kvexport_ops"])])
+@pytest.mark.parametrize(
+    "field,value",
+    [("tolerance", {"atol": 1.0, "rtol": 1.0}), ("required_libraries", ["fbgemm_gpu_py", "kvexport_ops"])],
+)
 def test_edited_manifest_is_caught(artifact_copy, field, value):
     edit_manifest(artifact_copy, lambda manifest: manifest.update({field: value}))
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
@@ -165,7 +175,9 @@ def test_interrupted_or_failed_build_leaves_nothing(tmp_path, monkeypatch, inter
         raise interrupt
 
     monkeypatch.setattr(build, "record_trace", fail)
-    monkeypatch.setattr(build, "compile_package", lambda ep, path, metadata, configs=None: path.write_bytes(b"partial") or path)
+    monkeypatch.setattr(
+        build, "compile_package", lambda ep, path, metadata, configs=None: path.write_bytes(b"partial") or path
+    )
     monkeypatch.setattr(build, "check_package_ops", lambda path, ops: ops)
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["build", str(TINY), "-o", str(out)])
@@ -182,8 +194,7 @@ def test_run_scores_a_request_file(tiny_artifact, tmp_path):
     requests = tmp_path / "requests.pt"
     torch.save([request for request, _, _ in steps], requests)
     output = tmp_path / "logits.pt"
-    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                       "--output", str(output)])
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(output)])
     assert result.exit_code == 0, result.output
     entries = torch.load(output, weights_only=True)
     assert len(entries) == len(steps)
@@ -210,8 +221,9 @@ def test_run_rejects_each_malformed_request(tiny_artifact, tiny_config, tmp_path
     for i, (request, message) in enumerate(_malformed(tiny_config)):
         requests, output = tmp_path / f"r{i}.pt", tmp_path / f"o{i}.pt"
         torch.save([good_request(tiny_config), request], requests)
-        result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                           "--output", str(output)])
+        result = CliRunner().invoke(
+            main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(output)]
+        )
         assert result.exit_code == 2, (message, result.output)
         assert result.output.startswith("error: batch 1: ") and message in result.output, result.output
         assert result.output.count("\n") == 1
@@ -222,12 +234,15 @@ def test_run_rejects_too_many_users_and_events(tiny_artifact, tiny_config, tmp_p
     m = tiny_config.model
     too_many_users = random_batch(m, seed=0, history_lengths=[1] * 5, num_candidates=[1] * 5).to_dict()
     too_long = random_batch(m, seed=0, history_lengths=[m.max_history_length + 1], num_candidates=[1]).to_dict()
-    for request, message in ((too_many_users, "5 users exceed serving.max_batch_size (4)"),
-                             (too_long, "history_lengths has 513, outside events [0, 512]")):
+    for request, message in (
+        (too_many_users, "5 users exceed serving.max_batch_size (4)"),
+        (too_long, "history_lengths has 513, outside events [0, 512]"),
+    ):
         requests = tmp_path / "r.pt"
         torch.save([request], requests)
-        result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                           "--output", str(tmp_path / "o.pt")])
+        result = CliRunner().invoke(
+            main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(tmp_path / "o.pt")]
+        )
         assert result.exit_code == 2
         assert message in result.output
 
@@ -251,7 +266,7 @@ def test_compare_flags_values_outside_tolerance():
     assert compare(expected.clone(), expected, atol=1e-4, rtol=1e-4).passed
     close = expected + torch.tensor([[1e-4, 0.0], [0.0, 0.0]])  # within atol + rtol * 1.0
     assert compare(close, expected, atol=1e-4, rtol=1e-4).passed
-    off = expected + torch.tensor([[0.0, 0.0], [0.0, 2e-4]])   # |exp| = 0: only atol applies
+    off = expected + torch.tensor([[0.0, 0.0], [0.0, 2e-4]])  # |exp| = 0: only atol applies
     result = compare(off, expected, atol=1e-4, rtol=1e-4)
     assert not result.passed and result.max_abs == pytest.approx(2e-4)
     assert not compare(expected[:1], expected, atol=1.0, rtol=1.0).passed  # shape mismatch
@@ -274,10 +289,14 @@ def test_the_build_self_test_refuses_a_package_that_disagrees_with_its_trace(tmp
     from kvexport.native.selftest import SelfTestError
     from kvexport.trace.record import record_trace
 
-    monkeypatch.setattr(build, "record_trace",
-                        lambda config, model, trace_dir: record_trace(config, build_model(config, seed=5), trace_dir))
+    monkeypatch.setattr(
+        build,
+        "record_trace",
+        lambda config, model, trace_dir: record_trace(config, build_model(config, seed=5), trace_dir),
+    )
     out = tmp_path / "hstu-tiny"
-    with pytest.raises(SelfTestError, match="after a refused request the package's next output differs from the "
-                                            "recorded one$"):
+    with pytest.raises(
+        SelfTestError, match="after a refused request the package's next output differs from the recorded one$"
+    ):
         build.build_artifact(TINY, out)
     assert list(tmp_path.iterdir()) == []

@@ -16,17 +16,34 @@ from tests.helpers.configs import tiny_config
 def small_cache_config(**switches):
     """The tiny model with room for ~3 users on the device tier and ~6 on the host tier (pairs), under
     the given model switches."""
-    return tiny_config(name="parity", model={**switches, "max_history_length": 48},  # <= 99 tokens = 7 pages a user
-                       kv_cache={"device_pages": 21, "host_pages": 42}, trace={"max_trace_history_length": 48})
+    return tiny_config(
+        name="parity",
+        model={**switches, "max_history_length": 48},  # <= 99 tokens = 7 pages a user
+        kv_cache={"device_pages": 21, "host_pages": 42},
+        trace={"max_trace_history_length": 48},
+    )
 
 
-DLRM_SWITCHES = {"event_tokens": "combined", "candidate_position": "shared_row", "head": "item_tower",
-                 "query_time_periods": [[3600, 24], [86400, 7]], "silu_on": "u", "layer_output": "concat"}
+DLRM_SWITCHES = {
+    "event_tokens": "combined",
+    "candidate_position": "shared_row",
+    "head": "item_tower",
+    "query_time_periods": [[3600, 24], [86400, 7]],
+    "silu_on": "u",
+    "layer_output": "concat",
+}
 
 
-@pytest.mark.parametrize("switches", [{}, {"event_tokens": "combined", "candidate_position": "shared_row"},
-                                      DLRM_SWITCHES, {"context_attention": "whole_prefix", "scaling_seqlen": 4}],
-                         ids=["default", "combined-shared-row", "dlrm-item-tower", "context-whole-prefix"])
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {},
+        {"event_tokens": "combined", "candidate_position": "shared_row"},
+        DLRM_SWITCHES,
+        {"context_attention": "whole_prefix", "scaling_seqlen": 4},
+    ],
+    ids=["default", "combined-shared-row", "dlrm-item-tower", "context-whole-prefix"],
+)
 def test_cached_equals_recompute_under_eviction(switches):
     config = small_cache_config(**switches)
     model = build_model(config, seed=1)
@@ -43,8 +60,14 @@ def test_cached_equals_recompute_under_eviction(switches):
         mask_moved = 0.0
     cache = KVCacheManager(config)
     cache.reset()
-    spec = WorkloadSpec(num_users=12, min_history_length=8, max_history_length=48, max_new_events=6,
-                        num_candidates=6, rewrite_fraction=0.15)
+    spec = WorkloadSpec(
+        num_users=12,
+        min_history_length=8,
+        max_history_length=48,
+        max_new_events=6,
+        num_candidates=6,
+        rewrite_fraction=0.15,
+    )
     workload = Workload(config.model, spec, seed=2)
     partial_hits = 0
     try:  # closed on failure too: the next test makes a runtime of the same name
@@ -83,8 +106,11 @@ def test_a_combined_event_whose_action_changed_is_recomputed():
     model = build_model(config, seed=1)
     cache = KVCacheManager(config)
     cache.reset()
-    batch = Workload(config.model, WorkloadSpec(num_users=1, min_history_length=10, max_history_length=10,
-                                                max_new_events=1, num_candidates=3), seed=4).next_batch(1)
+    batch = Workload(
+        config.model,
+        WorkloadSpec(num_users=1, min_history_length=10, max_history_length=10, max_new_events=1, num_candidates=3),
+        seed=4,
+    ).next_batch(1)
     changed = batch.action_ids.clone()
     changed[6] = (changed[6] + 1) % config.model.action_vocab_size
     try:

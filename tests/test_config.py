@@ -46,7 +46,10 @@ CASES = [
     (edited("kv_cache", "device_pages", 10), "kv_cache.device_pages (10) cannot hold one user"),
     (edited("kv_cache", "host_pages", -1), "kv_cache.host_pages must be >= 0, got -1"),
     (edited("serving", "device", "tpu"), "serving.device must be one of cpu, cuda, got 'tpu'"),
-    (edited("serving", "cpu_isa", "znver4"), "serving.cpu_isa must be one of native, x86-64-v2, x86-64-v3, got 'znver4'"),
+    (
+        edited("serving", "cpu_isa", "znver4"),
+        "serving.cpu_isa must be one of native, x86-64-v2, x86-64-v3, got 'znver4'",
+    ),
     (edited("model", "num_contextual_features", -1), "model.num_contextual_features must be >= 0, got -1"),
     (edited("trace", "num_candidates", 65), "trace.num_candidates (65) exceeds model.max_num_candidates (64)"),
     (edited("trace", "max_trace_history_length", 600), "trace.max_trace_history_length (600) must lie between"),

@@ -33,7 +33,8 @@ def ops():
 
     library.load()
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kvexport::hstu_paged_attention", "CUDA"), (
-        "the op library was built without CUDA kernels: rebuild it with a CUDA torch (python -m kvexport.native)")
+        "the op library was built without CUDA kernels: rebuild it with a CUDA torch (python -m kvexport.native)"
+    )
     return torch.ops.kvexport
 
 
@@ -41,20 +42,21 @@ def users_for(page_size: int) -> list[tuple[int, int, int]]:
     """(cached keys, new prefix rows, candidates) per user: keys read from 0 up to past a key chunk,
     page boundaries, a user with more rows than one tile, users without candidates or without rows."""
     return [
-        (0, 0, 3),                   # candidates that read no cached key, only themselves
-        (0, 2, 1),                   # prefix rows reading 1 and 2 keys
-        (page_size - 1, 1, 2),       # a prefix row that reads exactly one page
-        (page_size, 0, 2),           # candidates that read exactly one page
-        (2 * page_size + 1, 3, 5),   # one key into the third page
-        (10, 0, 0),                  # a user with pages but no rows
-        (2500, 20, 70),              # 90 rows, keys over several chunks
-        (1200, 150, 100),            # 250 rows: two tiles
-        (700, 64, 0),                # prefix rows only, one full tile
+        (0, 0, 3),  # candidates that read no cached key, only themselves
+        (0, 2, 1),  # prefix rows reading 1 and 2 keys
+        (page_size - 1, 1, 2),  # a prefix row that reads exactly one page
+        (page_size, 0, 2),  # candidates that read exactly one page
+        (2 * page_size + 1, 3, 5),  # one key into the third page
+        (10, 0, 0),  # a user with pages but no rows
+        (2500, 20, 70),  # 90 rows, keys over several chunks
+        (1200, 150, 100),  # 250 rows: two tiles
+        (700, 64, 0),  # prefix rows only, one full tile
     ]
 
 
-def make_inputs(users, heads: int, head_dim: int, page_size: int, dtype: torch.dtype, seed: int,
-                fused_qkv: bool = False):
+def make_inputs(
+    users, heads: int, head_dim: int, page_size: int, dtype: torch.dtype, seed: int, fused_qkv: bool = False
+):
     """hstu_paged_attention's inputs on the CPU. Rows are [candidates of all users][new prefix rows
     of all users], as the runtime lays them out; each user's pages are scattered over a shuffled
     pool with spare pages of noise between them."""
@@ -67,7 +69,7 @@ def make_inputs(users, heads: int, head_dim: int, page_size: int, dtype: torch.d
     page_table = torch.empty(len(users), max_pages, dtype=torch.int64)
     used = 0
     for u, n in enumerate(pages_needed):
-        page_table[u, :n] = pool[used:used + n]
+        page_table[u, :n] = pool[used : used + n]
         used += n
         page_table[u, n:] = pool[torch.randint(num_pages, (max_pages - n,), generator=g)]  # valid, never read
     cache = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g).to(dtype)
@@ -87,8 +89,16 @@ def make_inputs(users, heads: int, head_dim: int, page_size: int, dtype: torch.d
         q, k, v = (t.unflatten(1, (heads, head_dim)) for t in qkv.chunk(4, dim=1)[1:])
     else:
         q, k, v = (torch.randn(rows, heads, head_dim, generator=g).to(dtype) for _ in range(3))
-    return (q, k, v, cache, page_table, torch.tensor(row_user, dtype=torch.int64),
-            torch.tensor(row_keys, dtype=torch.int64), torch.tensor(row_candidate, dtype=torch.bool))
+    return (
+        q,
+        k,
+        v,
+        cache,
+        page_table,
+        torch.tensor(row_user, dtype=torch.int64),
+        torch.tensor(row_keys, dtype=torch.int64),
+        torch.tensor(row_candidate, dtype=torch.bool),
+    )
 
 
 def to_cuda(inputs):
@@ -161,28 +171,32 @@ def test_deterministic(ops):
 def test_rejects_bad_indices(ops):
     page_size = 16
     q, k, v, cache, page_table, row_user, row_keys, row_candidate = make_inputs(
-        users_for(page_size), 2, 64, page_size, torch.bfloat16, seed=5)
+        users_for(page_size), 2, 64, page_size, torch.bfloat16, seed=5
+    )
     too_many = row_keys.clone()
     too_many[0] = page_table.shape[1] * page_size + 1
     with pytest.raises(RuntimeError, match="paged_attention:"):
         ops.hstu_paged_attention(*to_cuda((q, k, v, cache, page_table, row_user, too_many, row_candidate)), 1.0, 1.0)
     with pytest.raises(RuntimeError, match="paged_attention:"):
-        ops.hstu_paged_attention(*to_cuda((q, k, v, cache.float(), page_table, row_user, row_keys, row_candidate)),
-                                 1.0, 1.0)
+        ops.hstu_paged_attention(
+            *to_cuda((q, k, v, cache.float(), page_table, row_user, row_keys, row_candidate)), 1.0, 1.0
+        )
 
 
 def test_opcheck(ops):
     page_size = 16
     inputs = to_cuda(make_inputs(users_for(page_size)[:4], 2, 64, page_size, torch.bfloat16, seed=9))
-    torch.library.opcheck(ops.hstu_paged_attention.default, (*inputs, 0.125, 1.0 / 64),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        ops.hstu_paged_attention.default, (*inputs, 0.125, 1.0 / 64), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def float32_reference(inputs, alpha: float, inv_scaling: float) -> torch.Tensor:
     """HSTU attention in plain float32 PyTorch from the same (upcast) inputs: each row's keys
     gathered from its user's pages, SiLU weights, no normaliser, the candidate's own key added."""
     q, k, v, cache, page_table, row_user, row_keys, row_candidate = (
-        t.float() if t.is_floating_point() else t for t in inputs)
+        t.float() if t.is_floating_point() else t for t in inputs
+    )
     page_size = cache.shape[2]
     out = torch.zeros_like(q)
     for r in range(q.shape[0]):
@@ -228,8 +242,7 @@ def test_unaligned_rows(ops):
     mma.sync kernel, with the same results."""
     page_size = 32
     q, k, v, *rest = make_inputs([(700, 10, 20), (40, 3, 5)], 2, 128, page_size, torch.bfloat16, seed=13)
-    check_close(ops, (unaligned_rows(q), unaligned_rows(k), unaligned_rows(v), *rest), alpha=0.1,
-                inv_scaling=1.0 / 512)
+    check_close(ops, (unaligned_rows(q), unaligned_rows(k), unaligned_rows(v), *rest), alpha=0.1, inv_scaling=1.0 / 512)
 
 
 def kernels_run(ops, inputs) -> set[str]:

@@ -17,8 +17,11 @@ from tests.helpers.artifacts import edit_manifest
 from tests.helpers.configs import TINY
 from tests.helpers.hostile import good_request, run_plain_host
 
-pytestmark = [pytest.mark.cuda, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_the_package_names_its_device(cuda_artifact):
@@ -34,8 +37,9 @@ def test_verify_and_replay_pass_on_the_gpu(cuda_artifact, tmp_path):
     report = verify_artifact(cuda_artifact)
     assert report.passed, [s for s in report.steps if not s.passed]
     assert report.counters["offloads"] > 0 and report.counters["onboards"] > 0
-    result = subprocess.run(replay_command(cuda_artifact, tmp_path / "replay.json"), capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        replay_command(cuda_artifact, tmp_path / "replay.json"), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]  # also: the harness exits cleanly
     assert json.loads((tmp_path / "replay.json").read_text())["passed"]
 
@@ -51,9 +55,24 @@ def test_plain_host_eight_threads_on_the_gpu(cuda_artifact, host_corpus):
 
 def test_soak_with_offloads_on_the_gpu(cuda_artifact, tiny_checkpoint, tmp_path):
     report = tmp_path / "soak.json"
-    result = subprocess.run([sys.executable, "-m", "kvexport", "soak", str(cuda_artifact), "--requests", "200",
-                             "--checkpoint", str(tiny_checkpoint), "--json", str(report)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvexport",
+            "soak",
+            str(cuda_artifact),
+            "--requests",
+            "200",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     soak = json.loads(report.read_text())
     assert soak["mismatches"] == 0 and soak["counters"]["onboards"] > 0
@@ -66,8 +85,7 @@ def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config, tiny_chec
     from kvexport.model import build_model
     from kvexport.model.batch import Batch
 
-    names = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
-             "candidate_ids")
+    names = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates", "candidate_ids")
     good = good_request(tiny_config, 900)
     mixed = dict(good, item_ids=good["item_ids"].to("cuda"))
     with kvexport.load(cuda_artifact) as package:
@@ -92,12 +110,14 @@ def test_the_harness_refuses_a_package_built_for_another_gpu(cuda_artifact, tmp_
     assert kv.gpu_info(torch.device("cuda")) == (f"{major}.{minor}", torch.cuda.get_device_name())
     artifact = shutil.copytree(cuda_artifact, tmp_path / "other-gpu")
     edit_manifest(artifact, lambda m: m["isa"].update(gpu={"capability": "1.0", "name": "an older GPU"}))
-    result = subprocess.run(replay_command(artifact, tmp_path / "replay.json"), capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        replay_command(artifact, tmp_path / "replay.json"), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: the package's GPU code is compiled for compute capability 1.0 (an older GPU); cuda has "
-        f"{major}.{minor} ({torch.cuda.get_device_name()}): build the package on a GPU of this architecture"]
+        f"{major}.{minor} ({torch.cuda.get_device_name()}): build the package on a GPU of this architecture"
+    ]
 
 
 def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
@@ -143,8 +163,9 @@ def test_no_request_op_calls_a_synchronising_torch_function(cuda_artifact):
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in steps:
-                request, expected, _ = load_trace_step(cuda_artifact / step[TRACE_KEYS["file"]],
-                                                       expect_outputs=TRACE_KEYS["expect_error"] not in step)
+                request, expected, _ = load_trace_step(
+                    cuda_artifact / step[TRACE_KEYS["file"]], expect_outputs=TRACE_KEYS["expect_error"] not in step
+                )
                 try:
                     runs.append((package._compiled(*(request[name] for name in SIGNATURE)), expected))
                 except RuntimeError:
@@ -191,9 +212,15 @@ def test_a_batch_goes_to_the_gpu_in_one_aligned_copy():
     from kvexport.model.batch import Batch
 
     def batch(seed: int) -> Batch:
-        return Batch(torch.tensor([seed, seed + 1]), torch.tensor([0, 3]), torch.arange(3) + seed,
-                     torch.arange(3) % 4, (torch.arange(8).view(4, 2) + seed).t(), torch.tensor([1, 2]),
-                     torch.arange(3) + 9 * seed)
+        return Batch(
+            torch.tensor([seed, seed + 1]),
+            torch.tensor([0, 3]),
+            torch.arange(3) + seed,
+            torch.arange(3) % 4,
+            (torch.arange(8).view(4, 2) + seed).t(),
+            torch.tensor([1, 2]),
+            torch.arange(3) + 9 * seed,
+        )
 
     moved = batch(0).to("cuda")
     assert len({t.untyped_storage().data_ptr() for t in moved.tensors()}) == 1

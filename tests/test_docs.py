@@ -21,8 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"sh", "bash", "shell", "console"}
-MARKER = re.compile(r"<!-- example: (?:(?P<test>tests/test_\w+\.py) runs this block|not run \((?P<reason>.+)\))"
-                    r"[^>]*-->")
+MARKER = re.compile(
+    r"<!-- example: (?:(?P<test>tests/test_\w+\.py) runs this block|not run \((?P<reason>.+)\))"
+    r"[^>]*-->"
+)
 OUTPUT_MARKER = "<!-- output of the block above"
 NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 MAX_LINE = 200
@@ -51,7 +53,7 @@ def fenced_blocks(page: Path) -> list[tuple[int, str, str, str]]:
                 start, language = number, line[3:].strip()
             else:
                 above = lines[start - 1] if start > 0 else ""
-                blocks.append((start + 1, language, above, "\n".join(lines[start + 1:number]) + "\n"))
+                blocks.append((start + 1, language, above, "\n".join(lines[start + 1 : number]) + "\n"))
                 start = None
     return blocks
 
@@ -79,8 +81,10 @@ def normalised(text: str) -> list[str]:
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.id)
 def test_every_shell_block_names_the_test_that_runs_it_or_why_none_does(block):
     marker = MARKER.fullmatch(block.marker.strip())
-    assert marker, f"{block.id}: the line above the block must be <!-- example: tests/test_x.py runs this block -->" \
-                   " or <!-- example: not run (REASON) -->"
+    assert marker, (
+        f"{block.id}: the line above the block must be <!-- example: tests/test_x.py runs this block -->"
+        " or <!-- example: not run (REASON) -->"
+    )
     test = marker["test"]
     if test:
         assert (ROOT / test).is_file(), f"{block.id}: {test} does not exist"
@@ -90,8 +94,12 @@ def test_every_shell_block_names_the_test_that_runs_it_or_why_none_does(block):
 
 def test_pages_stay_readable():
     """The README is a front door, not the manual; no line of any page runs past the screen."""
-    long_lines = [f"{page.relative_to(ROOT)}:{number}" for page in PAGES
-                  for number, line in enumerate(page.read_text().splitlines(), 1) if len(line) > MAX_LINE]
+    long_lines = [
+        f"{page.relative_to(ROOT)}:{number}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if len(line) > MAX_LINE
+    ]
     assert long_lines == [], f"lines over {MAX_LINE} characters"
     assert len((ROOT / "README.md").read_text().splitlines()) <= MAX_README_LINES
 
@@ -102,8 +110,12 @@ def _as_written_here(code: str, tmp_path: Path, artifact: Path) -> str:
     return code.replace("artifacts/hstu-tiny", str(artifact))
 
 
-RUN_HERE = [block for block in BLOCKS if MARKER.fullmatch(block.marker.strip())
-            and MARKER.fullmatch(block.marker.strip())["test"] in (None, "tests/test_docs.py")]
+RUN_HERE = [
+    block
+    for block in BLOCKS
+    if MARKER.fullmatch(block.marker.strip())
+    and MARKER.fullmatch(block.marker.strip())["test"] in (None, "tests/test_docs.py")
+]
 
 
 @pytest.mark.parametrize("block", RUN_HERE, ids=lambda block: block.id)
@@ -112,8 +124,13 @@ def test_shell_block_runs_as_written(block, request, tmp_path):
     if reason:
         pytest.skip(f"{block.id}: {reason}")
     artifact = request.getfixturevalue("tiny_artifact") if "artifacts/hstu-tiny" in block.code else ROOT / "artifacts"
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", _as_written_here(block.code, tmp_path, artifact)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", _as_written_here(block.code, tmp_path, artifact)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     if block.output is not None:  # as a terminal shows it: progress (stderr) first, then the report
         assert normalised(done.stderr) + normalised(done.stdout) == normalised(block.output), done.stderr + done.stdout

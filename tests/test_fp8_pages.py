@@ -27,13 +27,14 @@ E4M3_MAX = 448.0
 
 # ---- the plain-PyTorch reference of the stored format -----------------------------------------------
 
+
 def reference_scale_exponents(x: torch.Tensor) -> torch.Tensor:
     """[N, H] the smallest integer E with max |x[n, h]| <= 448 * 2^E (0 for an all-zero head),
     found by search over float64 powers of two rather than by the kernel's frexp rule."""
     amax = x.double().abs().amax(dim=-1)  # [N, H]
     exponents = torch.full_like(amax, -200.0)
     for e in range(-140, 140):  # ascending: the first E that holds is the smallest
-        fits = (amax <= E4M3_MAX * 2.0 ** e) & (exponents == -200.0)
+        fits = (amax <= E4M3_MAX * 2.0**e) & (exponents == -200.0)
         exponents[fits] = e
     exponents[amax == 0] = 0
     return exponents.long().clamp(-126, 127)
@@ -62,14 +63,14 @@ def test_fp8_round_matches_torch_cast_with_power_of_two_scales():
     x = torch.randn(64, 3, 40, generator=g) * torch.logspace(-6, 4, 64).view(-1, 1, 1)
     x[0] = 0.0  # an all-zero row
     x[1, 0, :] = 448.0  # amax exactly 448 * 2^0
-    x[1, 1, :] = -448.0 * 2.0 ** -7
+    x[1, 1, :] = -448.0 * 2.0**-7
     x[2, :, 0] = 1e-30  # a head whose values are all far below its largest
     got = kv.fp8_round(x)
     assert got.dtype == x.dtype and got.shape == x.shape
     torch.testing.assert_close(got, reference_round(x), rtol=0, atol=0)
     # What rounding costs: e4m3's 3 mantissa bits, relative error at most 2^-4 where not subnormal.
-    normal = x.abs() >= x.abs().amax(dim=-1, keepdim=True) * 2.0 ** -8
-    assert ((got - x).abs() <= x.abs() * 2.0 ** -4)[normal].all()
+    normal = x.abs() >= x.abs().amax(dim=-1, keepdim=True) * 2.0**-8
+    assert ((got - x).abs() <= x.abs() * 2.0**-4)[normal].all()
 
 
 def test_fp8_round_of_bfloat16_rows_is_exact_in_bfloat16():
@@ -80,6 +81,7 @@ def test_fp8_round_of_bfloat16_rows_is_exact_in_bfloat16():
 
 
 # ---- the CPU kernel reads FP8 pages ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize(("threads", "num_rows", "pages"), [(1, 150, 40), (2, 400, 64)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 24])
@@ -108,15 +110,33 @@ def test_kernel_over_fp8_pages_equals_reference_over_dequantised_pages(head_dim,
 def test_kernel_refuses_fp8_pages_of_another_shape():
     q = torch.randn(2, 2, 8)
     with pytest.raises(RuntimeError, match="FP8 pages"):
-        kv.hstu_paged_attention(q, q, q, torch.zeros(3, 2 * 2 * 9 * 4 + 1, dtype=torch.uint8),
-                                torch.zeros(1, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
-                                torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.bool), ALPHA, INV_S)
+        kv.hstu_paged_attention(
+            q,
+            q,
+            q,
+            torch.zeros(3, 2 * 2 * 9 * 4 + 1, dtype=torch.uint8),
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.bool),
+            ALPHA,
+            INV_S,
+        )
 
 
 # ---- the runtime: pages, tiers, remote entries ------------------------------------------------------
 
-FP8_RUNTIME = {"num_layers": 2, "num_heads": 2, "head_dim": 8, "page_size": 4, "device_pages": 6,
-               "host_pages": 0, "dtype": "float32", "kv_dtype": "float8_e4m3", "remote_read_budget_us": 200_000}
+FP8_RUNTIME = {
+    "num_layers": 2,
+    "num_heads": 2,
+    "head_dim": 8,
+    "page_size": 4,
+    "device_pages": 6,
+    "host_pages": 0,
+    "dtype": "float32",
+    "kv_dtype": "float8_e4m3",
+    "remote_read_budget_us": 200_000,
+}
 
 
 def run_batch(runtime: str, config: str, users: dict[int, list[int]], rows_of) -> None:
@@ -125,8 +145,9 @@ def run_batch(runtime: str, config: str, users: dict[int, list[int]], rows_of) -
     user_ids = torch.tensor(list(users))
     tokens = torch.tensor([t for ts in users.values() for t in ts])
     lengths = torch.tensor([len(ts) for ts in users.values()])
-    new_index, _ = kv.begin_batch(runtime, config, user_ids, tokens, lengths, torch.ones(len(users), dtype=torch.int64),
-                                  torch.empty(0)).tolist()
+    new_index, _ = kv.begin_batch(
+        runtime, config, user_ids, tokens, lengths, torch.ones(len(users), dtype=torch.int64), torch.empty(0)
+    ).tolist()
     new_tokens = tokens[new_index].tolist()
     for layer in range(2):
         rows = torch.cat([torch.zeros(len(users), 2, 8), rows_of(new_tokens, layer)])
@@ -201,11 +222,15 @@ def test_runtime_refuses_fp8_pages_on_cuda():
 
 # ---- the invariant: cached == full recompute, under eviction ----------------------------------------
 
+
 def fp8_config(**model):
     # A small S: attention moves the logits enough that FP8's rounding shows (asserted below).
-    return tiny_config(name="parity-fp8", model={**model, "max_history_length": 48, "scaling_seqlen": 4},
-                       kv_cache={"device_pages": 21, "host_pages": 42, "dtype": "float8_e4m3"},
-                       trace={"max_trace_history_length": 48})
+    return tiny_config(
+        name="parity-fp8",
+        model={**model, "max_history_length": 48, "scaling_seqlen": 4},
+        kv_cache={"device_pages": 21, "host_pages": 42, "dtype": "float8_e4m3"},
+        trace={"max_trace_history_length": 48},
+    )
 
 
 def test_cached_equals_recompute_with_fp8_pages_under_eviction():
@@ -221,8 +246,14 @@ def test_cached_equals_recompute_with_fp8_pages_under_eviction():
     atol = 1e-6
     cache = KVCacheManager(config)
     cache.reset()
-    spec = WorkloadSpec(num_users=12, min_history_length=8, max_history_length=48, max_new_events=6,
-                        num_candidates=6, rewrite_fraction=0.15)
+    spec = WorkloadSpec(
+        num_users=12,
+        min_history_length=8,
+        max_history_length=48,
+        max_new_events=6,
+        num_candidates=6,
+        rewrite_fraction=0.15,
+    )
     workload = Workload(config.model, spec, seed=2)
     moved = 0.0
     try:
@@ -242,6 +273,7 @@ def test_cached_equals_recompute_with_fp8_pages_under_eviction():
 
 # ---- config and refusals ----------------------------------------------------------------------------
 
+
 def test_kv_cache_dtype_defaults_to_the_model_dtype():
     assert tiny_config().kv_cache.dtype == "float32"
     assert tiny_config(model={"dtype": "bfloat16"}).kv_cache.dtype == "bfloat16"
@@ -250,13 +282,23 @@ def test_kv_cache_dtype_defaults_to_the_model_dtype():
     assert fp8.kv_cache.fp8_pages and json.loads(fp8.runtime_json())["kv_dtype"] == "float8_e4m3"
 
 
-@pytest.mark.parametrize(("kv_cache", "serving", "message"), [
-    ({"dtype": "float8_e5m2"}, {}, "kv_cache.dtype must be float8_e4m3 or model.dtype (float32), got 'float8_e5m2'"),
-    ({"dtype": "bfloat16"}, {}, "kv_cache.dtype must be float8_e4m3 or model.dtype (float32), got 'bfloat16'"),
-    ({"dtype": 8}, {}, "kv_cache.dtype must be str, got 8"),
-    ({"dtype": "float8_e4m3"}, {"device": "cuda"}, f"kv_cache.dtype float8_e4m3 with serving.device cuda: "
-                                                   f"{FP8_CUDA_REFUSAL}"),
-])
+@pytest.mark.parametrize(
+    ("kv_cache", "serving", "message"),
+    [
+        (
+            {"dtype": "float8_e5m2"},
+            {},
+            "kv_cache.dtype must be float8_e4m3 or model.dtype (float32), got 'float8_e5m2'",
+        ),
+        ({"dtype": "bfloat16"}, {}, "kv_cache.dtype must be float8_e4m3 or model.dtype (float32), got 'bfloat16'"),
+        ({"dtype": 8}, {}, "kv_cache.dtype must be str, got 8"),
+        (
+            {"dtype": "float8_e4m3"},
+            {"device": "cuda"},
+            f"kv_cache.dtype float8_e4m3 with serving.device cuda: {FP8_CUDA_REFUSAL}",
+        ),
+    ],
+)
 def test_bad_kv_cache_dtype_is_one_line(kv_cache, serving, message):
     with pytest.raises(ConfigError) as error:
         tiny_config(kv_cache=kv_cache, serving=serving)

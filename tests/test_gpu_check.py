@@ -35,8 +35,15 @@ fi
 exit 0
 """
 
-TINY_STEPS = {"build-tiny", "verify-tiny", "replay-tiny", "replay-graphs-tiny", "soak-tiny", "request-bench-tiny",
-              "serve-tiny"}
+TINY_STEPS = {
+    "build-tiny",
+    "verify-tiny",
+    "replay-tiny",
+    "replay-graphs-tiny",
+    "soak-tiny",
+    "request-bench-tiny",
+    "serve-tiny",
+}
 
 
 @pytest.fixture
@@ -60,13 +67,15 @@ def stand_in(tmp_path) -> Path:
     return interpreter
 
 
-def gpu_check(script: Path, out: Path, interpreter: Path, *options: str,
-              failing: str = "") -> tuple[int, dict[str, str]]:
+def gpu_check(
+    script: Path, out: Path, interpreter: Path, *options: str, failing: str = ""
+) -> tuple[int, dict[str, str]]:
     """Runs the script; returns its exit code and each step's outcome: 'ran' (passed this time),
     'kept' (kept by --resume) or 'failed'."""
     (interpreter.parent / "fail.txt").write_text(failing + "\n")
-    result = subprocess.run(["bash", str(script), str(out), str(interpreter), *options], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(script), str(out), str(interpreter), *options], capture_output=True, text=True, timeout=120
+    )
     outcomes = {}
     for line in (out / "summary.txt").read_text().splitlines():
         name, how = line.split(": ", 1)
@@ -84,8 +93,7 @@ def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_no
     assert code == 1
     assert first["soak-tiny"] == "failed" and first["request-bench-tiny"] == "ran"
     kernel_steps = {"native", "pytest-cuda", "attention-bench", "peers", "attention-bench-c1024", "peers-c1024"}
-    assert set(first) == kernel_steps | TINY_STEPS | (
-        {"profile-attention"} if "profile-attention" in first else set())
+    assert set(first) == kernel_steps | TINY_STEPS | ({"profile-attention"} if "profile-attention" in first else set())
 
     code, second = gpu_check(script, out, stand_in, "--quick", "--resume")
     assert code == 0
@@ -96,8 +104,9 @@ def test_a_failed_step_does_not_stop_the_others_and_resume_runs_only_what_had_no
     assert code == 0 and ran(third) == {"native"}
 
 
-@pytest.mark.parametrize("config, among", [("tiny", TINY_STEPS),
-                                           ("kuairand", {"build-kuairand", "weights-bench-kuairand"})])
+@pytest.mark.parametrize(
+    "config, among", [("tiny", TINY_STEPS), ("kuairand", {"build-kuairand", "weights-bench-kuairand"})]
+)
 def test_resume_runs_every_step_of_a_config_whose_package_is_gone(tmp_path, script, stand_in, config, among):
     """Every step of that config runs again, the weights benchmark among kuairand's (it times the
     package as built); the other config's steps are kept."""
@@ -148,28 +157,38 @@ def test_a_failed_build_is_rebuilt_with_all_its_steps(tmp_path, script, stand_in
 
 
 def test_an_unknown_option_is_refused_with_the_usage(tmp_path, script, stand_in):
-    result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(stand_in), "--resum"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out"), str(stand_in), "--resum"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
-    assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh \[OUT\] .*\n",
-                        result.stderr)
+    assert re.fullmatch(r"gpu-check: unknown option --resum; usage: scripts/gpu-check\.sh \[OUT\] .*\n", result.stderr)
 
 
 def test_an_interpreter_that_cannot_import_kvexport_is_refused_before_any_step(tmp_path, script, stand_in):
     (stand_in.parent / "fail.txt").write_text("import kvexport\n")
-    result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(stand_in)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out"), str(stand_in)], capture_output=True, text=True, timeout=120
+    )
     assert (result.returncode, result.stderr.strip()) == (
-        2, f"gpu-check: {stand_in} cannot import kvexport outside this checkout: install it first "
-           f"({stand_in} -m pip install --no-deps -e .)")
+        2,
+        f"gpu-check: {stand_in} cannot import kvexport outside this checkout: install it first "
+        f"({stand_in} -m pip install --no-deps -e .)",
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_an_interpreter_may_be_named_relative_to_the_checkout(tmp_path, script, stand_in):
     """As `.venv/bin/python` is: the script runs every step from the checkout's root."""
     relative = Path("..") / stand_in.name  # the stand-in sits beside the copied tree
-    result = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(relative), "--quick"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out"), str(relative), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "native: passed" in (tmp_path / "out" / "summary.txt").read_text()
 
@@ -181,7 +200,9 @@ def test_an_out_inside_the_source_tree_is_refused_before_any_step(tmp_path, scri
     result = subprocess.run(["bash", str(script), inside, str(stand_in)], capture_output=True, text=True, timeout=60)
     out = (tree / inside).resolve()
     assert (result.returncode, result.stderr) == (
-        2, f"gpu-check: OUT {out} is inside the source tree: name a directory outside it, or under artifacts/\n")
+        2,
+        f"gpu-check: OUT {out} is inside the source tree: name a directory outside it, or under artifacts/\n",
+    )
     assert not (out / "summary.txt").exists() and not (tree / "benchmarks" / "results").exists()
 
 
@@ -192,7 +213,12 @@ def test_out_defaults_to_artifacts_under_the_checkout(tmp_path, script, stand_in
     bin_dir.mkdir()
     shutil.copy(stand_in, bin_dir / "python3")
     (bin_dir / "fail.txt").write_text("")
-    result = subprocess.run(["bash", str(script), "--quick"], capture_output=True, text=True, timeout=120,
-                            env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    result = subprocess.run(
+        ["bash", str(script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
     assert "native: passed" in (script.parent.parent / "artifacts" / "gpu-check" / "summary.txt").read_text()

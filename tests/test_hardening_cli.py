@@ -34,9 +34,14 @@ KVEXPORT = [sys.executable, "-m", "kvexport"]
 def _start_build(out: Path) -> subprocess.Popen:
     # A shell without job control starts background jobs with SIGINT ignored, and Python keeps an
     # inherited SIG_IGN; reset it so the child turns SIGINT into KeyboardInterrupt as under a terminal.
-    return subprocess.Popen([*KVEXPORT, "build", str(TINY), "-o", str(out)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [*KVEXPORT, "build", str(TINY), "-o", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _dead_pid() -> int:
@@ -51,16 +56,19 @@ def _fake_write_artifact(config, staging, checkpoint, device, step_program):
 
 # --- 1. builds that race, are interrupted, or find debris -----------------------------------------
 
+
 def test_build_fails_at_once_while_another_holds_the_lock(tmp_path):
     out = tmp_path / "out"
     lock = tmp_path / ".out.lock"
     with lock.open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        result = subprocess.run([*KVEXPORT, "build", str(TINY), "-o", str(out)], cwd=ROOT, capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            [*KVEXPORT, "build", str(TINY), "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines() == [f"error: another kvexport build is writing {out} "
-                                          f"(lock {lock} is held by another process)"]
+    assert result.stderr.splitlines() == [
+        f"error: another kvexport build is writing {out} (lock {lock} is held by another process)"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock"]  # ours, not removed by the loser
 
 
@@ -138,8 +146,13 @@ def test_signal_while_torch_traces_removes_what_was_written_and_exits_cleanly(tm
     command registered and exits with the signal's status. The command here never removes its
     directory itself, so only that path can."""
     writing = tmp_path / "writing"
-    result = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_TRACING, str(writing), str(int(signum))],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_TRACING, str(writing), str(int(signum))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == code, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == f"error: interrupted by {signal.Signals(signum).name}"
     assert "ran to its end" not in result.stdout and not writing.exists()
@@ -166,30 +179,38 @@ def test_output_that_appears_during_the_build_is_not_replaced(tmp_path, monkeypa
     monkeypatch.setattr(build, "_write_artifact", someone_else_creates_out)
     result = CliRunner().invoke(main, ["build", str(TINY), "-o", str(out)])
     assert result.exit_code == 2
-    assert result.stderr == (f"error: {out} appeared during the build and was left as it is "
-                             "(use --force to replace it)\n")
+    assert result.stderr == (
+        f"error: {out} appeared during the build and was left as it is (use --force to replace it)\n"
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and list(out.iterdir()) == []
 
 
 # --- 2. run keeps completed work ----------------------------------------------------------------
 
+
 def _over_capacity_batch(config) -> dict:
     """Fewest users at max history whose pages exceed the device tier (as the build's trace does)."""
     users = config.kv_cache.device_pages // config.kv_cache.pages_for(config.model.max_prefix_length) + 1
     assert users <= config.serving.max_batch_size, "hstu-tiny must allow a batch that exceeds its device tier"
-    return random_batch(config.model, seed=4, history_lengths=[config.model.max_history_length] * users,
-                        num_candidates=[1] * users, first_user_id=9000).to_dict()
+    return random_batch(
+        config.model,
+        seed=4,
+        history_lengths=[config.model.max_history_length] * users,
+        num_candidates=[1] * users,
+        first_user_id=9000,
+    ).to_dict()
 
 
 @pytest.mark.slow
 def test_run_keeps_outputs_around_a_refused_batch(tiny_artifact, tiny_config, tiny_checkpoint, tmp_path):
     m = tiny_config.model
-    good = [random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
-            random_batch(m, seed=2, history_lengths=[4], num_candidates=[4], first_user_id=7100)]
+    good = [
+        random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
+        random_batch(m, seed=2, history_lengths=[4], num_candidates=[4], first_user_id=7100),
+    ]
     requests, output = tmp_path / "requests.pt", tmp_path / "out.pt"
     torch.save([good[0].to_dict(), _over_capacity_batch(tiny_config), good[1].to_dict()], requests)
-    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                       "--output", str(output)])
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(output)])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: batch 1: KV cache capacity exceeded")
     assert result.stderr.count("\n") == 1
@@ -227,20 +248,26 @@ def test_run_records_each_batch_status_and_writes_the_file(tiny_config, tmp_path
     import kvexport.commands.request_file
     import kvexport.host.package
 
-    monkeypatch.setattr(kvexport.commands.request_file, "open_artifact", lambda out: SimpleNamespace(config=tiny_config))
+    monkeypatch.setattr(
+        kvexport.commands.request_file, "open_artifact", lambda out: SimpleNamespace(config=tiny_config)
+    )
     monkeypatch.setattr(kvexport.host.package, "load", lambda artifact, **options: _RefusingRunner(artifact))
     m = tiny_config.model
-    batches = [random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
-               random_batch(m, seed=4, history_lengths=[8, 8], num_candidates=[1, 1], first_user_id=9000),
-               random_batch(m, seed=2, history_lengths=[4], num_candidates=[4], first_user_id=7100),
-               random_batch(m, seed=5, history_lengths=[3], num_candidates=[2], first_user_id=9100)]
+    batches = [
+        random_batch(m, seed=1, history_lengths=[5, 9], num_candidates=[2, 3], first_user_id=7000),
+        random_batch(m, seed=4, history_lengths=[8, 8], num_candidates=[1, 1], first_user_id=9000),
+        random_batch(m, seed=2, history_lengths=[4], num_candidates=[4], first_user_id=7100),
+        random_batch(m, seed=5, history_lengths=[3], num_candidates=[2], first_user_id=9100),
+    ]
     requests, output = tmp_path / "requests.pt", tmp_path / "out.pt"
     torch.save([b.to_dict() for b in batches], requests)
     result = CliRunner().invoke(main, ["run", str(tmp_path), "--requests", str(requests), "--output", str(output)])
     assert result.exit_code == 2
     assert result.stdout == f"scored 2/4 batches -> {output}\n"
-    assert result.stderr == ("error: batch 1: KV cache capacity exceeded: needs 130 pages, the device tier has 72 "
-                             f"(2 of 4 batches refused; each batch's status is in {output})\n")
+    assert result.stderr == (
+        "error: batch 1: KV cache capacity exceeded: needs 130 pages, the device tier has 72 "
+        f"(2 of 4 batches refused; each batch's status is in {output})\n"
+    )
     entries = torch.load(output, weights_only=True)
     assert [e["status"] for e in entries] == ["ok", entries[1]["status"], "ok", entries[1]["status"]]
     assert entries[1]["status"] == "KV cache capacity exceeded: needs 130 pages, the device tier has 72"
@@ -253,6 +280,7 @@ def test_run_records_each_batch_status_and_writes_the_file(tiny_config, tmp_path
 
 # --- 3. small confusions ------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_inspect_shows_dtypes_and_shapes(tiny_artifact):
     for target in (tiny_artifact, tiny_artifact / "model.pt2"):
@@ -263,28 +291,38 @@ def test_inspect_shows_dtypes_and_shapes(tiny_artifact):
         assert "context_ids int64 [B, 3] on cpu" in lines
         assert "output: logits float32 [sum(num_candidates), 3] on cpu" in lines
         info = json.loads(CliRunner().invoke(main, ["inspect", str(target), "--json"]).stdout)
-        assert info["signature"]["inputs"][2] == {"name": "item_ids", "dtype": "int64",
-                                                  "shape": ["sum(history_lengths)"], "device": "cpu"}
+        assert info["signature"]["inputs"][2] == {
+            "name": "item_ids",
+            "dtype": "int64",
+            "shape": ["sum(history_lengths)"],
+            "device": "cpu",
+        }
 
 
-@pytest.mark.parametrize("command", [["verify"], ["replay"], ["soak"],
-                                     ["run", "--requests", "r.pt", "--output", "o.pt"]])
+@pytest.mark.parametrize(
+    "command", [["verify"], ["replay"], ["soak"], ["run", "--requests", "r.pt", "--output", "o.pt"]]
+)
 def test_a_file_given_for_the_artifact_directory_is_named(tmp_path, command):
     package = tmp_path / "model.pt2"
     package.write_bytes(b"not a directory")
     result = CliRunner().invoke(main, [command[0], str(package), *command[1:]])
     assert result.exit_code == 2
-    assert result.stderr == (f"error: {package} is a file; kvexport {command[0]} takes the artifact directory "
-                             "(the one holding manifest.json)\n")
+    assert result.stderr == (
+        f"error: {package} is a file; kvexport {command[0]} takes the artifact directory "
+        "(the one holding manifest.json)\n"
+    )
 
 
-@pytest.mark.parametrize("args,option", [
-    (["verify", "{artifact}", "--json", "{missing}/r.json"], "--json"),
-    (["soak", "{artifact}", "--json", "{missing}/r.json"], "--json"),
-    (["run", "{artifact}", "--requests", "r.pt", "--output", "{missing}/o.pt"], "--output"),
-    (["bench", "{artifact}", "--plot", "{missing}/p.png"], "--plot"),
-    (["init-checkpoint", str(TINY), "-o", "{missing}/c.pt"], "-o"),
-])
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["verify", "{artifact}", "--json", "{missing}/r.json"], "--json"),
+        (["soak", "{artifact}", "--json", "{missing}/r.json"], "--json"),
+        (["run", "{artifact}", "--requests", "r.pt", "--output", "{missing}/o.pt"], "--output"),
+        (["bench", "{artifact}", "--plot", "{missing}/p.png"], "--plot"),
+        (["init-checkpoint", str(TINY), "-o", "{missing}/c.pt"], "-o"),
+    ],
+)
 def test_output_paths_are_checked_before_any_work(tmp_path, args, option):
     missing = tmp_path / "no-such-dir"
     argv = [a.format(artifact=tmp_path / "artifact", missing=missing) for a in args]
@@ -304,13 +342,28 @@ def test_output_path_that_is_a_directory_is_refused(tmp_path):
 
 def test_report_table_never_cuts_a_word():
     comparison = {"max_abs": 0.0, "max_rel": 0.0}
-    descriptions = ["mixed warm and cold users after heavy eviction, onboarded from the host tier, batch 4",
-                    "a description of exactly forty-seven characters"]
-    steps = [{"index": i, "batch_size": 1, "description": d, "vs_cached": comparison, "vs_full": comparison,
-              "vs_reference": comparison, "hit_tokens": 0, "recomputed_tokens": 0, "latency_ms": 1.0, "passed": True}
-             for i, d in enumerate(descriptions)]
-    text = format_report({"steps": steps, "passed": True, "runner": "python", "atol": 1e-4, "rtol": 1e-4,
-                          "files_checked": 3})
+    descriptions = [
+        "mixed warm and cold users after heavy eviction, onboarded from the host tier, batch 4",
+        "a description of exactly forty-seven characters",
+    ]
+    steps = [
+        {
+            "index": i,
+            "batch_size": 1,
+            "description": d,
+            "vs_cached": comparison,
+            "vs_full": comparison,
+            "vs_reference": comparison,
+            "hit_tokens": 0,
+            "recomputed_tokens": 0,
+            "latency_ms": 1.0,
+            "passed": True,
+        }
+        for i, d in enumerate(descriptions)
+    ]
+    text = format_report(
+        {"steps": steps, "passed": True, "runner": "python", "atol": 1e-4, "rtol": 1e-4, "files_checked": 3}
+    )
     words = set(text.split())
     for description in descriptions:
         assert set(description.split()) <= words, description
@@ -318,11 +371,13 @@ def test_report_table_never_cuts_a_word():
 
 
 def test_verbose_logs_debug_for_kvexport_only(tmp_path):
-    script = ("import logging, sys\n"
-              "from kvexport.commands.cli import main\n"
-              f"main(['-v', 'show-config', {str(TINY)!r}], standalone_mode=False)\n"
-              "logging.getLogger('filelock').debug('third-party debug line')\n"
-              "logging.getLogger('kvexport.anything').debug('kvexport debug line')\n")
+    script = (
+        "import logging, sys\n"
+        "from kvexport.commands.cli import main\n"
+        f"main(['-v', 'show-config', {str(TINY)!r}], standalone_mode=False)\n"
+        "logging.getLogger('filelock').debug('third-party debug line')\n"
+        "logging.getLogger('kvexport.anything').debug('kvexport debug line')\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "DEBUG kvexport.anything: kvexport debug line" in result.stderr
@@ -348,11 +403,14 @@ def test_progress_logs_at_most_every_interval_and_at_the_end(caplog):
             for seconds in (1.0, 1.0, 4.0, 1.0, 1.0, 1.0):  # a line due after 6 s, then only the end's
                 now[0] += seconds
                 progress.step()
-    assert [r.getMessage() for r in caplog.records] == ["verify: 3/6 steps, 6.0 s elapsed",
-                                                        "verify: 6/6 steps, 9.0 s elapsed"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "verify: 3/6 steps, 6.0 s elapsed",
+        "verify: 6/6 steps, 9.0 s elapsed",
+    ]
 
 
 # --- 4. tolerances ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("command", ["verify", "replay"])
 @pytest.mark.parametrize("option", ["--atol", "--rtol"])

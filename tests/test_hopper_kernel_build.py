@@ -59,9 +59,25 @@ def compiled(tmp_path_factory) -> tuple[str, str]:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     obj = tmp_path_factory.mktemp("sm90") / "paged_attention_sm90.o"
     build = subprocess.run(
-        [nvcc, "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
-         "-Xptxas", "-v", f"-I{SOURCE_DIR}", "-isystem", str(cutlass), "-c", str(KERNEL), "-o", str(obj)],
-        capture_output=True, text=True)
+        [
+            nvcc,
+            "-std=c++20",
+            "-O3",
+            "--expt-relaxed-constexpr",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            "-Xptxas",
+            "-v",
+            f"-I{SOURCE_DIR}",
+            "-isystem",
+            str(cutlass),
+            "-c",
+            str(KERNEL),
+            "-o",
+            str(obj),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(obj)], capture_output=True, text=True, env=env)

@@ -52,8 +52,14 @@ def _run(command: str, temp: Path) -> subprocess.CompletedProcess:
     """A command run by a shell from the repository, this interpreter's `python` first on PATH."""
     temp.mkdir(exist_ok=True)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PATH": path, "TMPDIR": str(temp)})
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PATH": path, "TMPDIR": str(temp)},
+    )
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +142,9 @@ def test_host_serves_the_next_request(host_run, expected):
 
 def test_python_host_imports_only_torch():
     tree = ast.parse((EXAMPLES / "host.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     # fbgemm_gpu only for a package that lists fbgemm_gpu_py in required_libraries.
     assert imported <= {"json", "sys", "pathlib", "torch", "fbgemm_gpu"}, imported

@@ -26,8 +26,12 @@ ITEMS, ACTIONS = PREFIX + "items.weight", PREFIX + "actions.weight"
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def checkpoint(request, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp(f"dcp-world{request.param}")
-    subprocess.run([sys.executable, str(WRITER), "dcp", str(out), str(request.param), str(free_port())], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(WRITER), "dcp", str(out), str(request.param), str(free_port())],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return out
 
 
@@ -158,7 +162,7 @@ def test_a_chunk_whose_data_disagrees_with_the_metadata_is_refused(checkpoint, t
     """A chunk archive holding another shape, or an expanded tensor (few bytes for many values)."""
     sparse = copy_of(checkpoint, tmp_path)
     metadata = pickle.loads((sparse / ".metadata").read_bytes())
-    (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == ACTIONS]
+    ((index, info),) = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == ACTIONS]
     data = sparse / info.relative_path
     for replacement in (torch.zeros(4, 3, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.float16).expand(3, 4)):
         buffer = io.BytesIO()
@@ -169,8 +173,11 @@ def test_a_chunk_whose_data_disagrees_with_the_metadata_is_refused(checkpoint, t
         (sparse / ".metadata").write_bytes(pickle.dumps(metadata))
         with pytest.raises(UserError, match=rf"{ACTIONS}: its chunk at \[0, 0\] holds torch.float16 \[(4, 3|3, 4)\]"):
             read_tensors(sparse, [ACTIONS])
-        with pytest.raises(UserError, match=rf"the chunk of {ACTIONS} at \[0, 0\] holds torch.float16 \[(4, 3\]|3, 4\] "
-                                            r"with strides \[0, 0\])"):
+        with pytest.raises(
+            UserError,
+            match=rf"the chunk of {ACTIONS} at \[0, 0\] holds torch.float16 \[(4, 3\]|3, 4\] "
+            r"with strides \[0, 0\])",
+        ):
             read_rows(sparse, ACTIONS, torch.tensor([1]))
 
 
@@ -210,12 +217,16 @@ def test_rows_are_read_where_a_saved_view_keeps_them(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     wide = torch.arange(80, dtype=torch.float32).reshape(10, 8)
-    dcp.save({"slice": wide[:, 2:6], "transposed": wide.t(), "flat": wide.reshape(-1)}, checkpoint_id=tmp_path,
-             no_dist=True)
+    dcp.save(
+        {"slice": wide[:, 2:6], "transposed": wide.t(), "flat": wide.reshape(-1)}, checkpoint_id=tmp_path, no_dist=True
+    )
     rows = torch.tensor([9, 0, 3, 3])
     assert torch.equal(read_rows(tmp_path, "slice", rows), wide[:, 2:6][rows])
-    with pytest.raises(UserError, match=r"the chunk of transposed at \[0, 0\] holds torch.float32 \[8, 10\] with "
-                                        r"strides \[1, 8\]"):
+    with pytest.raises(
+        UserError,
+        match=r"the chunk of transposed at \[0, 0\] holds torch.float32 \[8, 10\] with "
+        r"strides \[1, 8\]",
+    ):
         read_rows(tmp_path, "transposed", torch.tensor([1]))
     with pytest.raises(UserError, match=r"flat is \[80\], not a table of rows"):
         read_rows(tmp_path, "flat", torch.tensor([1]))
@@ -237,13 +248,16 @@ def test_rows_are_read_only_from_one_stored_storage_that_the_tensor_names(checkp
     tensor archived plainly is read."""
     sparse = copy_of(checkpoint, tmp_path)
     metadata = pickle.loads((sparse / ".metadata").read_bytes())
-    (_, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == ACTIONS]
+    ((_, info),) = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == ACTIONS]
     data = sparse / info.relative_path
     blob = io.BytesIO()
     torch.save(actions().clone(), blob)
     variants = {  # edit, what the refusal says
         "is unreadable: its byteorder entry is compressed": lambda name, body: (
-            name, body, zipfile.ZIP_DEFLATED if name.endswith("/byteorder") else zipfile.ZIP_STORED),
+            name,
+            body,
+            zipfile.ZIP_DEFLATED if name.endswith("/byteorder") else zipfile.ZIP_STORED,
+        ),
         "is unreadable: .*data/0": lambda name, body: (name.replace("/data/0", "/data/1"), body, zipfile.ZIP_STORED),
     }
     for refusal, edit in variants.items():

@@ -17,8 +17,14 @@ from tests.helpers.configs import tiny_config
 from tests.helpers.meta_fixture import DEFAULT_SIZES, FEATURES, dense_state, synthetic_state
 from tests.helpers.meta_reference import PRE, STU, Rules, contextual_tokens, event_tokens, layer_inputs, stu_layer
 
-USER = {"contextual": [3, 4], "history": [5, 17, 2, 39], "actions": [0, 7, 2, 5], "timestamps": [1, 2, 3, 4],
-        "candidates": [8, 17, 30], "query_time": 10}
+USER = {
+    "contextual": [3, 4],
+    "history": [5, 17, 2, 39],
+    "actions": [0, 7, 2, 5],
+    "timestamps": [1, 2, 3, 4],
+    "candidates": [8, 17, 30],
+    "query_time": 10,
+}
 EQUAL_WIDTHS = dataclasses.replace(DEFAULT_SIZES, DQK=4, DV=4)  # what kvexport's cache can hold
 
 
@@ -36,18 +42,23 @@ def test_folded_item_and_action_rows_are_the_events_tokens(state):
     history = torch.tensor(USER["history"])
     folded = items[history] + actions[torch.tensor(USER["actions"])]
     expected = event_tokens(dense, tables, FEATURES, USER)
-    torch.testing.assert_close(folded, expected[:len(USER["history"])], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded, expected[: len(USER["history"])], rtol=1e-5, atol=1e-5)
     candidates = items[torch.tensor(USER["candidates"])] + meta.candidate_action(dense)
-    torch.testing.assert_close(candidates, expected[len(USER["history"]):], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(candidates, expected[len(USER["history"]) :], rtol=1e-5, atol=1e-5)
 
 
 def test_folded_context_rows_are_the_contextual_tokens(state):
     dense, tables = state
-    folded = torch.stack([meta.context_rows(dense, c, tables[table][USER["contextual"][c]][None])[0]
-                          for c, table in enumerate(FEATURES.contextual_tables)]) + meta.context_bias(dense)
+    folded = torch.stack(
+        [
+            meta.context_rows(dense, c, tables[table][USER["contextual"][c]][None])[0]
+            for c, table in enumerate(FEATURES.contextual_tables)
+        ]
+    ) + meta.context_bias(dense)
     # A merged length past every gate: the gate is the reference's, not a folded row's.
-    torch.testing.assert_close(folded, contextual_tokens(dense, tables, FEATURES, USER["contextual"], 99),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        folded, contextual_tokens(dense, tables, FEATURES, USER["contextual"], 99), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("times", ["zero", "none"])
@@ -59,18 +70,28 @@ def test_folded_tables_give_the_references_layer_inputs_under_the_per_user_rules
     is capped as the fold assumes."""
     dense, tables = state
     max_history, contextual = 6, len(FEATURES.contextual_tables)
-    user = {**USER, "query_time": 86_400 + 60 * DEFAULT_SIZES.TIME_ROWS ** 2}
+    user = {**USER, "query_time": 86_400 + 60 * DEFAULT_SIZES.TIME_ROWS**2}
     rows = meta.position_rows(dense, contextual, max_history, 0 if times == "zero" else None)
     assert rows.shape == (contextual + max_history + 1, DEFAULT_SIZES.D)
     items, actions = meta.item_rows(dense, tables["video_id"].float()), meta.action_rows(dense)
-    context = torch.stack([meta.context_rows(dense, c, tables[table][user["contextual"][c]][None])[0]
-                           for c, table in enumerate(FEATURES.contextual_tables)])
-    tokens = torch.cat([context, items[torch.tensor(user["history"])] + actions[torch.tensor(user["actions"])],
-                        items[torch.tensor(user["candidates"])]])
+    context = torch.stack(
+        [
+            meta.context_rows(dense, c, tables[table][user["contextual"][c]][None])[0]
+            for c, table in enumerate(FEATURES.contextual_tables)
+        ]
+    )
+    tokens = torch.cat(
+        [
+            context,
+            items[torch.tensor(user["history"])] + actions[torch.tensor(user["actions"])],
+            items[torch.tensor(user["candidates"])],
+        ]
+    )
     slots = [*range(contextual + len(user["history"]))] + [rows.shape[0] - 1] * len(user["candidates"])
     got = tokens * math.sqrt(DEFAULT_SIZES.D) + rows[slots]
-    expected = layer_inputs(dense, tables, FEATURES, user, Rules(positions="from_max", times=times,
-                                                                 max_history=max_history))
+    expected = layer_inputs(
+        dense, tables, FEATURES, user, Rules(positions="from_max", times=times, max_history=max_history)
+    )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
@@ -87,9 +108,16 @@ def test_action_values_fold_for_any_weights():
 
 
 def kvexport_layer(dense: dict, index: int) -> HSTULayer:
-    config = tiny_config(model={"hidden_size": EQUAL_WIDTHS.D, "num_heads": EQUAL_WIDTHS.HEADS,
-                                "head_dim": EQUAL_WIDTHS.DV, "silu_on": "u", "layer_output": "concat",
-                                "layer_norm_eps": meta.LAYER_EPS})
+    config = tiny_config(
+        model={
+            "hidden_size": EQUAL_WIDTHS.D,
+            "num_heads": EQUAL_WIDTHS.HEADS,
+            "head_dim": EQUAL_WIDTHS.DV,
+            "silu_on": "u",
+            "layer_output": "concat",
+            "layer_norm_eps": meta.LAYER_EPS,
+        }
+    )
     layer = HSTULayer(config.model)
     layer.load_state_dict(meta.layer_state(dense, index, EQUAL_WIDTHS.HEADS))
     return layer
@@ -105,17 +133,22 @@ def test_a_mapped_layer_computes_the_stu_layer(index):
     layer = kvexport_layer(dense, index)
     with torch.no_grad():
         u, v, q, k = layer.project(x)
-        o = jagged_attention(q, k, v, torch.tensor([0, 10]), torch.tensor([num_prefix]),
-                             1.0 / math.sqrt(EQUAL_WIDTHS.DV), normaliser)
+        o = jagged_attention(
+            q, k, v, torch.tensor([0, 10]), torch.tensor([num_prefix]), 1.0 / math.sqrt(EQUAL_WIDTHS.DV), normaliser
+        )
         got = layer.finish(x, u, o)
-    expected = stu_layer({k_: t.float() for k_, t in dense.items()}, f"{STU}{index}.", x, num_prefix,
-                         EQUAL_WIDTHS.HEADS, normaliser)
+    expected = stu_layer(
+        {k_: t.float() for k_, t in dense.items()}, f"{STU}{index}.", x, num_prefix, EQUAL_WIDTHS.HEADS, normaliser
+    )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_of_other_qk_width_and_missing_or_misshapen_tensors_are_refused_by_name():
-    with pytest.raises(CheckpointImportError, match=rf"{STU}0\._uvqk_weight has shape \[8, 28\]: q/k heads of "
-                                                    r"another width than u/v's \(8 values\)"):
+    with pytest.raises(
+        CheckpointImportError,
+        match=rf"{STU}0\._uvqk_weight has shape \[8, 28\]: q/k heads of "
+        r"another width than u/v's \(8 values\)",
+    ):
         meta.layer_state(dense_state(), 0, DEFAULT_SIZES.HEADS)
     dense = dense_state(sizes=EQUAL_WIDTHS)
     del dense[f"{STU}1._output_weight"]
@@ -123,8 +156,9 @@ def test_layers_of_other_qk_width_and_missing_or_misshapen_tensors_are_refused_b
         meta.layer_state(dense, 1, EQUAL_WIDTHS.HEADS)
     dense = dense_state()
     dense[PRE + "_content_embedding_mlp.1.weight"] = torch.ones(3)
-    with pytest.raises(CheckpointImportError,
-                       match=r"_content_embedding_mlp\.1\.weight has shape \[3\], expected \[10\]"):
+    with pytest.raises(
+        CheckpointImportError, match=r"_content_embedding_mlp\.1\.weight has shape \[3\], expected \[10\]"
+    ):
         meta.item_rows(dense, torch.zeros(2, DEFAULT_SIZES.E))
     dense = dense_state()
     dense[meta.ACTION_WEIGHTS] = torch.tensor([True, False])

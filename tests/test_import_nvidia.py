@@ -48,21 +48,45 @@ def write_source(tmp_path: Path, world: int, contextual: bool = False, state=Non
 
 
 def run_import(save: Path, gin_file: Path, out: Path, *extra: str):
-    return CliRunner().invoke(main, ["import-checkpoint", "--from", "nvidia", str(save), "-o", str(out / "model.pt"),
-                                     "--config-out", str(out / "model.yaml"), "--trainer-config", str(gin_file),
-                                     *TABLE_ROWS, *extra])
+    return CliRunner().invoke(
+        main,
+        [
+            "import-checkpoint",
+            "--from",
+            "nvidia",
+            str(save),
+            "-o",
+            str(out / "model.pt"),
+            "--config-out",
+            str(out / "model.yaml"),
+            "--trainer-config",
+            str(gin_file),
+            *TABLE_ROWS,
+            *extra,
+        ],
+    )
 
 
 def batch_of(users, features=()) -> Batch:
-    return Batch.concat([UserRequest(u, torch.tensor(i), torch.tensor(a),
-                                     torch.tensor(CONTEXTS[u][:len(features)], dtype=torch.int64), torch.tensor(c))
-                         for u, i, a, c in users])
+    return Batch.concat(
+        [
+            UserRequest(
+                u,
+                torch.tensor(i),
+                torch.tensor(a),
+                torch.tensor(CONTEXTS[u][: len(features)], dtype=torch.int64),
+                torch.tensor(c),
+            )
+            for u, i, a, c in users
+        ]
+    )
 
 
 def reference(state, tables, gin_file, users, features=()) -> torch.Tensor:
     gin = {"NetworkArgs.num_position_buckets": 8192, **read_gin(gin_file)}
-    return torch.cat([nvidia_ranking_forward(state, tables, gin, i, a, c, dict(zip(features, CONTEXTS[u])))
-                      for u, i, a, c in users])
+    return torch.cat(
+        [nvidia_ranking_forward(state, tables, gin, i, a, c, dict(zip(features, CONTEXTS[u]))) for u, i, a, c in users]
+    )
 
 
 @pytest.fixture(scope="module", params=[(1, ()), (2, FEATURES)], ids=["world1", "world2-contextual"])
@@ -74,7 +98,9 @@ def imported(request, tmp_path_factory):
     out = tmp / "imported"
     out.mkdir()
     rows = [f"--table-rows={name}={n}" for name, n in fx.CONTEXT_TABLES.items()] if features else []
-    result = run_import(save, gin_file, out, *rows, *(["--contextual-features", ",".join(features)] if features else []))
+    result = run_import(
+        save, gin_file, out, *rows, *(["--contextual-features", ",".join(features)] if features else [])
+    )
     assert result.exit_code == 0, result.output
     return out, gin_file, state, tables, features
 
@@ -108,8 +134,9 @@ def test_the_package_and_the_cpp_replay_agree_with_the_reference(imported, tmp_p
     the reference reproduces; and the reference's own requests scored by the package."""
     out, gin_file, state, tables, features = imported
     artifact = tmp_path / "artifact"
-    built = CliRunner().invoke(main, ["build", str(out / "model.yaml"), "-o", str(artifact),
-                                      "--checkpoint", str(out / "model.pt")])
+    built = CliRunner().invoke(
+        main, ["build", str(out / "model.yaml"), "-o", str(artifact), "--checkpoint", str(out / "model.pt")]
+    )
     assert built.exit_code == 0, built.output
     for command in ("verify", "replay"):
         result = CliRunner().invoke(main, [command, str(artifact)])
@@ -120,15 +147,19 @@ def test_the_package_and_the_cpp_replay_agree_with_the_reference(imported, tmp_p
     expected = []
     gin = {"NetworkArgs.num_position_buckets": 8192, **read_gin(gin_file)}
     for b in range(len(first["user_ids"])):
-        items = first["item_ids"][offsets[b]:offsets[b + 1]].tolist()
-        actions = first["action_ids"][offsets[b]:offsets[b + 1]].tolist()
-        candidates = first["candidate_ids"][candidate_offsets[b]:candidate_offsets[b + 1]].tolist()
+        items = first["item_ids"][offsets[b] : offsets[b + 1]].tolist()
+        actions = first["action_ids"][offsets[b] : offsets[b + 1]].tolist()
+        candidates = first["candidate_ids"][candidate_offsets[b] : candidate_offsets[b + 1]].tolist()
         contexts = dict(zip(features, first["context_ids"][b].tolist()))
         expected.append(nvidia_ranking_forward(state, tables, gin, items, actions, candidates, contexts))
     torch.testing.assert_close(first["expected_full"].float(), torch.cat(expected), rtol=1e-5, atol=1e-5)
     with kvexport.load(artifact) as package:
-        torch.testing.assert_close(package.run(batch_of(USERS, features)).cpu(),
-                                   reference(state, tables, gin_file, USERS, features), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            package.run(batch_of(USERS, features)).cpu(),
+            reference(state, tables, gin_file, USERS, features),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def _perturbations():
@@ -150,8 +181,9 @@ def test_changing_any_one_upstream_tensor_changes_the_output(tmp_path, perturbed
 
 def _imported_output(tmp_path: Path, state, tables) -> torch.Tensor:
     save, gin_file, _, _ = write_source(tmp_path, 1, state=state, tables=tables)
-    options = ImportOptions(table_rows={"action_weights": fx.ACTION_ROWS, **fx.CONTEXT_TABLES},
-                            contextual_features=FEATURES)
+    options = ImportOptions(
+        table_rows={"action_weights": fx.ACTION_ROWS, **fx.CONTEXT_TABLES}, contextual_features=FEATURES
+    )
     result = import_nvidia(save, gin_file, options, "perturbed")
     model = build_model(config_from_dict(result.config))
     model.load_state_dict(result.state_dict)
@@ -163,50 +195,78 @@ def test_contextual_tables_are_refused_unless_named_or_left_out(tmp_path):
     save, gin_file, state, tables = write_source(tmp_path, 2, contextual=True)
     out = tmp_path / "out"
     out.mkdir()
-    rows = [f"user_active_degree={fx.CONTEXT_TABLES['user_active_degree']}",
-            f"register_days_range={fx.CONTEXT_TABLES['register_days_range']}"]
+    rows = [
+        f"user_active_degree={fx.CONTEXT_TABLES['user_active_degree']}",
+        f"register_days_range={fx.CONTEXT_TABLES['register_days_range']}",
+    ]
     extra = [arg for r in rows for arg in ("--table-rows", r)]
     refused = run_import(save, gin_file, out, *extra)
     assert refused.exit_code == 2
     assert refused.output.strip().splitlines() == [
         "error: table user_active_degree is neither the item nor the action table nor a contextual feature given: "
         "name the contextual features in token order (--contextual-features a,b,...), or import without them as "
-        "recsys-examples' inference runs with disable_contextual_features (--no-contextual-features)"]
+        "recsys-examples' inference runs with disable_contextual_features (--no-contextual-features)"
+    ]
     assert list(out.iterdir()) == []
     result = run_import(save, gin_file, out, *extra, "--no-contextual-features")
     assert result.exit_code == 0, result.output
     assert "left out (no contextual features): tables user_active_degree, register_days_range, user_id" in result.output
     model = build_model(load_config(out / "model.yaml"), out / "model.pt")
     with torch.no_grad():
-        torch.testing.assert_close(model(batch_of(USERS)), reference(state, tables, gin_file, USERS),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model(batch_of(USERS)), reference(state, tables, gin_file, USERS), rtol=1e-5, atol=1e-5
+        )
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"extra_key": "_hstu_block._attention_layers.0._linear_qkv_extra"},
-     "checkpoint tensor _hstu_block._attention_layers.0._linear_qkv_extra has no counterpart in "
-     "kvexport's model (unknown key)"),
-    ({"drop_key": "_mlp._mlp.2.bias"}, "checkpoint lacks _mlp._mlp.2.bias"),
-    ({"gin": {"NetworkArgs.num_layers": 1}}, "checkpoint has a layer 1 but NetworkArgs.num_layers is 1"),
-    ({"gin": {"NetworkArgs.num_layers": 3}}, "checkpoint lacks _hstu_block._attention_layers.2._linear_uvqk_weight"),
-    ({"gin": {"NetworkArgs.kv_channels": 8, "NetworkArgs.hidden_size": 16}},
-     "_hstu_block._attention_layers.0._linear_uvqk_weight has shape [8, 32], "
-     "the trainer config implies [16, 64]"),
-    ({"gin": {"RankingArgs.num_tasks": None}},
-     "does not bind RankingArgs.num_tasks, which the checkpoint does not hold"),
-    ({"gin": {"NetworkArgs.num_layers": "'2'"}}, "NetworkArgs.num_layers = '2' is not a positive integer"),
-    ({"gin": {"NetworkArgs.scaling_seqlen": 0}}, "NetworkArgs.scaling_seqlen = 0 is neither -1 nor a positive integer"),
-    ({"gin": {"NetworkArgs.hidden_size": 6}},
-     "NetworkArgs.hidden_size (6) is not num_attention_heads (2) * kv_channels (4): "
-     "kvexport's layers need them equal"),
-    ({"rows": []}, "the rows of data-parallel table action_weights are not in the checkpoint; give them "
-                   "(--table-rows action_weights=N, as the trainer's embedding config says)"),
-    ({"rows": ["--table-rows", "action_weights=5"]},
-     "4 rows, but the tables' rows given sum to 5 (action_weights=5)"),
-    ({"rows": [*TABLE_ROWS, "--item-table", "item_id"]},
-     "item table item_id: neither a data-parallel table nor dumped under"),
-    ({"item_keys": [-3, 4, 9]}, "item table video_id holds a negative key (-3); kvexport takes keys >= 0"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"extra_key": "_hstu_block._attention_layers.0._linear_qkv_extra"},
+            "checkpoint tensor _hstu_block._attention_layers.0._linear_qkv_extra has no counterpart in "
+            "kvexport's model (unknown key)",
+        ),
+        ({"drop_key": "_mlp._mlp.2.bias"}, "checkpoint lacks _mlp._mlp.2.bias"),
+        ({"gin": {"NetworkArgs.num_layers": 1}}, "checkpoint has a layer 1 but NetworkArgs.num_layers is 1"),
+        (
+            {"gin": {"NetworkArgs.num_layers": 3}},
+            "checkpoint lacks _hstu_block._attention_layers.2._linear_uvqk_weight",
+        ),
+        (
+            {"gin": {"NetworkArgs.kv_channels": 8, "NetworkArgs.hidden_size": 16}},
+            "_hstu_block._attention_layers.0._linear_uvqk_weight has shape [8, 32], "
+            "the trainer config implies [16, 64]",
+        ),
+        (
+            {"gin": {"RankingArgs.num_tasks": None}},
+            "does not bind RankingArgs.num_tasks, which the checkpoint does not hold",
+        ),
+        ({"gin": {"NetworkArgs.num_layers": "'2'"}}, "NetworkArgs.num_layers = '2' is not a positive integer"),
+        (
+            {"gin": {"NetworkArgs.scaling_seqlen": 0}},
+            "NetworkArgs.scaling_seqlen = 0 is neither -1 nor a positive integer",
+        ),
+        (
+            {"gin": {"NetworkArgs.hidden_size": 6}},
+            "NetworkArgs.hidden_size (6) is not num_attention_heads (2) * kv_channels (4): "
+            "kvexport's layers need them equal",
+        ),
+        (
+            {"rows": []},
+            "the rows of data-parallel table action_weights are not in the checkpoint; give them "
+            "(--table-rows action_weights=N, as the trainer's embedding config says)",
+        ),
+        (
+            {"rows": ["--table-rows", "action_weights=5"]},
+            "4 rows, but the tables' rows given sum to 5 (action_weights=5)",
+        ),
+        (
+            {"rows": [*TABLE_ROWS, "--item-table", "item_id"]},
+            "item table item_id: neither a data-parallel table nor dumped under",
+        ),
+        ({"item_keys": [-3, 4, 9]}, "item table video_id holds a negative key (-3); kvexport takes keys >= 0"),
+    ],
+)
 def test_what_cannot_be_mapped_is_refused_in_one_line_and_nothing_is_written(tmp_path, change, message):
     state = fx.dense_state()
     if "extra_key" in change:
@@ -219,8 +279,17 @@ def test_what_cannot_be_mapped_is_refused_in_one_line_and_nothing_is_written(tmp
     save, gin_file, _, _ = write_source(tmp_path, 1, state=state, tables=tables, **change.get("gin", {}))
     out = tmp_path / "out"
     out.mkdir()
-    args = ["import-checkpoint", "--from", "nvidia", str(save), "-o", str(out / "model.pt"),
-            "--trainer-config", str(gin_file), *change.get("rows", TABLE_ROWS)]
+    args = [
+        "import-checkpoint",
+        "--from",
+        "nvidia",
+        str(save),
+        "-o",
+        str(out / "model.pt"),
+        "--trainer-config",
+        str(gin_file),
+        *change.get("rows", TABLE_ROWS),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
@@ -228,10 +297,13 @@ def test_what_cannot_be_mapped_is_refused_in_one_line_and_nothing_is_written(tmp
     assert list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ("drop", "checkpoint lacks _hstu_block._attention_layers.1._linear_proj_weight"),
-    ("extra", "checkpoint tensor _mlp._mlp.1.weight has no counterpart in kvexport's model (unknown key)"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("drop", "checkpoint lacks _hstu_block._attention_layers.1._linear_proj_weight"),
+        ("extra", "checkpoint tensor _mlp._mlp.1.weight has no counterpart in kvexport's model (unknown key)"),
+    ],
+)
 def test_a_missing_or_unknown_key_is_refused_before_any_table_is_read(tmp_path, monkeypatch, change, message):
     state = fx.dense_state()
     if change == "drop":
@@ -240,8 +312,9 @@ def test_a_missing_or_unknown_key_is_refused_before_any_table_is_read(tmp_path, 
         state["_mlp._mlp.1.weight"] = torch.ones(fx.HIDDEN)
     save, gin_file, _, _ = write_source(tmp_path, 1, state=state)
     tables_read = []
-    monkeypatch.setattr(nvidia_ranking, "read_dynamic_table", lambda directory, table, *args, **kwargs:
-                        tables_read.append(table))
+    monkeypatch.setattr(
+        nvidia_ranking, "read_dynamic_table", lambda directory, table, *args, **kwargs: tables_read.append(table)
+    )
     out = tmp_path / "out"
     out.mkdir()
     result = run_import(save, gin_file, out)
@@ -249,13 +322,20 @@ def test_a_missing_or_unknown_key_is_refused_before_any_table_is_read(tmp_path, 
     assert tables_read == [] and list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--contextual-features", "user_id,age"],
-     "contextual feature age: no data-parallel or dynamic table of that name (tables: user_active_degree, "
-     "register_days_range, user_id)"),
-    (["--contextual-features", "user_id", "--no-contextual-features"],
-     "contextual features given and left out at once: choose --contextual-features or --no-contextual-features"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--contextual-features", "user_id,age"],
+            "contextual feature age: no data-parallel or dynamic table of that name (tables: user_active_degree, "
+            "register_days_range, user_id)",
+        ),
+        (
+            ["--contextual-features", "user_id", "--no-contextual-features"],
+            "contextual features given and left out at once: choose --contextual-features or --no-contextual-features",
+        ),
+    ],
+)
 def test_contextual_features_that_do_not_fit_are_refused(tmp_path, extra, message):
     save, gin_file, _, _ = write_source(tmp_path, 1, contextual=True)
     out = tmp_path / "out"

@@ -26,8 +26,12 @@ TABLE = torch.arange(40, dtype=torch.float32).reshape(10, 4)  # what sharded_wri
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def trainer_dir(request, tmp_path_factory) -> tuple[Path, int]:
     out = tmp_path_factory.mktemp(f"world{request.param}")
-    subprocess.run([sys.executable, str(WRITER), "torch_save", str(out), str(request.param), str(free_port())], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(WRITER), "torch_save", str(out), str(request.param), str(free_port())],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return out, request.param
 
 
@@ -69,8 +73,11 @@ def test_a_file_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
     runs = _Runs()
     runs.path = str(tmp_path / "ran")
     torch.save({"model_state_dict": {"w": torch.ones(1)}, "hook": runs}, tmp_path / "evil.pth")
-    with pytest.raises(UserError, match=r"^checkpoint .*evil.pth is refused: it holds more than tensors, containers "
-                                        r"and sharded tensors \(it asks for posix.mkdir\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^checkpoint .*evil.pth is refused: it holds more than tensors, containers "
+        r"and sharded tensors \(it asks for posix.mkdir\)$",
+    ):
         load_trainer_file(tmp_path / "evil.pth", "checkpoint")
     assert not (tmp_path / "ran").exists()
 
@@ -103,10 +110,17 @@ class _Touches:
 
 def _trainer_file(tmp_path: Path, model_state: dict) -> Path:
     hooks = [_OptimizerConfig(str(tmp_path / "config_ran")), _Touches(str(tmp_path / "reduce_ran"))]
-    torch.save({"model_state_dict": model_state,
-                "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(2)}}, "config": hooks[0],
-                                         "param_groups": [{"lr": 1e-3, "hook": hooks[1]}]}},
-               tmp_path / "model.0.pth")
+    torch.save(
+        {
+            "model_state_dict": model_state,
+            "optimizer_state_dict": {
+                "state": {0: {"exp_avg": torch.zeros(2)}},
+                "config": hooks[0],
+                "param_groups": [{"lr": 1e-3, "hook": hooks[1]}],
+            },
+        },
+        tmp_path / "model.0.pth",
+    )
     return tmp_path / "model.0.pth"
 
 
@@ -122,9 +136,12 @@ def test_types_the_reader_does_not_know_are_inert_outside_the_part_it_reads(tmp_
 
 def test_an_unknown_type_in_the_part_that_is_read_is_refused_by_key(tmp_path):
     path = _trainer_file(tmp_path, {"w": torch.ones(1), "extra": {"hook": _Touches(str(tmp_path / "ran"))}})
-    with pytest.raises(UserError, match=r"^checkpoint .*model.0.pth is refused: model_state_dict.extra.hook holds "
-                                        r"a (tests\.)?test_importers\._touch, not a tensor, container or sharded "
-                                        r"tensor$"):
+    with pytest.raises(
+        UserError,
+        match=r"^checkpoint .*model.0.pth is refused: model_state_dict.extra.hook holds "
+        r"a (tests\.)?test_importers\._touch, not a tensor, container or sharded "
+        r"tensor$",
+    ):
         load_trainer_file(path, "checkpoint", part="model_state_dict")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "reduce_ran").exists()
 
@@ -133,10 +150,14 @@ def test_a_module_torch_blocks_is_refused_wherever_it_is(tmp_path):
     """os, sys, subprocess...: torch's restricted unpickler refuses them outright, even as stand-ins."""
     runs = _Runs()
     runs.path = str(tmp_path / "ran")
-    torch.save({"model_state_dict": {"w": torch.ones(1)}, "optimizer_state_dict": {"hook": runs}},
-               tmp_path / "model.0.pth")
-    with pytest.raises(UserError, match=r"is refused: it holds more than tensors, containers and sharded tensors "
-                                        r"\(it asks for posix.mkdir\)$"):
+    torch.save(
+        {"model_state_dict": {"w": torch.ones(1)}, "optimizer_state_dict": {"hook": runs}}, tmp_path / "model.0.pth"
+    )
+    with pytest.raises(
+        UserError,
+        match=r"is refused: it holds more than tensors, containers and sharded tensors "
+        r"\(it asks for posix.mkdir\)$",
+    ):
         load_trainer_file(tmp_path / "model.0.pth", "checkpoint", part="model_state_dict")
     assert not (tmp_path / "ran").exists()
 
@@ -168,7 +189,8 @@ def write_dynamic_table(directory: Path, table: str, keys: torch.Tensor, values:
         suffix = f"rank_{rank}.world_size_{world}"
         (directory / f"{table}_emb_keys.{suffix}").write_bytes(int64_bytes(keys[mine].tolist()))
         (directory / f"{table}_emb_values.{suffix}").write_bytes(
-            struct.pack(f"<{values[mine].numel()}f", *values[mine].flatten().tolist()))
+            struct.pack(f"<{values[mine].numel()}f", *values[mine].flatten().tolist())
+        )
 
 
 def int64_bytes(values: list[int]) -> bytes:
@@ -195,8 +217,11 @@ def test_dynamic_table_dumps_that_do_not_fit_are_refused_by_file(tmp_path):
     write_dynamic_table(tmp_path / "ok", "t", keys, values, 2)
     with pytest.raises(UserError, match=r"^dynamic table u: no u_emb_keys.rank_R.world_size_W files in "):
         read_dynamic_table(tmp_path / "ok", "u", 2)
-    with pytest.raises(UserError, match=r"t_emb_values.rank_0.world_size_2: 16 bytes, but 2 keys of 3 float32 "
-                                        r"values need 24$"):
+    with pytest.raises(
+        UserError,
+        match=r"t_emb_values.rank_0.world_size_2: 16 bytes, but 2 keys of 3 float32 "
+        r"values need 24$",
+    ):
         read_dynamic_table(tmp_path / "ok", "t", 3)
 
     missing = tmp_path / "missing"
@@ -208,8 +233,11 @@ def test_dynamic_table_dumps_that_do_not_fit_are_refused_by_file(tmp_path):
     misplaced = tmp_path / "misplaced"
     write_dynamic_table(misplaced, "t", keys, values, 2)
     (misplaced / "t_emb_keys.rank_0.world_size_2").write_bytes(int64_bytes([2, 5]))
-    with pytest.raises(UserError, match=r"t_emb_keys.rank_0.world_size_2: key 5 belongs to rank 1 of 2 \(round-robin "
-                                        r"placement\), not 0$"):
+    with pytest.raises(
+        UserError,
+        match=r"t_emb_keys.rank_0.world_size_2: key 5 belongs to rank 1 of 2 \(round-robin "
+        r"placement\), not 0$",
+    ):
         read_dynamic_table(misplaced, "t", 2)
 
     twice = tmp_path / "twice"
@@ -220,7 +248,9 @@ def test_dynamic_table_dumps_that_do_not_fit_are_refused_by_file(tmp_path):
     odd = tmp_path / "odd"
     write_dynamic_table(odd, "t", keys, values, 1)
     (odd / "t_emb_keys.rank_0.world_size_1").write_bytes(b"\0" * 12)
-    with pytest.raises(UserError, match=r"t_emb_keys.rank_0.world_size_1: 12 bytes is not a whole number of int64 keys$"):
+    with pytest.raises(
+        UserError, match=r"t_emb_keys.rank_0.world_size_1: 12 bytes is not a whole number of int64 keys$"
+    ):
         read_dynamic_table(odd, "t", 2)
 
 
@@ -228,13 +258,19 @@ def test_a_gin_file_gives_its_literal_bindings_and_refuses_the_rest(tmp_path):
     from kvexport.importers.nvidia import read_gin
 
     gin = tmp_path / "ranking.gin"
-    gin.write_text("# kuairand ranking\nNetworkArgs.num_layers = 3\nNetworkArgs.num_attention_heads = 4  # heads\n"
-                   "NetworkArgs.norm_epsilon = 1e-5\nRankingArgs.prediction_head_arch = [\n    512,\n    8,\n]\n"
-                   "RankingArgs.prediction_head_act_type = 'relu'\nNetworkArgs.disable_contextual_mask = True\n")
-    assert read_gin(gin) == {"NetworkArgs.num_layers": 3, "NetworkArgs.num_attention_heads": 4,
-                             "NetworkArgs.norm_epsilon": 1e-5, "RankingArgs.prediction_head_arch": [512, 8],
-                             "RankingArgs.prediction_head_act_type": "relu",
-                             "NetworkArgs.disable_contextual_mask": True}
+    gin.write_text(
+        "# kuairand ranking\nNetworkArgs.num_layers = 3\nNetworkArgs.num_attention_heads = 4  # heads\n"
+        "NetworkArgs.norm_epsilon = 1e-5\nRankingArgs.prediction_head_arch = [\n    512,\n    8,\n]\n"
+        "RankingArgs.prediction_head_act_type = 'relu'\nNetworkArgs.disable_contextual_mask = True\n"
+    )
+    assert read_gin(gin) == {
+        "NetworkArgs.num_layers": 3,
+        "NetworkArgs.num_attention_heads": 4,
+        "NetworkArgs.norm_epsilon": 1e-5,
+        "RankingArgs.prediction_head_arch": [512, 8],
+        "RankingArgs.prediction_head_act_type": "relu",
+        "NetworkArgs.disable_contextual_mask": True,
+    }
     gin.write_text("NetworkArgs.num_layers = 3\nTrainerArgs.optimizer = @Adam\n")
     with pytest.raises(UserError, match=r"ranking.gin:2: TrainerArgs.optimizer = @Adam is not a literal value$"):
         read_gin(gin)

@@ -22,8 +22,10 @@ from tests.helpers.artifacts import edit_manifest
 # Every feature isa.py knows, as Linux would show a CPU that has them all.
 ALL_FLAGS = frozenset(flag for _, flags in isa.FEATURES.values() for flag in flags)
 NATIVE_AVX2_HOST = ALL_FLAGS - {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-REQUIRES_AVX512 = {"op_library": {"march": "native", "cpu_features": ["SSE3", "AVX2", "AVX512F", "AVX512BW"]},
-                   "package": {"march": "native", "vec_isa": "AVX512", "cpu_features": ["AVX2", "AVX512VNNI"]}}
+REQUIRES_AVX512 = {
+    "op_library": {"march": "native", "cpu_features": ["SSE3", "AVX2", "AVX512F", "AVX512BW"]},
+    "package": {"march": "native", "vec_isa": "AVX512", "cpu_features": ["AVX2", "AVX512VNNI"]},
+}
 
 
 def test_check_host_names_the_first_missing_feature_in_one_line():
@@ -33,10 +35,15 @@ def test_check_host_names_the_first_missing_feature_in_one_line():
 
 
 def test_check_host_checks_the_package_too():
-    required = {"op_library": {"march": "x86-64-v3", "cpu_features": ["AVX2", "FMA"]},
-                "package": REQUIRES_AVX512["package"]}
-    with pytest.raises(UserError, match="^this host lacks AVX512VNNI required by the package "
-                                        r"\(compiled with -march=native\)$"):
+    required = {
+        "op_library": {"march": "x86-64-v3", "cpu_features": ["AVX2", "FMA"]},
+        "package": REQUIRES_AVX512["package"],
+    }
+    with pytest.raises(
+        UserError,
+        match="^this host lacks AVX512VNNI required by the package "
+        r"\(compiled with -march=native\)$",
+    ):
         isa.check_host(required, flags=ALL_FLAGS - {"avx512_vnni"})
 
 
@@ -46,8 +53,10 @@ def test_check_host_accepts_a_host_with_every_feature():
 
 
 def test_linux_flag_names_differ_from_the_feature_names():
-    isa.check_host({"op_library": {"march": "x86-64-v3", "cpu_features": ["SSE3", "LZCNT", "BMI1"]}},
-                   flags=frozenset({"pni", "abm", "bmi1"}))
+    isa.check_host(
+        {"op_library": {"march": "x86-64-v3", "cpu_features": ["SSE3", "LZCNT", "BMI1"]}},
+        flags=frozenset({"pni", "abm", "bmi1"}),
+    )
 
 
 def test_a_feature_unknown_to_this_version_is_looked_up_as_its_flag():
@@ -67,8 +76,11 @@ def test_the_installed_op_library_records_what_it_was_built_for():
 def test_library_isa_reads_the_marker_without_loading(tmp_path):
     fake = tmp_path / "lib.so"
     fake.write_bytes(b"\x7fELF...\0" + isa.MARKER + b"march=x86-64-v3;features=AVX,AVX2;clones=x86-64-v4\0tail")
-    assert isa.library_isa(fake) == {"march": "x86-64-v3", "cpu_features": ["AVX", "AVX2"],
-                                     "multiversion": ["x86-64-v4"]}
+    assert isa.library_isa(fake) == {
+        "march": "x86-64-v3",
+        "cpu_features": ["AVX", "AVX2"],
+        "multiversion": ["x86-64-v4"],
+    }
     fake.write_bytes(b"\x7fELF without a marker")
     with pytest.raises(UserError, match="does not record the CPU it was compiled for"):
         isa.library_isa(fake)
@@ -121,10 +133,23 @@ def cpp_check(tmp_path_factory):
     (workdir / "driver.cpp").write_text(CPP_DRIVER)
     binary = workdir / "isa_check"
     include = nlohmann_json.__file__.rsplit("/", 1)[0] + "/include"
-    subprocess.run(["g++", "-std=c++20", "-O1", f"-I{ROOT / 'csrc'}", f"-I{include}", str(workdir / "driver.cpp"),
-                    str(ROOT / "csrc" / "replay" / "isa.cpp"), "-o", str(binary)], check=True)
-    return lambda required, *gpu: subprocess.run([str(binary), json.dumps(required), *gpu], check=True,
-                                                 capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++20",
+            "-O1",
+            f"-I{ROOT / 'csrc'}",
+            f"-I{include}",
+            str(workdir / "driver.cpp"),
+            str(ROOT / "csrc" / "replay" / "isa.cpp"),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+    )
+    return lambda required, *gpu: subprocess.run(
+        [str(binary), json.dumps(required), *gpu], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def _python_message(required: dict) -> str:
@@ -144,10 +169,15 @@ def test_cpp_harness_sees_the_features_python_sees(cpp_check):
 
 @pytest.mark.slow
 def test_cpp_harness_refuses_with_the_same_line(cpp_check):
-    required = {"op_library": {"march": "x86-64-v3", "cpu_features": ["AVX2"]},
-                "package": {"march": "native", "cpu_features": ["AVX2", "NOT_A_FEATURE"]}}
-    assert cpp_check(required) == _python_message(required) == (
-        "this host lacks NOT_A_FEATURE required by the package (compiled with -march=native)")
+    required = {
+        "op_library": {"march": "x86-64-v3", "cpu_features": ["AVX2"]},
+        "package": {"march": "native", "cpu_features": ["AVX2", "NOT_A_FEATURE"]},
+    }
+    assert (
+        cpp_check(required)
+        == _python_message(required)
+        == ("this host lacks NOT_A_FEATURE required by the package (compiled with -march=native)")
+    )
     assert cpp_check({}) == ""
 
 
@@ -185,8 +215,11 @@ def _package_disassembly(package) -> str:
         for name in archive.namelist():
             if name.endswith(".so"):
                 path = archive.extract(name, tmp)
-                text.append(subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], check=True,
-                                           capture_output=True, text=True).stdout)
+                text.append(
+                    subprocess.run(
+                        ["objdump", "-d", "--no-show-raw-insn", path], check=True, capture_output=True, text=True
+                    ).stdout
+                )
         assert text, f"no shared object in {package}"
         return "\n".join(text)
 
@@ -237,8 +270,22 @@ def test_run_refuses_a_host_lacking_a_feature(artifact_copy, tmp_path):
     torch.save([load_trace_step(artifact.root / artifact.trace_steps[0]["file"])[0]], requests)
     expected = _require_missing_feature(artifact_copy)
     output = tmp_path / "out.pt"
-    result = subprocess.run([sys.executable, "-m", "kvexport", "run", str(artifact_copy), "--requests", str(requests),
-                             "--output", str(output)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvexport",
+            "run",
+            str(artifact_copy),
+            "--requests",
+            str(requests),
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {expected}"], result.stderr
     assert not output.exists()
 
@@ -278,11 +325,16 @@ def test_a_portable_artifact_needs_only_its_baseline(portable_artifact, tiny_art
     shipped = portable_artifact / "lib" / "libkvexport_ops.so"
     assert shipped.read_bytes() != OPS_LIBRARY.read_bytes()
     # A fresh process loads the artifact's own op library and verifies the trace.
-    result = subprocess.run([sys.executable, "-m", "kvexport", "verify", str(portable_artifact)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvexport", "verify", str(portable_artifact)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    result = subprocess.run(replay_command(portable_artifact, tmp_path / "replay.json"), capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        replay_command(portable_artifact, tmp_path / "replay.json"), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -321,8 +373,11 @@ def test_cpp_harness_checks_the_gpu_as_python_does(cpp_check, a100_host, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError) as refused:
         isa.check_device(GPU, torch.device("cuda"))
-    assert cpp_check(GPU, "cuda", "", "") == str(refused.value) == (
-        "this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda")
+    assert (
+        cpp_check(GPU, "cuda", "", "")
+        == str(refused.value)
+        == ("this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda")
+    )
 
 
 def test_gpu_info_names_no_gpu_for_cpu_devices():
@@ -343,11 +398,13 @@ def test_replay_refuses_a_cuda_package_on_a_host_without_cuda(artifact_copy, tmp
         manifest["isa"].update(GPU)
 
     edit_manifest(artifact_copy, make_cuda)
-    result = subprocess.run(replay_command(artifact_copy, tmp_path / "replay.json"), capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        replay_command(artifact_copy, tmp_path / "replay.json"), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda"]
+        "error: this is a CUDA package (built on NVIDIA H200) and this host has no CUDA device cuda"
+    ]
 
 
 def test_check_device_without_cuda_and_for_cpu_packages(monkeypatch):

@@ -53,10 +53,15 @@ def test_op_library_model_and_reference_agree_on_codes(tower_config):
     expected = [time_code(t, ITEM_TOWER["query_time_periods"]) for t in times]
     assert torch.equal(time_codes(torch.tensor(times), tower_config.model.query_time_periods), torch.tensor(expected))
     n = len(times)
-    batch = Batch(user_ids=torch.arange(n), history_lengths=torch.ones(n, dtype=torch.int64),
-                  item_ids=torch.zeros(n, dtype=torch.int64), action_ids=torch.zeros(n, dtype=torch.int64),
-                  context_ids=torch.cat([torch.zeros(n, 3, dtype=torch.int64), torch.tensor(times)[:, None]], 1),
-                  num_candidates=torch.ones(n, dtype=torch.int64), candidate_ids=torch.arange(n) + 5)
+    batch = Batch(
+        user_ids=torch.arange(n),
+        history_lengths=torch.ones(n, dtype=torch.int64),
+        item_ids=torch.zeros(n, dtype=torch.int64),
+        action_ids=torch.zeros(n, dtype=torch.int64),
+        context_ids=torch.cat([torch.zeros(n, 3, dtype=torch.int64), torch.tensor(times)[:, None]], 1),
+        num_candidates=torch.ones(n, dtype=torch.int64),
+        candidate_ids=torch.arange(n) + 5,
+    )
     raw = tower_raw()
     raw["serving"]["max_batch_size"] = n
     checked = kv.check_request("codes", config_from_dict(raw).request_limits_json(), *batch.tensors())[4]
@@ -74,8 +79,12 @@ def test_head_matches_the_reference_and_reads_time_and_tower(tower_model, tower_
     periods = tower_config.model.query_time_periods
     with torch.no_grad():
         got = tower_model(batch)
-        torch.testing.assert_close(got, reference_forward(tower_model, batch, head="item_tower",
-                                                          query_time_periods=periods), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got,
+            reference_forward(tower_model, batch, head="item_tower", query_time_periods=periods),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         context = batch.context_ids.clone()
         context[:, -1] += 3600  # the next hour
         later = tower_model(Batch(**{**batch.to_dict(), "context_ids": context}))
@@ -102,8 +111,7 @@ def test_cached_path_matches_recompute_as_the_query_time_moves(tower_model, towe
                 context = batch.context_ids.clone()
                 context[:, -1] += 3600 * hours
                 request = Batch(**{**batch.to_dict(), "context_ids": context})
-                torch.testing.assert_close(tower_model.forward_cached(request), tower_model(request),
-                                           rtol=0, atol=1e-5)
+                torch.testing.assert_close(tower_model.forward_cached(request), tower_model(request), rtol=0, atol=1e-5)
         stats = cache.stats()
     finally:
         cache.close()
@@ -111,10 +119,13 @@ def test_cached_path_matches_recompute_as_the_query_time_moves(tower_model, towe
     assert stats["hit_tokens"] == 3 * prefix
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda c: c[:, :-1], "context_ids has 3 features, the model has 3 and the query time"),
-    (lambda c: torch.cat([c[:, :-1], -c[:, -1:]], 1), "context_ids' query time has -"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c[:, :-1], "context_ids has 3 features, the model has 3 and the query time"),
+        (lambda c: torch.cat([c[:, :-1], -c[:, -1:]], 1), "context_ids' query time has -"),
+    ],
+)
 def test_a_request_without_a_valid_query_time_is_refused(tower_config, change, message):
     batch = random_batch(tower_config.model, seed=3, history_lengths=[2], num_candidates=[1])
     bad = {**batch.to_dict(), "context_ids": change(batch.context_ids)}
@@ -124,20 +135,25 @@ def test_a_request_without_a_valid_query_time_is_refused(tower_config, change, m
 
 def test_a_user_request_names_the_query_time(tower_config):
     user = UserRequest(1, torch.tensor([1]), torch.tensor([0]), torch.tensor([1, 2, 3]), torch.tensor([4]))
-    with pytest.raises(RequestError, match="context_ids has 3 entries, the model takes 4 .its contextual features, "
-                                           "then the query time."):
+    with pytest.raises(
+        RequestError,
+        match="context_ids has 3 entries, the model takes 4 .its contextual features, then the query time.",
+    ):
         check_user_request(user, tower_config, 0)
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"head": "mlp"}, "model.query_time_periods is read only by model.head: item_tower"),
-    ({"query_time_periods": []}, "model.query_time_periods must name at least one"),
-    ({"query_time_periods": [[3600]]}, "model.query_time_periods must be a list of .int, int. pairs"),
-    ({"query_time_periods": [[0, 24]]}, r"model.query_time_periods: \[0, 24\] must be positive"),
-    ({"query_time_periods": [[60, 1000], [3600, 1000]]}, "make 1000000 codes; an item_tower head reads 2 to 65536"),
-    ({"query_time_periods": [[3600, 1]]}, "make 1 codes; an item_tower head reads 2 to 65536"),
-    ({"head_activation": "relu"}, "model.head_activation applies to model.head: mlp"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"head": "mlp"}, "model.query_time_periods is read only by model.head: item_tower"),
+        ({"query_time_periods": []}, "model.query_time_periods must name at least one"),
+        ({"query_time_periods": [[3600]]}, "model.query_time_periods must be a list of .int, int. pairs"),
+        ({"query_time_periods": [[0, 24]]}, r"model.query_time_periods: \[0, 24\] must be positive"),
+        ({"query_time_periods": [[60, 1000], [3600, 1000]]}, "make 1000000 codes; an item_tower head reads 2 to 65536"),
+        ({"query_time_periods": [[3600, 1]]}, "make 1 codes; an item_tower head reads 2 to 65536"),
+        ({"head_activation": "relu"}, "model.head_activation applies to model.head: mlp"),
+    ],
+)
 def test_an_unusable_head_config_is_refused_by_name(fields, message):
     raw = tower_raw()
     raw["model"].update(fields)
@@ -157,8 +173,14 @@ def test_item_tower_and_whole_prefix_context_on_the_gpu(tmp_path):
 
     # A small S and larger projections, so that what the contextual rows read moves the logits well
     # past verify's tolerance (tests/test_cache_parity.py checks that it does).
-    raw = tower_raw(event_tokens="combined", candidate_position="shared_row", silu_on="u", layer_output="concat",
-                    context_attention="whole_prefix", scaling_seqlen=4)
+    raw = tower_raw(
+        event_tokens="combined",
+        candidate_position="shared_row",
+        silu_on="u",
+        layer_output="concat",
+        context_attention="whole_prefix",
+        scaling_seqlen=4,
+    )
     raw["name"] = "tower-gpu"
     config = tmp_path / "tower.yaml"
     config.write_text(yaml.safe_dump(raw))

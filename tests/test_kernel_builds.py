@@ -57,6 +57,7 @@ def libraries():
 
 @pytest.mark.parametrize("build", ["native", "x86-64-v3+fmv", "x86-64-v3"])
 def test_every_build_of_the_kernel_matches_the_reference(libraries, build):
-    done = subprocess.run([sys.executable, "-c", CHECK, str(libraries[build])], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(libraries[build])], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,12 +15,23 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvexport"
 TESTS = PACKAGE.parent / "tests"
 # An import of a test module or of conftest.py (fixtures reach tests by name), also inside the code a
 # test runs in a subprocess.
-TEST_MODULE_IMPORT = re.compile(r"\b(?:from|import)\s+(?:tests\.)?(?:test_\w+|conftest)\b|\btests\.(?:test_\w+|conftest)\b")
+TEST_MODULE_IMPORT = re.compile(
+    r"\b(?:from|import)\s+(?:tests\.)?(?:test_\w+|conftest)\b|\btests\.(?:test_\w+|conftest)\b"
+)
 
 # Lowest first. A module belongs to the first layer one of whose prefixes it starts with.
 LAYERS = (
-    ("ground", ("kvexport.errors", "kvexport.io", "kvexport.progress", "kvexport.config", "kvexport.artifact",
-                "kvexport.remote")),
+    (
+        "ground",
+        (
+            "kvexport.errors",
+            "kvexport.io",
+            "kvexport.progress",
+            "kvexport.config",
+            "kvexport.artifact",
+            "kvexport.remote",
+        ),
+    ),
     ("native", ("kvexport.native",)),
     ("ops", ("kvexport.ops",)),
     ("model", ("kvexport.model",)),
@@ -72,7 +83,7 @@ def imports_of(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
             names = [f"{base}.{alias.name}" for alias in node.names] + [base]
         for name in names:
             while name and name not in MODULES:
@@ -111,17 +122,26 @@ def test_no_import_points_upward():
 
 
 def test_an_upward_import_is_found():
-    assert upward_imports({"kvexport.ops.library": {"kvexport.host.package", "kvexport.errors"},
-                           "kvexport.export.build": {"kvexport.serving.triton"},
-                           "kvexport.host.package": {"kvexport.ops.library"}}) == [
+    assert upward_imports(
+        {
+            "kvexport.ops.library": {"kvexport.host.package", "kvexport.errors"},
+            "kvexport.export.build": {"kvexport.serving.triton"},
+            "kvexport.host.package": {"kvexport.ops.library"},
+        }
+    ) == [
         "kvexport.ops.library (ops) imports kvexport.host.package (host)",
-        "kvexport.export.build (export) imports kvexport.serving.triton (serving)"]
+        "kvexport.export.build (export) imports kvexport.serving.triton (serving)",
+    ]
 
 
 def test_run_time_code_never_imports_the_builder():
-    reached = [f"{module} imports {target}" for module, targets in GRAPH.items()
-               if module != FACADE and LAYERS[layer_of(module)][0] in RUNTIME_LAYERS
-               for target in targets if target.startswith(BUILD_MODULES)]
+    reached = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module != FACADE and LAYERS[layer_of(module)][0] in RUNTIME_LAYERS
+        for target in targets
+        if target.startswith(BUILD_MODULES)
+    ]
     assert not reached, "\n".join(reached)
 
 
@@ -132,8 +152,11 @@ def test_the_facade_is_imported_for_its_version_only():
             if isinstance(node, ast.Import) and any(alias.name == FACADE for alias in node.names):
                 users.append(f"{module}: import {FACADE}")
             if isinstance(node, ast.ImportFrom) and node.module == FACADE and not node.level:
-                users += [f"{module}: from {FACADE} import {a.name}" for a in node.names
-                          if a.name != "__version__" and f"{FACADE}.{a.name}" not in MODULES]
+                users += [
+                    f"{module}: from {FACADE} import {a.name}"
+                    for a in node.names
+                    if a.name != "__version__" and f"{FACADE}.{a.name}" not in MODULES
+                ]
     assert not users, "\n".join(users)
 
 
@@ -176,25 +199,38 @@ def test_no_import_circle():
     assert cycles({m: t - {FACADE} for m, t in GRAPH.items() if m != FACADE}) == []
 
 
-@pytest.mark.parametrize("graph, expected", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
-    ({"a": {"b"}, "b": set()}, []),
-])
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"b"}, "b": set()}, []),
+    ],
+)
 def test_the_circle_finder_finds_circles(graph, expected):
     assert cycles(graph) == expected
 
 
 def test_no_test_module_imports_another_or_conftest():
     sources = [path for path in sorted(TESTS.rglob("*.py")) if path != Path(__file__).resolve()]  # not its examples
-    found = [f"{path.relative_to(TESTS.parent)}:{number}: {line.strip()}" for path in sources
-             for number, line in enumerate(path.read_text().splitlines(), 1) if TEST_MODULE_IMPORT.search(line)]
+    found = [
+        f"{path.relative_to(TESTS.parent)}:{number}: {line.strip()}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if TEST_MODULE_IMPORT.search(line)
+    ]
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize(("line", "found"), [
-    ("from tests.test_serve import Client", True), ("from tests.conftest import TINY", True),
-    ('code = "from tests.test_remote_tier import worker"', True), ("import test_ops", True),
-    ("from tests.helpers.serving import Client", False), ("# see tests/test_serve.py", False),
-])
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ("from tests.test_serve import Client", True),
+        ("from tests.conftest import TINY", True),
+        ('code = "from tests.test_remote_tier import worker"', True),
+        ("import test_ops", True),
+        ("from tests.helpers.serving import Client", False),
+        ("# see tests/test_serve.py", False),
+    ],
+)
 def test_an_import_of_a_test_module_is_found(line, found):
     assert bool(TEST_MODULE_IMPORT.search(line)) == found

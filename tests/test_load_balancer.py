@@ -19,8 +19,9 @@ from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.triton_router import ROUTING_HEADER
 from tests.helpers.serving import ATOL, Client, needs_pytriton, plain_tritonserver, server_ports, started, user_arrays
 
-needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None,
-                                 reason="nginx is not installed (make system-packages installs it)")
+needs_nginx = pytest.mark.skipif(
+    shutil.which("nginx") is None, reason="nginx is not installed (make system-packages installs it)"
+)
 
 # docs/serving.md's load balancer, with this test's ports and files.
 NGINX_CONF = """
@@ -68,15 +69,18 @@ def routed(access_log: Path) -> list[tuple[int, list[str]]]:
 @needs_pytriton
 @needs_nginx
 @pytest.mark.slow
-def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(tiny_artifact, tiny_config,
-                                                                               tmp_path, eager):
+def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(
+    tiny_artifact, tiny_config, tmp_path, eager
+):
     m = tiny_config.model
     generator = torch.Generator().manual_seed(17)
     users = [random_user(m, generator, 7000 + u, 40, 3) for u in range(12)]
 
     def visit(v: int) -> list[UserRequest]:
-        return [UserRequest(u.user_id, u.item_ids[:8 + 8 * v], u.action_ids[:8 + 8 * v], u.context_ids,
-                            u.candidate_ids) for u in users]
+        return [
+            UserRequest(u.user_id, u.item_ids[: 8 + 8 * v], u.action_ids[: 8 + 8 * v], u.context_ids, u.candidate_ids)
+            for u in users
+        ]
 
     first, second = visit(0) + visit(1), visit(2) + visit(3)
     expected = eager(first + second)
@@ -86,17 +90,25 @@ def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(t
     (tmp_path / "b").mkdir()
     balancer = server_ports().http
     conf = tmp_path / "nginx.conf"
-    with plain_tritonserver(tiny_artifact, tmp_path / "b", server_options=forward) as (b, _, _), \
-            plain_tritonserver(tiny_artifact, tmp_path / "a", server_options=forward) as (a, _, a_process):
+    with (
+        plain_tritonserver(tiny_artifact, tmp_path / "b", server_options=forward) as (b, _, _),
+        plain_tritonserver(tiny_artifact, tmp_path / "a", server_options=forward) as (a, _, a_process),
+    ):
         conf.write_text(NGINX_CONF.format(work=tmp_path, a=a.http, b=b.http, port=balancer))
-        with started(["nginx", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
-                     tmp_path / "nginx.log", balancer):
+        with started(
+            ["nginx", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
+            tmp_path / "nginx.log",
+            balancer,
+        ):
             client = Client("http", dataclasses.replace(server_ports(), http=balancer), "hstu-tiny")
 
             def send(requests: list[UserRequest]) -> list[np.ndarray]:
-                return [client.client.infer("hstu-tiny", client.inputs(user_arrays(r)),
-                                            headers={ROUTING_HEADER: str(r.user_id)}).as_numpy("logits")[0]
-                        for r in requests]
+                return [
+                    client.client.infer(
+                        "hstu-tiny", client.inputs(user_arrays(r)), headers={ROUTING_HEADER: str(r.user_id)}
+                    ).as_numpy("logits")[0]
+                    for r in requests
+                ]
 
             try:
                 got = send(first)

@@ -49,15 +49,30 @@ MAX_HISTORY, MAX_CANDIDATES = 12, 4
 UNGATED = dataclasses.replace(FEATURES, contextual_min_uih_lengths=())
 # The per-user rules the import states: positions counted from the maximum history, history events at
 # time row 0, the normaliser C + max history + max candidates.
-RULES = Rules(positions="from_max", times="zero", normaliser="fixed", max_history=MAX_HISTORY,
-              max_candidates=MAX_CANDIDATES)
+RULES = Rules(
+    positions="from_max", times="zero", normaliser="fixed", max_history=MAX_HISTORY, max_candidates=MAX_CANDIDATES
+)
 TOLERANCE = 2e-5
 
 
 def import_args(source, output, *extra) -> list[str]:
-    return ["import-checkpoint", "--from", "meta", str(source), "-o", str(output), "--num-heads",
-            str(IMPORTABLE_SIZES.HEADS), "--max-history-length", str(MAX_HISTORY), "--max-candidates",
-            str(MAX_CANDIDATES), "--contextual-features", ",".join(FEATURES.contextual_tables), *extra]
+    return [
+        "import-checkpoint",
+        "--from",
+        "meta",
+        str(source),
+        "-o",
+        str(output),
+        "--num-heads",
+        str(IMPORTABLE_SIZES.HEADS),
+        "--max-history-length",
+        str(MAX_HISTORY),
+        "--max-candidates",
+        str(MAX_CANDIDATES),
+        "--contextual-features",
+        ",".join(FEATURES.contextual_tables),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
@@ -83,12 +98,19 @@ def reference(batch: Batch, config, rules: Rules = RULES) -> torch.Tensor:
     for b in range(batch.batch_size):
         h, t = int(batch.history_lengths[b]), int(batch.num_candidates[b])
         ids = batch.context_ids[b].tolist()
-        users.append({
-            "contextual": [c if c < TABLE_ROWS[table] else None
-                           for c, table in zip(ids[:num_context], FEATURES.contextual_tables)],
-            "history": batch.item_ids[event:event + h].tolist(), "actions": batch.action_ids[event:event + h].tolist(),
-            "timestamps": [0] * h, "candidates": batch.candidate_ids[candidate:candidate + t].tolist(),
-            "query_time": ids[num_context]})
+        users.append(
+            {
+                "contextual": [
+                    c if c < TABLE_ROWS[table] else None
+                    for c, table in zip(ids[:num_context], FEATURES.contextual_tables)
+                ],
+                "history": batch.item_ids[event : event + h].tolist(),
+                "actions": batch.action_ids[event : event + h].tolist(),
+                "timestamps": [0] * h,
+                "candidates": batch.candidate_ids[candidate : candidate + t].tolist(),
+                "query_time": ids[num_context],
+            }
+        )
         event, candidate = event + h, candidate + t
     return dlrm_hstu_forward(dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED), users, UNGATED, rules=rules)
 
@@ -99,7 +121,12 @@ def test_the_import_states_its_rules_and_writes_a_loadable_config(imported):
     config = load_config(out / "dlrm.yaml")
     m = config.model
     assert (m.head, m.event_tokens, m.candidate_position, m.silu_on, m.layer_output) == (
-        "item_tower", "combined", "shared_row", "u", "concat")
+        "item_tower",
+        "combined",
+        "shared_row",
+        "u",
+        "concat",
+    )
     assert m.query_time_periods == ((3600, 24), (86400, 7)) and m.layer_norm_eps == 1e-6
     assert m.item_vocab_size == TABLE_ROWS["video_id"] and m.item_ids == "rows"
 
@@ -108,10 +135,17 @@ def test_eager_full_and_cached_match_the_reference(imported):
     out, _ = imported
     config = load_config(out / "dlrm.yaml")
     model = build_model(config, out / "dlrm.pt")
-    spec = WorkloadSpec(num_users=6, min_history_length=1, max_history_length=MAX_HISTORY, max_new_events=3,
-                        num_candidates=MAX_CANDIDATES, rewrite_fraction=0.2)
-    workload = Workload(config.model, spec, seed=1, context_keys=[list(range(TABLE_ROWS[t]))
-                                                                  for t in FEATURES.contextual_tables])
+    spec = WorkloadSpec(
+        num_users=6,
+        min_history_length=1,
+        max_history_length=MAX_HISTORY,
+        max_new_events=3,
+        num_candidates=MAX_CANDIDATES,
+        rewrite_fraction=0.2,
+    )
+    workload = Workload(
+        config.model, spec, seed=1, context_keys=[list(range(TABLE_ROWS[t])) for t in FEATURES.contextual_tables]
+    )
     cache = KVCacheManager(config)
     cache.reset()
     try:
@@ -148,8 +182,12 @@ def test_every_upstream_tensor_moves_the_imported_logits(imported):
     with torch.no_grad():
         base = build_model(config, out / "dlrm.pt")(batch)
     dense, by_name = dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED)
-    options = meta.MetaOptions(num_heads=IMPORTABLE_SIZES.HEADS, max_history_length=MAX_HISTORY,
-                               max_num_candidates=MAX_CANDIDATES, contextual_features=FEATURES.contextual_tables)
+    options = meta.MetaOptions(
+        num_heads=IMPORTABLE_SIZES.HEADS,
+        max_history_length=MAX_HISTORY,
+        max_num_candidates=MAX_CANDIDATES,
+        contextual_features=FEATURES.contextual_tables,
+    )
     checked, unmoved = 0, []
     for key in [*dense, *by_name]:
         if key.startswith(meta.ADDITIONAL_MLP) or dense.get(key, torch.zeros(1)).dtype == torch.int64:
@@ -158,8 +196,13 @@ def test_every_upstream_tensor_moves_the_imported_logits(imported):
             continue  # whole periods, read into the config (test_the_import_states_its_rules...)
         changed_dense = {**dense, **({key: noise(dense[key])} if key in dense else {})}
         sparse = {meta.SPARSE_TABLE.format(n): noise(t) if n == key else t for n, t in by_name.items()}
-        imported_state = meta.fold(changed_dense, {k: tuple(t.shape) for k, t in sparse.items()},
-                                   functools.partial(read_rows, sparse), options, "x")
+        imported_state = meta.fold(
+            changed_dense,
+            {k: tuple(t.shape) for k, t in sparse.items()},
+            functools.partial(read_rows, sparse),
+            options,
+            "x",
+        )
         model = build_model(config)
         model.load_state_dict(imported_state.state_dict)
         with torch.no_grad():
@@ -176,8 +219,9 @@ def test_package_verify_and_cpp_replay_agree_with_the_reference(imported, tmp_pa
     if "world2" in str(out):
         pytest.skip("one world size builds a package; the import is the same (above)")
     package = tmp_path / "package"
-    built = CliRunner().invoke(main, ["build", str(out / "dlrm.yaml"), "--checkpoint", str(out / "dlrm.pt"),
-                                      "-o", str(package)])
+    built = CliRunner().invoke(
+        main, ["build", str(out / "dlrm.yaml"), "--checkpoint", str(out / "dlrm.pt"), "-o", str(package)]
+    )
     assert built.exit_code == 0, built.output
     assert check_trace_against_the_reference(package, load_config(out / "dlrm.yaml")) >= 10
     for command in (["verify", str(package)], ["replay", str(package)]):
@@ -217,10 +261,14 @@ def test_the_imported_model_on_the_gpu(imported, tmp_path):
     assert_verifies_and_replays(package, tmp_path)
 
 
-@pytest.mark.parametrize(("flags", "rules", "said"), [
-    (["--history-time", "none"], {"times": "none"}, "no history time row"),
-    (["--history-positions", "from_start"], {"positions": "from_start"}, "positions counted from the oldest event"),
-], ids=["time-none", "positions-from-start"])
+@pytest.mark.parametrize(
+    ("flags", "rules", "said"),
+    [
+        (["--history-time", "none"], {"times": "none"}, "no history time row"),
+        (["--history-positions", "from_start"], {"positions": "from_start"}, "positions counted from the oldest event"),
+    ],
+    ids=["time-none", "positions-from-start"],
+)
 def test_the_other_history_rules_match_the_reference_under_them(imported, tmp_path, flags, rules, said):
     """The import's other per-user rules, each against the reference under the same rule."""
     out, _ = imported
@@ -234,8 +282,9 @@ def test_the_other_history_rules_match_the_reference_under_them(imported, tmp_pa
     batch = Batch(**{**batch.to_dict(), "context_ids": context})
     with torch.no_grad():
         got = model(batch)
-        torch.testing.assert_close(got, reference(batch, config, dataclasses.replace(RULES, **rules)),
-                                   rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(
+            got, reference(batch, config, dataclasses.replace(RULES, **rules)), rtol=0, atol=TOLERANCE
+        )
         assert (got - reference(batch, config)).abs().max() > 1e-3  # the default rules' logits differ
 
 
@@ -243,16 +292,22 @@ def test_served_item_ids_import_only_their_rows(imported, tmp_path):
     out, _ = imported
     served = [39, 2, 17, 5, 17]
     (tmp_path / "items.txt").write_text("\n".join(map(str, served)) + "\n")
-    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "served.pt", "--items",
-                                                  str(tmp_path / "items.txt")))
+    result = CliRunner().invoke(
+        main, import_args(out / "trainer", tmp_path / "served.pt", "--items", str(tmp_path / "items.txt"))
+    )
     assert result.exit_code == 0, result.output
     config = load_config(tmp_path / "served.yaml")
     assert config.model.item_ids == "keys" and config.model.item_vocab_size == 5  # 4 ids and the unknown row
     model = build_model(config, tmp_path / "served.pt")
-    users = Batch(user_ids=torch.tensor([1, 2]), history_lengths=torch.tensor([3, 2]),
-                  item_ids=torch.tensor([5, 17, 39, 2, 2]), action_ids=torch.tensor([1, 0, 7, 3, 4]),
-                  context_ids=torch.tensor([[3, 1, 1_650_000_000], [7, 2, 1_650_003_600]]),
-                  num_candidates=torch.tensor([2, 1]), candidate_ids=torch.tensor([17, 39, 5]))
+    users = Batch(
+        user_ids=torch.tensor([1, 2]),
+        history_lengths=torch.tensor([3, 2]),
+        item_ids=torch.tensor([5, 17, 39, 2, 2]),
+        action_ids=torch.tensor([1, 0, 7, 3, 4]),
+        context_ids=torch.tensor([[3, 1, 1_650_000_000], [7, 2, 1_650_003_600]]),
+        num_candidates=torch.tensor([2, 1]),
+        candidate_ids=torch.tensor([17, 39, 5]),
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(users), reference(users, config), rtol=0, atol=TOLERANCE)
 
@@ -262,8 +317,9 @@ def test_served_context_ids_import_only_their_rows(imported, tmp_path):
     feature, as DlrmHSTU embeds one (the reference with that feature None)."""
     out, _ = imported
     (tmp_path / "users.txt").write_text("7\n3\n9\n")
-    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "users.pt", "--context-ids",
-                                                  f"user_id={tmp_path / 'users.txt'}"))
+    result = CliRunner().invoke(
+        main, import_args(out / "trainer", tmp_path / "users.pt", "--context-ids", f"user_id={tmp_path / 'users.txt'}")
+    )
     assert result.exit_code == 0 and "contextual feature user_id: 3 served ids read" in result.output, result.output
     config = load_config(tmp_path / "users.yaml")
     assert config.model.context_vocab_size == 3 + TABLE_ROWS["user_active_degree"] + 1
@@ -281,13 +337,19 @@ def test_served_context_ids_import_only_their_rows(imported, tmp_path):
     assert (expected[2:] - expected_missing[2:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--contextual-features", "user_id"], "maps 2 contextual features; 1 named"),
-    (["--item-table", "nope"], "sparse/ holds sparse_dict._embedding_collection.embeddings.video_id.weight"),
-    (["--batch", "5"], "has no batch 5"),
-    (["--context-ids", "user_region=ids.txt"], "--context-ids names user_region, not one of the contextual features"),
-    (["--num-heads", "3"], "not a multiple of 3 heads"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--contextual-features", "user_id"], "maps 2 contextual features; 1 named"),
+        (["--item-table", "nope"], "sparse/ holds sparse_dict._embedding_collection.embeddings.video_id.weight"),
+        (["--batch", "5"], "has no batch 5"),
+        (
+            ["--context-ids", "user_region=ids.txt"],
+            "--context-ids names user_region, not one of the contextual features",
+        ),
+        (["--num-heads", "3"], "not a multiple of 3 heads"),
+    ],
+)
 def test_unusable_imports_are_refused_by_name_and_write_nothing(imported, tmp_path, extra, message):
     out, _ = imported
     args = import_args(out / "trainer", tmp_path / "x.pt")
@@ -315,8 +377,7 @@ def test_a_missing_dense_key_is_refused_before_any_table_is_read(imported, tmp_p
     monkeypatch.setattr(meta.dcp, "read_tensors", lambda directory, keys: tables_read.extend(keys))
     with caplog.at_level(logging.INFO):
         result = CliRunner().invoke(main, import_args(trainer, tmp_path / "x.pt"))
-    assert result.exit_code == 2 and result.output.splitlines() == [f"error: checkpoint lacks {missing}"], \
-        result.output
+    assert result.exit_code == 2 and result.output.splitlines() == [f"error: checkpoint lacks {missing}"], result.output
     assert tables_read == [] and [r.getMessage() for r in caplog.records if r.getMessage().startswith("read ")] == []
     assert not (tmp_path / "x.pt").exists()
 
@@ -332,10 +393,12 @@ def test_dqk_unequal_to_dv_is_refused(tmp_path):
 def test_an_item_id_file_line_that_is_no_id_is_refused_by_line(imported, tmp_path, line):
     out, _ = imported
     (tmp_path / "items.txt").write_text(f"4\n{line}\n")
-    result = CliRunner().invoke(main, import_args(out / "trainer", tmp_path / "x.pt", "--items",
-                                                  str(tmp_path / "items.txt")))
-    assert result.exit_code == 2 and "items.txt line 2:" in result.output and "[0, 2^63)" in result.output, \
+    result = CliRunner().invoke(
+        main, import_args(out / "trainer", tmp_path / "x.pt", "--items", str(tmp_path / "items.txt"))
+    )
+    assert result.exit_code == 2 and "items.txt line 2:" in result.output and "[0, 2^63)" in result.output, (
         result.output
+    )
     assert not (tmp_path / "x.pt").exists()
 
 
@@ -343,7 +406,9 @@ def test_options_of_the_other_trainer_are_refused(tmp_path):
     for flag, value in (("--iteration", "3"), ("--action-table", "actions")):
         result = CliRunner().invoke(main, import_args(tmp_path, tmp_path / "x.pt", flag, value))
         assert result.exit_code == 2 and f"{flag} does not apply to --from meta" in result.output
-    result = CliRunner().invoke(main, ["import-checkpoint", "--from", "meta", str(tmp_path), "-o", str(tmp_path / "x.pt")])
+    result = CliRunner().invoke(
+        main, ["import-checkpoint", "--from", "meta", str(tmp_path), "-o", str(tmp_path / "x.pt")]
+    )
     assert result.exit_code == 2 and "--from meta needs --num-heads" in result.output
 
 
@@ -355,10 +420,14 @@ def test_the_readme_example_runs(tmp_path):
     """docs/checkpoint.md's import-and-build block, run as written with its paths moved to tmp_path."""
     blocks = README_BLOCK.findall((ROOT / "docs" / "checkpoint.md").read_text())
     assert len(blocks) == 1, "docs/checkpoint.md has no (or several) Meta import example blocks"
-    script = blocks[0].replace("/tmp/meta-sample", str(tmp_path / "sample")).replace(
-        ".venv/bin/", str(Path(sys.executable).parent) + "/")
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    script = (
+        blocks[0]
+        .replace("/tmp/meta-sample", str(tmp_path / "sample"))
+        .replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
+    )
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "per-user rules" in done.stdout and (tmp_path / "sample" / "artifact" / "model.pt2").is_file()
     artifact = tmp_path / "sample" / "artifact"
@@ -371,14 +440,25 @@ def test_the_readme_example_runs(tmp_path):
     import kvexport
     from kvexport.serving.batcher import BatchScorer
 
-    user = {"user_id": np.array([[7]]), "item_ids": np.array([[4, 10, 22]]), "action_ids": np.array([[1, 0, 5]]),
-            "context_ids": np.array([[3, 1, 1_650_000_000]]), "candidate_ids": np.array([[6, 8]])}
+    user = {
+        "user_id": np.array([[7]]),
+        "item_ids": np.array([[4, 10, 22]]),
+        "action_ids": np.array([[1, 0, 5]]),
+        "context_ids": np.array([[3, 1, 1_650_000_000]]),
+        "candidate_ids": np.array([[6, 8]]),
+    }
     with kvexport.load(artifact) as package:
         served = BatchScorer(package).score([user])[0]
     config = load_config(tmp_path / "sample" / "model.yaml")
     model = build_model(config, tmp_path / "sample" / "model.pt")
-    batch = Batch(user_ids=torch.tensor([7]), history_lengths=torch.tensor([3]), item_ids=torch.tensor([4, 10, 22]),
-                  action_ids=torch.tensor([1, 0, 5]), context_ids=torch.tensor([[3, 1, 1_650_000_000]]),
-                  num_candidates=torch.tensor([2]), candidate_ids=torch.tensor([6, 8]))
+    batch = Batch(
+        user_ids=torch.tensor([7]),
+        history_lengths=torch.tensor([3]),
+        item_ids=torch.tensor([4, 10, 22]),
+        action_ids=torch.tensor([1, 0, 5]),
+        context_ids=torch.tensor([[3, 1, 1_650_000_000]]),
+        num_candidates=torch.tensor([2]),
+        candidate_ids=torch.tensor([6, 8]),
+    )
     with torch.no_grad():
         torch.testing.assert_close(served.cpu(), model(batch), rtol=0, atol=1e-5)

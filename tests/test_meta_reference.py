@@ -42,13 +42,18 @@ T0 = 1_699_200_000  # a whole hour (and a multiple of float32's 128 s step there
 UNUSED = PRE + "_additional_embedding_mlp."  # DlrmHSTU skips it when no feature is "additional"
 
 
-def user(contextual: list, num_history: int, candidates: list[int], bits: list[int], spacing: int,
-         query_time: int = T0) -> dict:
+def user(
+    contextual: list, num_history: int, candidates: list[int], bits: list[int], spacing: int, query_time: int = T0
+) -> dict:
     """A user whose events are `spacing` seconds apart, the newest `spacing` before the query time."""
-    return {"contextual": contextual, "history": [(7 * i + 3) % TABLE_ROWS["video_id"] for i in range(num_history)],
-            "actions": [bits[i % len(bits)] for i in range(num_history)],
-            "timestamps": [query_time - spacing * (num_history - i) for i in range(num_history)],
-            "candidates": candidates, "query_time": query_time}
+    return {
+        "contextual": contextual,
+        "history": [(7 * i + 3) % TABLE_ROWS["video_id"] for i in range(num_history)],
+        "actions": [bits[i % len(bits)] for i in range(num_history)],
+        "timestamps": [query_time - spacing * (num_history - i) for i in range(num_history)],
+        "candidates": candidates,
+        "query_time": query_time,
+    }
 
 
 def periods(state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +89,14 @@ def test_non_sparse_ckpt_holds_the_trainers_entries_and_the_dense_state(written,
     root, _ = written
     assert root.name == str(BATCH) and sorted(p.name for p in root.iterdir()) == ["non_sparse.ckpt", "sparse"]
     saved = torch.load(root / "non_sparse.ckpt", weights_only=True)
-    assert list(saved) == ["dense_dict", "optimizer_dict", "class_metrics", "reg_metrics", "global_step",
-                           "sparse_tensor_keys"]
+    assert list(saved) == [
+        "dense_dict",
+        "optimizer_dict",
+        "class_metrics",
+        "reg_metrics",
+        "global_step",
+        "sparse_tensor_keys",
+    ]
     assert saved["sparse_tensor_keys"] == {TABLE_FQN.format(name) for name in TABLE_ROWS}
     assert saved["global_step"] == {"train": BATCH, "eval": 0}
     dense, _ = read_back(root)
@@ -124,8 +135,9 @@ def test_positions_count_back_from_the_end_of_the_history():
 
 def test_time_buckets_are_the_truncated_root_of_minutes_before_the_query():
     query_time = 10_000
-    timestamps = torch.tensor([0, query_time - 240, query_time - 59, query_time - 539, query_time - 540,
-                               query_time, query_time + 500])
+    timestamps = torch.tensor(
+        [0, query_time - 240, query_time - 59, query_time - 539, query_time - 540, query_time, query_time + 500]
+    )
     # minutes 166.7, 4, 0.98, 8.98, 9, 0 (1e-6), negative (1e-6): roots 12.9, 2, 0.99, 2.997, 3, ~0, ~0
     assert time_buckets(timestamps, query_time, 2049).tolist() == [12, 2, 0, 2, 3, 0, 0]
     assert time_buckets(timestamps, query_time, 10).tolist() == [9, 2, 0, 2, 3, 0, 0]
@@ -153,22 +165,34 @@ def test_action_features_concatenate_the_rows_of_the_bits_an_event_has():
     table = torch.arange(24, dtype=torch.float32).reshape(3, 8) + 1
     out = action_features(torch.tensor([5, 2, 8]), torch.tensor([1, 2, 4]), table)
     zeros = torch.zeros(8)
-    assert torch.equal(out, torch.stack([torch.cat([table[0], zeros, table[2]]), torch.cat([zeros, table[1], zeros]),
-                                         torch.zeros(24)]))
+    assert torch.equal(
+        out, torch.stack([torch.cat([table[0], zeros, table[2]]), torch.cat([zeros, table[1], zeros]), torch.zeros(24)])
+    )
 
 
 def test_the_prefix_is_causal_and_candidates_see_it_and_themselves():
-    assert attention_mask(5, 3).int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0],
-                                                   [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+    assert attention_mask(5, 3).int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 1],
+    ]
 
 
 def test_one_stu_layer_by_hand():
     """Two identical history tokens, H = 2, dv = 1, dqk = 2, W = 0 so that u, v, q, k are the
     bias's blocks in the order u | v | q | k, W_out = I so that the output shows [u, o, u * LN(o)]."""
     beta = torch.tensor([1.0, -1.0, 2.0, 3.0, 1.0, 0.5, 2.0, -1.0, 0.5, 1.0, -1.0, 0.25])
-    dense = {"_input_norm_weight": torch.ones(6), "_input_norm_bias": torch.zeros(6),
-             "_uvqk_weight": torch.zeros(6, 12), "_uvqk_beta": beta,
-             "_output_norm_weight": torch.ones(2), "_output_norm_bias": torch.zeros(2), "_output_weight": torch.eye(6)}
+    dense = {
+        "_input_norm_weight": torch.ones(6),
+        "_input_norm_bias": torch.zeros(6),
+        "_uvqk_weight": torch.zeros(6, 12),
+        "_uvqk_beta": beta,
+        "_output_norm_weight": torch.ones(2),
+        "_output_norm_bias": torch.zeros(2),
+        "_output_weight": torch.eye(6),
+    }
     out = stu_layer(dense, "", torch.zeros(2, 6), num_prefix=2, num_heads=2, normaliser=4)
 
     def silu(z: float) -> float:
@@ -209,8 +233,9 @@ def test_candidates_see_neither_each_other_nor_are_seen_by_the_history(state):
 
 def test_moving_the_query_time_within_the_hour_moves_the_time_buckets(state):
     moved = dict(SHORT, query_time=T0 + 1280)  # the same events; the same hour and day for the candidates
-    assert torch.equal(time_features(torch.tensor([T0]), *periods(state)),
-                       time_features(torch.tensor([T0 + 1280]), *periods(state)))
+    assert torch.equal(
+        time_features(torch.tensor([T0]), *periods(state)), time_features(torch.tensor([T0 + 1280]), *periods(state))
+    )
     stamps = torch.tensor(SHORT["timestamps"])
     assert not torch.equal(time_buckets(stamps, T0, TIME_ROWS), time_buckets(stamps, T0 + 1280, TIME_ROWS))
     logits = dlrm_hstu_forward(*state, [SHORT], FEATURES)
@@ -223,8 +248,9 @@ def test_moving_the_query_time_an_hour_moves_the_postprocessors_angles(state):
     later = T0 + 3840
     old = user([3, 2], 5, [7, 8], [1, 2, 4, 5, 7], 70_000)
     moved = dict(old, query_time=later)
-    assert torch.equal(time_features(torch.tensor([T0 + 3600]), *periods(state)),
-                       time_features(torch.tensor([T0]), *periods(state)))
+    assert torch.equal(
+        time_features(torch.tensor([T0 + 3600]), *periods(state)), time_features(torch.tensor([T0]), *periods(state))
+    )
     stamps = torch.tensor([0] + old["timestamps"])
     capped = [TIME_ROWS - 1] * 6
     assert time_buckets(stamps, T0, TIME_ROWS).tolist() == time_buckets(stamps, later, TIME_ROWS).tolist() == capped
@@ -234,8 +260,9 @@ def test_moving_the_query_time_an_hour_moves_the_postprocessors_angles(state):
 
 def test_a_gated_contextual_feature_is_zeroed_while_history_and_candidates_are_short(state):
     def with_degree(person: dict, degree: int) -> torch.Tensor:
-        return dlrm_hstu_forward(*state, [dict(person, contextual=[person["contextual"][0], degree])], FEATURES,
-                                 normaliser=30)
+        return dlrm_hstu_forward(
+            *state, [dict(person, contextual=[person["contextual"][0], degree])], FEATURES, normaliser=30
+        )
 
     assert torch.equal(with_degree(GATED, 1), with_degree(GATED, 4))  # U + T = 4 < 6
     opened = dict(GATED, candidates=[5, 6, 9, 10])  # U + T = 6: the candidates count

@@ -10,17 +10,16 @@ from kvexport.model.hstu import prefix_tokens
 from tests.helpers.reference import reference_forward
 
 SHAPES = [
-    ([1], [1]),                      # B=1, one event, one candidate
-    ([7], [5]),                      # B=1, many of each
-    ([1, 9, 4], [3, 1, 6]),          # B>1, mixed
+    ([1], [1]),  # B=1, one event, one candidate
+    ([7], [5]),  # B=1, many of each
+    ([1, 9, 4], [3, 1, 6]),  # B>1, mixed
     ([12, 1, 30, 2], [1, 1, 8, 2]),
 ]
 
 
 @pytest.mark.parametrize("histories,candidates", SHAPES)
 def test_model_matches_reference(tiny_model, tiny_config, histories, candidates):
-    batch = random_batch(tiny_config.model, seed=len(histories), history_lengths=histories,
-                         num_candidates=candidates)
+    batch = random_batch(tiny_config.model, seed=len(histories), history_lengths=histories, num_candidates=candidates)
     with torch.no_grad():
         got = tiny_model(batch)
         want = reference_forward(tiny_model, batch)
@@ -55,9 +54,12 @@ def test_candidates_do_not_see_each_other(tiny_model, tiny_config):
 def test_user_logits_do_not_depend_on_batch_mates(tiny_model, tiny_config):
     batch = random_batch(tiny_config.model, seed=4, history_lengths=[3, 8, 2], num_candidates=[2, 5, 1])
     single = Batch(
-        user_ids=batch.user_ids[1:2], history_lengths=batch.history_lengths[1:2],
-        item_ids=batch.item_ids[3:11], action_ids=batch.action_ids[3:11],
-        context_ids=batch.context_ids[1:2], num_candidates=batch.num_candidates[1:2],
+        user_ids=batch.user_ids[1:2],
+        history_lengths=batch.history_lengths[1:2],
+        item_ids=batch.item_ids[3:11],
+        action_ids=batch.action_ids[3:11],
+        context_ids=batch.context_ids[1:2],
+        num_candidates=batch.num_candidates[1:2],
         candidate_ids=batch.candidate_ids[2:7],
     )
     with torch.no_grad():

@@ -93,8 +93,17 @@ def test_opcheck_hstu_paged_attention():
     torch.library.opcheck(torch.ops.kvexport.hstu_paged_attention.default, (*random_paged_inputs(3), ALPHA, INV_S))
 
 
-CONFIG = json.dumps({"num_layers": 1, "num_heads": 2, "head_dim": 8, "page_size": 4,
-                     "device_pages": 16, "host_pages": 16, "dtype": "float32"})
+CONFIG = json.dumps(
+    {
+        "num_layers": 1,
+        "num_heads": 2,
+        "head_dim": 8,
+        "page_size": 4,
+        "device_pages": 16,
+        "host_pages": 16,
+        "dtype": "float32",
+    }
+)
 
 
 @pytest.fixture
@@ -148,15 +157,33 @@ def test_upload_on_the_host_copies_and_checks(runtime):
     assert kv.last_error(runtime)[0] == "internal"
 
 
-LIMITS = json.dumps({"max_batch_size": 4, "max_history_length": 8, "max_num_candidates": 4,
-                     "num_contextual_features": 2, "context_vocab_size": 10, "item_vocab_size": 300,
-                     "action_vocab_size": 300, "tokens_per_event": 2, "context_width": 2, "time_code_bits": 0})
+LIMITS = json.dumps(
+    {
+        "max_batch_size": 4,
+        "max_history_length": 8,
+        "max_num_candidates": 4,
+        "num_contextual_features": 2,
+        "context_vocab_size": 10,
+        "item_vocab_size": 300,
+        "action_vocab_size": 300,
+        "tokens_per_event": 2,
+        "context_width": 2,
+        "time_code_bits": 0,
+    }
+)
 
 
 def layout_request():
     """Three users (3, 0 and 2 events), two context ids each, one candidate each."""
-    return (torch.tensor([7, 8, 9]), torch.tensor([3, 0, 2]), torch.arange(5) + 100, torch.arange(5) + 200,
-            torch.arange(6).view(3, 2), torch.tensor([1, 1, 1]), torch.tensor([5, 6, 7]))
+    return (
+        torch.tensor([7, 8, 9]),
+        torch.tensor([3, 0, 2]),
+        torch.arange(5) + 100,
+        torch.arange(5) + 200,
+        torch.arange(6).view(3, 2),
+        torch.tensor([1, 1, 1]),
+        torch.tensor([5, 6, 7]),
+    )
 
 
 def test_check_request_lays_out_the_models_prefix_tokens(runtime):
@@ -177,8 +204,9 @@ def test_check_request_lays_out_the_models_prefix_tokens(runtime):
     assert kv.last_error(runtime) == ("ok", "")
 
 
-COMBINED_LIMITS = json.dumps({**json.loads(LIMITS), "action_vocab_size": 5, "combined_action_bits": 3,
-                              "tokens_per_event": 1})
+COMBINED_LIMITS = json.dumps(
+    {**json.loads(LIMITS), "action_vocab_size": 5, "combined_action_bits": 3, "tokens_per_event": 1}
+)
 
 
 def test_check_request_lays_out_combined_event_tokens(runtime):
@@ -203,14 +231,19 @@ def test_check_request_lays_out_combined_event_tokens(runtime):
         kv.check_request(runtime, overflowing, *request)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"tokens_per_event": 2}, "tokens_per_event 2 and context_width 2 do not fit"),
-    ({"context_width": 3}, "tokens_per_event 1 and context_width 3 do not fit"),
-    ({"query_time_periods": [[3600, 24]], "context_width": 3, "time_code_bits": 4},
-     "time_code_bits 4 cannot hold 24 query time codes"),
-    ({"time_code_bits": 2}, "time_code_bits 2 cannot hold 1 query time codes"),
-    ({"context_width": None}, "request limits lack context_width: the package was built by an older kvexport"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tokens_per_event": 2}, "tokens_per_event 2 and context_width 2 do not fit"),
+        ({"context_width": 3}, "tokens_per_event 1 and context_width 3 do not fit"),
+        (
+            {"query_time_periods": [[3600, 24]], "context_width": 3, "time_code_bits": 4},
+            "time_code_bits 4 cannot hold 24 query time codes",
+        ),
+        ({"time_code_bits": 2}, "time_code_bits 2 cannot hold 1 query time codes"),
+        ({"context_width": None}, "request limits lack context_width: the package was built by an older kvexport"),
+    ],
+)
 def test_limits_whose_derived_sizes_disagree_are_refused(runtime, change, message):
     """The token layout's sizes come from kvexport.config; the op library lays out and shifts by them
     only when they fit the event tokens, context features and query time periods they describe."""
@@ -222,12 +255,15 @@ def test_limits_whose_derived_sizes_disagree_are_refused(runtime, change, messag
         kv.check_request(runtime, limits, *request)
 
 
-@pytest.mark.parametrize("item,action,expected", [
-    (-1, 0, r"^item_ids has -1, outside the item vocabulary \[0, 299\]"),
-    (300, 0, r"^item_ids has 300, outside the item vocabulary \[0, 299\]"),
-    (0, -5, r"^action_ids has -5, outside the action vocabulary \[0, 299\]"),
-    (0, 2**63 - 1, r"^action_ids has 9223372036854775807, outside the action vocabulary \[0, 299\]"),
-])
+@pytest.mark.parametrize(
+    "item,action,expected",
+    [
+        (-1, 0, r"^item_ids has -1, outside the item vocabulary \[0, 299\]"),
+        (300, 0, r"^item_ids has 300, outside the item vocabulary \[0, 299\]"),
+        (0, -5, r"^action_ids has -5, outside the action vocabulary \[0, 299\]"),
+        (0, 2**63 - 1, r"^action_ids has 9223372036854775807, outside the action vocabulary \[0, 299\]"),
+    ],
+)
 def test_check_request_names_a_bad_event_in_one_line(runtime, item, action, expected):
     """Events are checked while they are laid out; the refusal names the bad value in one line."""
     request = list(layout_request())
@@ -260,8 +296,10 @@ def test_opcheck_check_request(runtime):
 
 
 def test_opcheck_upload(runtime):
-    torch.library.opcheck(torch.ops.kvexport.upload.default,
-                          (runtime, [torch.arange(4), torch.arange(6).view(2, 3).t()], host_placement()))
+    torch.library.opcheck(
+        torch.ops.kvexport.upload.default,
+        (runtime, [torch.arange(4), torch.arange(6).view(2, 3).t()], host_placement()),
+    )
 
 
 def _in_batch(runtime, rows):
@@ -284,8 +322,9 @@ def test_opcheck_end_batch(runtime):
     _in_batch(runtime, 10)
     # end_batch commits once per begin_batch and fails without one, so only its schema is checked
     # here (test_schema runs it once); the commit itself is checked by the runtime tests.
-    torch.library.opcheck(torch.ops.kvexport.end_batch.default, (runtime, user_ids, torch.zeros(3, 4)),
-                          test_utils=("test_schema",))
+    torch.library.opcheck(
+        torch.ops.kvexport.end_batch.default, (runtime, user_ids, torch.zeros(3, 4)), test_utils=("test_schema",)
+    )
 
 
 def test_stateful_ops_survive_export_and_decompositions(tiny_config, tiny_model):
@@ -305,8 +344,7 @@ def test_stateful_ops_survive_export_and_decompositions(tiny_config, tiny_model)
 def test_hstu_paged_attention_survives_export():
     class Attend(nn.Module):
         def forward(self, q, k, v, cache, page_table, row_user, row_keys, row_candidate):
-            return kv.hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
-                                           ALPHA, INV_S)
+            return kv.hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate, ALPHA, INV_S)
 
     ep = torch.export.export(Attend(), random_paged_inputs(4)).run_decompositions()
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
@@ -314,10 +352,17 @@ def test_hstu_paged_attention_survives_export():
     torch.testing.assert_close(ep.module()(*random_paged_inputs(4)), Attend()(*random_paged_inputs(4)))
 
 
-@pytest.mark.parametrize("op,args", [
-    ("runtime_stats", ()), ("device_users_lru", ()), ("cached_length", (3,)), ("evict_user", (99,)),
-    ("reset_runtime", ()), ("create_runtime", (CONFIG, torch.device("cpu"))),
-])
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        ("runtime_stats", ()),
+        ("device_users_lru", ()),
+        ("cached_length", (3,)),
+        ("evict_user", (99,)),
+        ("reset_runtime", ()),
+        ("create_runtime", (CONFIG, torch.device("cpu"))),
+    ],
+)
 def test_opcheck_management_ops(runtime, op, args):
     """Eager-only ops (never in a graph): their schemas must declare no hidden mutation of inputs."""
     library.load()
@@ -342,13 +387,13 @@ def test_the_op_list_is_the_librarys():
     has its typed wrapper in wrappers.py, and each one a graph may hold its fake beside it."""
     import re
 
-
     defined = re.findall(r'm\.def\(\s*"(\w+)\(', (ROOT / "csrc" / "ops" / "register.cpp").read_text())
     assert list(library.OPS) == defined
     assert all(callable(getattr(kv, name, None)) for name in library.OPS)
     # last_error, stat_names and redact_url answer the host in strings: no graph holds them, so no fake.
-    assert library.faked_ops() == [name for name in library.OPS
-                                   if name not in ("last_error", "stat_names", "redact_url")]
+    assert library.faked_ops() == [
+        name for name in library.OPS if name not in ("last_error", "stat_names", "redact_url")
+    ]
     library.load()
     assert all(hasattr(torch.ops.kvexport, name) for name in library.OPS)
 
@@ -358,15 +403,16 @@ def test_check_request_lays_out_requests_of_many_events_on_several_threads_exact
     OpenMP threads): the tokens are each user's context ids, then its item and action ids
     interleaved, users in order; a bad id in the last user is still named."""
     config = load_config(ROOT / "configs" / "hstu-bench.yaml")
-    batch = random_batch(config.model, seed=11, history_lengths=[4100, 4090, 4100, 4095], num_candidates=[2] * 4,
-                         first_user_id=60)
+    batch = random_batch(
+        config.model, seed=11, history_lengths=[4100, 4090, 4100, 4095], num_candidates=[2] * 4, first_user_id=60
+    )
     _, lengths, tokens, _, _ = kv.check_request("", config.request_limits_json(), *batch.tensors())
     expected, first = [], 0
     for b, events in enumerate(batch.history_lengths.tolist()):
-        items, actions = batch.item_ids[first:first + events], batch.action_ids[first:first + events]
+        items, actions = batch.item_ids[first : first + events], batch.action_ids[first : first + events]
         expected += [*batch.context_ids[b].tolist(), *torch.stack([items, actions], dim=1).flatten().tolist()]
         first += events
-    assert tokens.tolist() == expected and len(expected) > 2 ** 15
+    assert tokens.tolist() == expected and len(expected) > 2**15
     assert lengths.tolist() == [config.model.num_contextual_features + 2 * e for e in batch.history_lengths.tolist()]
     bad = batch.to_dict()
     bad["action_ids"] = bad["action_ids"].clone()

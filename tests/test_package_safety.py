@@ -37,7 +37,9 @@ def test_plain_host_survives_every_hostile_request_to_an_item_tower_package(tmp_
     from kvexport.config import config_from_dict
     from kvexport.export.build import build_artifact
 
-    raw = tiny_raw(name="tower-host", model={**ITEM_TOWER, "event_tokens": "combined", "candidate_position": "shared_row"})
+    raw = tiny_raw(
+        name="tower-host", model={**ITEM_TOWER, "event_tokens": "combined", "candidate_position": "shared_row"}
+    )
     write_config(raw, tmp_path / "tower.yaml")
     config = config_from_dict(raw)
     model = build_model(config, seed=3)
@@ -67,9 +69,22 @@ def test_cpp_harness_eight_threads_with_hostile_requests(tiny_artifact, tiny_con
     hostile = tmp_path / "hostile.pt"
     torch.save([request for request, _ in package_corpus(tiny_config)], hostile)
     report = tmp_path / "report.json"
-    result = subprocess.run([str(harness()), "--artifact", str(tiny_artifact), "--threads", "8",
-                             "--hostile", str(hostile), "--json", str(report)],
-                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
+    result = subprocess.run(
+        [
+            str(harness()),
+            "--artifact",
+            str(tiny_artifact),
+            "--threads",
+            "8",
+            "--hostile",
+            str(hostile),
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HOST_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert json.loads(report.read_text())["passed"] is True
     assert "API call failed" not in result.stderr  # expected refusals print no raw AOTInductor lines
@@ -80,8 +95,12 @@ def test_cpp_harness_eight_threads_with_hostile_requests(tiny_artifact, tiny_con
 def test_expected_refusals_print_no_raw_aoti_lines(tiny_artifact, command):
     """The trace's capacity-error step is refused as expected; AOTInductor's own error line (with
     its build-host path) must not reach the user."""
-    result = subprocess.run([sys.executable, "-m", "kvexport", command[0], str(tiny_artifact), *command[1:]],
-                            capture_output=True, text=True, timeout=HOST_TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvexport", command[0], str(tiny_artifact), *command[1:]],
+        capture_output=True,
+        text=True,
+        timeout=HOST_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "exceed device tier" in result.stdout  # the refused step ran
     assert "API call failed" not in result.stdout + result.stderr

@@ -22,9 +22,23 @@ pytestmark = pytest.mark.slow
 
 def test_short_soak_has_no_mismatch_and_exercises_every_tier(tiny_artifact, tiny_checkpoint, tmp_path):
     report_path = tmp_path / "soak.json"
-    result = CliRunner().invoke(main, ["soak", str(tiny_artifact), "--requests", "250", "--users", "40",
-                                       "--seed", "3", "--checkpoint", str(tiny_checkpoint),
-                                       "--json", str(report_path)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "soak",
+            str(tiny_artifact),
+            "--requests",
+            "250",
+            "--users",
+            "40",
+            "--seed",
+            "3",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--json",
+            str(report_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "verdict: PASS" in result.output
     report = json.loads(report_path.read_text())
@@ -54,9 +68,12 @@ def test_capacity_error_then_next_request_is_correct(tiny_artifact, tiny_checkpo
     warm = random_batch(m, seed=1, history_lengths=[40], num_candidates=[4], first_user_id=5000)
     runner.score(warm)
     before = runner.stats()
-    too_big = random_batch(m, seed=2, history_lengths=[m.max_history_length] * 2, num_candidates=[1, 1],
-                           first_user_id=6000)
-    with pytest.raises(RequestFailed, match=r"^KV cache capacity exceeded: the batch of 2 users needs 130 device pages") as refused:
+    too_big = random_batch(
+        m, seed=2, history_lengths=[m.max_history_length] * 2, num_candidates=[1, 1], first_user_id=6000
+    )
+    with pytest.raises(
+        RequestFailed, match=r"^KV cache capacity exceeded: the batch of 2 users needs 130 device pages"
+    ) as refused:
         runner.score(too_big)
     assert refused.value.code == "capacity_exceeded"  # from the runtime, not parsed from the exception
     assert runner.stats() == before
@@ -71,8 +88,9 @@ def test_capacity_error_through_run_is_one_line(tiny_artifact, tiny_config, tmp_
     too_big = random_batch(m, seed=2, history_lengths=[m.max_history_length] * 2, num_candidates=[1, 1])
     requests = tmp_path / "requests.pt"
     torch.save([too_big.to_dict()], requests)
-    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                       "--output", str(tmp_path / "out.pt")])
+    result = CliRunner().invoke(
+        main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(tmp_path / "out.pt")]
+    )
     assert result.exit_code == 2
     assert "error: batch 0: KV cache capacity exceeded" in result.output
     assert "Traceback" not in result.output
@@ -88,18 +106,22 @@ class _Exploit:
 def test_malicious_request_file_is_refused(tiny_artifact, tmp_path):
     requests = tmp_path / "evil.pt"
     requests.write_bytes(pickle.dumps([_Exploit()]))
-    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                       "--output", str(tmp_path / "out.pt")])
+    result = CliRunner().invoke(
+        main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(tmp_path / "out.pt")]
+    )
     assert result.exit_code == 2
     assert "is refused: it is not a plain tensor file" in result.output
     assert "pwned" not in result.output
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("missing", "is missing tensor head.2.bias (1 missing)"),
-    ("unexpected", "has unexpected tensor extra.weight (1 unexpected)"),
-    ("not-a-dict", "must hold a dict of tensors"),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("missing", "is missing tensor head.2.bias (1 missing)"),
+        ("unexpected", "has unexpected tensor extra.weight (1 unexpected)"),
+        ("not-a-dict", "must hold a dict of tensors"),
+    ],
+)
 def test_bad_checkpoints_are_refused(tmp_path, kind, message):
     state = build_model(load_config(TINY)).state_dict()
     if kind == "missing":
@@ -125,15 +147,23 @@ def test_truncated_package_fails_verify(artifact_copy):
     assert "model.pt2 does not match its sha256" in result.output
 
 
-@pytest.mark.parametrize("content,message", [
-    ("{not json", "manifest.json is not valid JSON"),
-    ('{"format_version": 1}', "manifest.json lacks the field config"),
-    ('{"format_version": 99, "config": {}, "runtime_config": {}, "dims": {}, "files": {},'
-     ' "trace": {"steps": []}, "tolerance": {}, "runtime_name": "x", "required_libraries": []}',
-     "has format_version 99"),
-    ('{"format_version": 1, "config": {}, "runtime_config": {}, "dims": {}, "files": {}, "trace": {},'
-     ' "tolerance": {}, "runtime_name": "x", "required_libraries": []}', "lacks the trace step list"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{not json", "manifest.json is not valid JSON"),
+        ('{"format_version": 1}', "manifest.json lacks the field config"),
+        (
+            '{"format_version": 99, "config": {}, "runtime_config": {}, "dims": {}, "files": {},'
+            ' "trace": {"steps": []}, "tolerance": {}, "runtime_name": "x", "required_libraries": []}',
+            "has format_version 99",
+        ),
+        (
+            '{"format_version": 1, "config": {}, "runtime_config": {}, "dims": {}, "files": {}, "trace": {},'
+            ' "tolerance": {}, "runtime_name": "x", "required_libraries": []}',
+            "lacks the trace step list",
+        ),
+    ],
+)
 def test_unusable_manifest(artifact_copy, content, message):
     (artifact_copy / "manifest.json").write_text(content)
     for command in ("verify", "run", "inspect", "replay"):
@@ -152,8 +182,9 @@ def test_unwritable_outputs(tiny_artifact, tmp_path):
     assert result.exit_code == 2 and "does not exist" in result.output
     requests = tmp_path / "requests.pt"
     torch.save([random_batch(load_config(TINY).model, 0, [1], [1]).to_dict()], requests)
-    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "--requests", str(requests),
-                                       "--output", str(blocker / "out.pt")])
+    result = CliRunner().invoke(
+        main, ["run", str(tiny_artifact), "--requests", str(requests), "--output", str(blocker / "out.pt")]
+    )
     assert result.exit_code == 2 and "is not a directory" in result.output
     result = CliRunner().invoke(main, ["init-checkpoint", str(TINY), "-o", str(blocker / "c.pt")])
     assert result.exit_code == 2 and "cannot write -o" in result.output and "is not a directory" in result.output

@@ -29,15 +29,23 @@ SOAK_TIMEOUT_S = 300
 
 def user_request(config, user_id: int, num_events: int, seed: int) -> dict:
     u = random_user(config.model, torch.Generator().manual_seed(seed), user_id, num_events, 4)
-    return {"user_id": user_id, "item_ids": u.item_ids, "action_ids": u.action_ids,
-            "context_ids": u.context_ids, "candidate_ids": u.candidate_ids}
+    return {
+        "user_id": user_id,
+        "item_ids": u.item_ids,
+        "action_ids": u.action_ids,
+        "context_ids": u.context_ids,
+        "candidate_ids": u.candidate_ids,
+    }
 
 
 def grown(request: dict, extra: dict) -> dict:
     """The same user with extra's events appended (and extra's candidates)."""
-    return {**request, "item_ids": torch.cat([request["item_ids"], extra["item_ids"]]),
-            "action_ids": torch.cat([request["action_ids"], extra["action_ids"]]),
-            "candidate_ids": extra["candidate_ids"]}
+    return {
+        **request,
+        "item_ids": torch.cat([request["item_ids"], extra["item_ids"]]),
+        "action_ids": torch.cat([request["action_ids"], extra["action_ids"]]),
+        "candidate_ids": extra["candidate_ids"],
+    }
 
 
 def full_recompute(model, pkg, request: dict) -> torch.Tensor:
@@ -50,8 +58,10 @@ def full_recompute(model, pkg, request: dict) -> torch.Tensor:
 
 # ---- kvexport.load(remote=...) -----------------------------------------------------------------------
 
-def test_load_with_remote_serves_a_returning_user_from_it_and_close_flushes(tiny_artifact, tiny_checkpoint,
-                                                                            redis_server, redis, tiny_config):
+
+def test_load_with_remote_serves_a_returning_user_from_it_and_close_flushes(
+    tiny_artifact, tiny_checkpoint, redis_server, redis, tiny_config
+):
     from kvexport.trace.soak import eager_model_for
 
     first = user_request(tiny_config, 900_001, 40, seed=1)
@@ -103,8 +113,11 @@ def test_a_remote_read_inside_a_package_releases_the_gil_and_the_runtime(tiny_ar
 
 
 def test_bad_remote_url_is_one_line_and_leaves_no_runtime(tiny_artifact):
-    with pytest.raises(UserError, match=r"^remote URL 'http://x' is not of the form "
-                                        r"redis://\[\[user\]:password@\]host\[:port\]\[/db\]$"):
+    with pytest.raises(
+        UserError,
+        match=r"^remote URL 'http://x' is not of the form "
+        r"redis://\[\[user\]:password@\]host\[:port\]\[/db\]$",
+    ):
         kvexport.load(tiny_artifact, remote="http://x")
     runtime = json.loads((tiny_artifact / "manifest.json").read_text())["runtime_name"]
     with pytest.raises(ValueError, match="no KV runtime named"):
@@ -116,8 +129,10 @@ def test_a_password_in_the_url_is_never_shown(tiny_artifact, tmp_path):
     server = RedisServer(tmp_path, extra=("--requirepass", "pkg-pw")).start()
     try:
         refused = f"redis://:not-the-pw@127.0.0.1:{server.port}/0"
-        with pytest.raises(UserError, match=f"^remote tier redis://\\*\\*\\*@127.0.0.1:{server.port}/0 refused "
-                                            "the connection: WRONGPASS") as error:
+        with pytest.raises(
+            UserError,
+            match=f"^remote tier redis://\\*\\*\\*@127.0.0.1:{server.port}/0 refused the connection: WRONGPASS",
+        ) as error:
             kvexport.load(tiny_artifact, remote=refused)
         assert "not-the-pw" not in str(error.value)
         with kvexport.load(tiny_artifact, remote=f"redis://:pkg-pw@127.0.0.1:{server.port}/0") as pkg:
@@ -147,8 +162,10 @@ def test_unreachable_server_at_load_runs_without_the_tier_and_says_so_once(tiny_
 
 def test_op_library_without_the_remote_tier_is_one_line(tiny_artifact, monkeypatch):
     def built_without(*args):
-        raise ValueError("this op library was built without the remote tier (hiredis was not found when it was "
-                         "built); install libhiredis-dev\nException raised from attach_remote")
+        raise ValueError(
+            "this op library was built without the remote tier (hiredis was not found when it was "
+            "built); install libhiredis-dev\nException raised from attach_remote"
+        )
 
     monkeypatch.setattr(kv, "attach_remote", built_without)
     with pytest.raises(UserError, match=r"^this op library was built without the remote tier .*libhiredis-dev$"):
@@ -157,21 +174,35 @@ def test_op_library_without_the_remote_tier_is_one_line(tiny_artifact, monkeypat
 
 # ---- the CLI and the C++ harness ------------------------------------------------------------------------
 
+
 def kvexport_cli(*args: str, timeout: float = SOAK_TIMEOUT_S, **popen) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvexport", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, **popen)
+    return subprocess.run(
+        [sys.executable, "-m", "kvexport", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **popen
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--remote", "redis://h:99999"], "error: remote URL 'redis://h:99999': port 99999 outside 1..65535"),
-    (["--remote", "redis://127.0.0.1:6379", "--remote-write", "never"],
-     "error: --remote-write 'never': expected one of on_evict, after_batch"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--remote", "redis://h:99999"], "error: remote URL 'redis://h:99999': port 99999 outside 1..65535"),
+        (
+            ["--remote", "redis://127.0.0.1:6379", "--remote-write", "never"],
+            "error: --remote-write 'never': expected one of on_evict, after_batch",
+        ),
+    ],
+)
 def test_run_with_a_bad_remote_is_one_line_and_writes_nothing(tiny_artifact, tmp_path, args, message):
     step = torch.load(tiny_artifact / "trace" / "step_0000.pt", weights_only=True)
     torch.save([{k: v for k, v in step.items() if not k.startswith("expected")}], tmp_path / "requests.pt")
-    result = kvexport_cli("run", str(tiny_artifact), "--requests", str(tmp_path / "requests.pt"), "--output",
-                          str(tmp_path / "out.pt"), *args)
+    result = kvexport_cli(
+        "run",
+        str(tiny_artifact),
+        "--requests",
+        str(tmp_path / "requests.pt"),
+        "--output",
+        str(tmp_path / "out.pt"),
+        *args,
+    )
     assert (result.returncode, result.stderr.strip()) == (2, message)
     assert not (tmp_path / "out.pt").exists()
 
@@ -183,8 +214,18 @@ def test_soak_route_must_name_a_process_of_n(tiny_artifact):
 
 def test_replay_harness_shares_the_trace_through_the_remote_tier(tiny_artifact, redis_server, tmp_path):
     report_path = tmp_path / "replay.json"
-    result = kvexport_cli("replay", str(tiny_artifact), "--repeat", "2", "--remote", redis_server.url,
-                          "--remote-write", "after_batch", "--json", str(report_path))
+    result = kvexport_cli(
+        "replay",
+        str(tiny_artifact),
+        "--repeat",
+        "2",
+        "--remote",
+        redis_server.url,
+        "--remote-write",
+        "after_batch",
+        "--json",
+        str(report_path),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     counters = json.loads(report_path.read_text())["counters"]  # of the second pass: local tiers start empty
     assert counters["remote_hits"] > 0 and counters["remote_hit_tokens"] > 0
@@ -197,27 +238,62 @@ def test_replay_harness_runs_without_an_unreachable_tier_and_refuses_a_bad_url(t
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if line.startswith("warning")] == [
         "warning: the remote tier (--remote) is unreachable; runtime "
-        f"'{json.loads((tiny_artifact / 'manifest.json').read_text())['runtime_name']}' runs without it"]
+        f"'{json.loads((tiny_artifact / 'manifest.json').read_text())['runtime_name']}' runs without it"
+    ]
     bad = kvexport_cli("replay", str(tiny_artifact), "--remote", "redis:/nohost")
     assert (bad.returncode, bad.stderr.strip()) == (
-        2, "error: remote URL '***' is not of the form redis://[[user]:password@]host[:port][/db]")
+        2,
+        "error: remote URL '***' is not of the form redis://[[user]:password@]host[:port][/db]",
+    )
 
 
 # ---- soaks: two processes, random routing -------------------------------------------------------------
 
 # One intra-op thread per soak process: the two processes would otherwise oversubscribe a small host's cores.
-SOAK = ("import sys, torch; torch.set_num_threads(1); from kvexport.commands.cli import main; "
-        "main(sys.argv[1:], 'kvexport')")
+SOAK = (
+    "import sys, torch; torch.set_num_threads(1); from kvexport.commands.cli import main; "
+    "main(sys.argv[1:], 'kvexport')"
+)
 
 
-def start_soaks(artifact: Path, checkpoint: Path, url: str, num_requests: int, tmp_path: Path,
-                num_processes: int = 2, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", SOAK, "soak", str(artifact), "--checkpoint", str(checkpoint),
-                              "--requests", str(num_requests),
-                              "--seed", "7", "--remote", url, "--route", f"{i}/{num_processes}",
-                              "--json", str(tmp_path / f"soak-{i}.json"), *extra],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for i in range(num_processes)]
+def start_soaks(
+    artifact: Path,
+    checkpoint: Path,
+    url: str,
+    num_requests: int,
+    tmp_path: Path,
+    num_processes: int = 2,
+    extra: tuple[str, ...] = (),
+) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SOAK,
+                "soak",
+                str(artifact),
+                "--checkpoint",
+                str(checkpoint),
+                "--requests",
+                str(num_requests),
+                "--seed",
+                "7",
+                "--remote",
+                url,
+                "--route",
+                f"{i}/{num_processes}",
+                "--json",
+                str(tmp_path / f"soak-{i}.json"),
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
 
 
 def finish(soaks: list[subprocess.Popen], tmp_path: Path) -> list[dict]:
@@ -239,7 +315,9 @@ def totals(reports: list[dict]) -> dict[str, int]:
     return {name: sum(r["counters"][name] for r in reports) for name in reports[0]["counters"]}
 
 
-def test_two_process_soak_with_random_routing_is_exact_and_uses_the_remote_tier(tiny_artifact, tiny_checkpoint, tmp_path):
+def test_two_process_soak_with_random_routing_is_exact_and_uses_the_remote_tier(
+    tiny_artifact, tiny_checkpoint, tmp_path
+):
     need_redis()
     server = RedisServer(tmp_path).start()
     try:
@@ -265,7 +343,9 @@ def _wait_for_progress(soak: subprocess.Popen, done: int, lines: list[str]) -> N
     pytest.fail(f"soak ended before reaching request {done}: {''.join(lines[-20:])}")
 
 
-def test_soak_with_the_server_killed_and_restarted_is_exact_and_counts_the_outage(tiny_artifact, tiny_checkpoint, tmp_path):
+def test_soak_with_the_server_killed_and_restarted_is_exact_and_counts_the_outage(
+    tiny_artifact, tiny_checkpoint, tmp_path
+):
     need_redis()
     server = RedisServer(tmp_path).start()
     try:
@@ -298,8 +378,18 @@ def test_soak_against_a_full_server_recomputes_what_it_evicted(tiny_artifact, ti
     try:
         for i in range(1000):  # unrelated keys, about 3 MB
             client.command("SET", f"other:{i}", b"x" * 3000)
-        reports = finish(start_soaks(tiny_artifact, tiny_checkpoint, server.url, 300, tmp_path, num_processes=1,
-                                     extra=("--remote-write", "after_batch")), tmp_path)
+        reports = finish(
+            start_soaks(
+                tiny_artifact,
+                tiny_checkpoint,
+                server.url,
+                300,
+                tmp_path,
+                num_processes=1,
+                extra=("--remote-write", "after_batch"),
+            ),
+            tmp_path,
+        )
         info = client.command("INFO", "stats").decode()
     finally:
         client.close()
@@ -336,34 +426,68 @@ def test_run_and_replay_read_the_password_from_a_file(tiny_artifact, locked_redi
     secret.write_text(LOCKED_PASSWORD + "\n")
     url = f"redis://127.0.0.1:{locked_redis.port}/0"
     report_path = tmp_path / "replay.json"
-    replayed = kvexport_cli("replay", str(tiny_artifact), "--repeat", "2", "--remote", url, "--remote-write",
-                            "after_batch", "--remote-password-file", str(secret), "--json", str(report_path))
+    replayed = kvexport_cli(
+        "replay",
+        str(tiny_artifact),
+        "--repeat",
+        "2",
+        "--remote",
+        url,
+        "--remote-write",
+        "after_batch",
+        "--remote-password-file",
+        str(secret),
+        "--json",
+        str(report_path),
+    )
     assert replayed.returncode == 0, replayed.stderr[-2000:]
     counters = json.loads(report_path.read_text())["counters"]
     assert counters["remote_hits"] > 0 and counters["remote_errors"] == 0
-    scored = kvexport_cli("run", str(tiny_artifact), "--requests", str(_request_file(tiny_artifact, tmp_path)),
-                          "--output", str(tmp_path / "out.pt"), "--remote", url, "--remote-password-file", str(secret))
+    scored = kvexport_cli(
+        "run",
+        str(tiny_artifact),
+        "--requests",
+        str(_request_file(tiny_artifact, tmp_path)),
+        "--output",
+        str(tmp_path / "out.pt"),
+        "--remote",
+        url,
+        "--remote-password-file",
+        str(secret),
+    )
     assert scored.returncode == 0, scored.stderr[-2000:]
     # Without the file the server refuses (NOAUTH): the file's password was what let them in.
     refused = kvexport_cli("replay", str(tiny_artifact), "--remote", url)
     assert refused.returncode == 2 and "NOAUTH" in refused.stderr
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("wrong-password\n", "refused the connection: WRONGPASS"),
-    ("", "is empty"),
-    ("one\ntwo\n", "holds more than one line"),
-    (None, "the remote tier's password file"),
-])
-def test_a_bad_password_file_is_one_line_that_never_shows_a_password(tiny_artifact, locked_redis, tmp_path,
-                                                                      content, message):
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("wrong-password\n", "refused the connection: WRONGPASS"),
+        ("", "is empty"),
+        ("one\ntwo\n", "holds more than one line"),
+        (None, "the remote tier's password file"),
+    ],
+)
+def test_a_bad_password_file_is_one_line_that_never_shows_a_password(
+    tiny_artifact, locked_redis, tmp_path, content, message
+):
     secret = tmp_path / "redis-password"
     if content is not None:
         secret.write_text(content)
     url = f"redis://127.0.0.1:{locked_redis.port}/0"
-    for command in (["replay", str(tiny_artifact)],
-                    ["run", str(tiny_artifact), "--requests", str(_request_file(tiny_artifact, tmp_path)),
-                     "--output", str(tmp_path / "out.pt")]):
+    for command in (
+        ["replay", str(tiny_artifact)],
+        [
+            "run",
+            str(tiny_artifact),
+            "--requests",
+            str(_request_file(tiny_artifact, tmp_path)),
+            "--output",
+            str(tmp_path / "out.pt"),
+        ],
+    ):
         result = kvexport_cli(*command, "--remote", url, "--remote-password-file", str(secret))
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (command, result.stderr[-2000:])
@@ -378,12 +502,17 @@ def test_the_harness_reads_a_password_file_by_the_python_rules(tiny_artifact, tm
         path = write_password_file(tmp_path / f"pw{i}", content)
         with pytest.raises(UserError) as python:
             read_password_file(path)
-        result = subprocess.run([*command, "--remote-password-file", str(path)], capture_output=True, text=True,
-                                timeout=SOAK_TIMEOUT_S)
+        result = subprocess.run(
+            [*command, "--remote-password-file", str(path)], capture_output=True, text=True, timeout=SOAK_TIMEOUT_S
+        )
         assert (result.returncode, result.stderr.strip()) == (2, f"error: {python.value}"), message
         assert message in str(python.value)
-    result = subprocess.run([*replay_command(tiny_artifact), "--remote-password-file", str(path)],
-                            capture_output=True, text=True, timeout=SOAK_TIMEOUT_S)
+    result = subprocess.run(
+        [*replay_command(tiny_artifact), "--remote-password-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=SOAK_TIMEOUT_S,
+    )
     assert (result.returncode, result.stderr.strip()) == (2, "error: --remote-password-file needs --remote URL")
 
 
@@ -392,7 +521,10 @@ def test_a_password_file_needs_a_remote_and_no_second_password(tiny_artifact, tm
     secret.write_text("pw\n")
     alone = kvexport_cli("replay", str(tiny_artifact), "--remote-password-file", str(secret))
     assert (alone.returncode, alone.stderr.strip()) == (2, "error: --remote-password-file needs --remote URL")
-    both = kvexport_cli("replay", str(tiny_artifact), "--remote", "redis://:pw@127.0.0.1:6379",
-                        "--remote-password-file", str(secret))
+    both = kvexport_cli(
+        "replay", str(tiny_artifact), "--remote", "redis://:pw@127.0.0.1:6379", "--remote-password-file", str(secret)
+    )
     assert (both.returncode, both.stderr.strip()) == (
-        2, "error: the remote URL holds a password already: give it there or in a password file, not both")
+        2,
+        "error: the remote URL holds a password already: give it there or in a password file, not both",
+    )

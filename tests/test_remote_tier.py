@@ -33,8 +33,18 @@ from tests.helpers.runtime import kv_values, request, scratch_runtime, scratch_r
 PAGE_SIZE = 2
 # host_pages 0: every user evicted from the device tier goes on to the remote tier.
 # remote_read_budget_us: generous, the suite may share its CPUs with builds.
-CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
-                     "device_pages": 8, "host_pages": 0, "dtype": "float32", "remote_read_budget_us": 200_000})
+CONFIG = json.dumps(
+    {
+        "num_layers": 2,
+        "num_heads": 1,
+        "head_dim": 2,
+        "page_size": PAGE_SIZE,
+        "device_pages": 8,
+        "host_pages": 0,
+        "dtype": "float32",
+        "remote_read_budget_us": 200_000,
+    }
+)
 
 
 def key(runtime: str, user_id: int) -> bytes:
@@ -49,6 +59,7 @@ def remote_runtime(redis_server):
 
 
 # ---- in one process: what a hit is, and what is never served --------------------------------------
+
 
 def test_evicted_user_comes_back_from_the_remote_tier_bit_exact(remote_runtime):
     tokens = [10, 11, 12, 13, 14]
@@ -128,7 +139,7 @@ def test_after_batch_writes_every_committed_user(redis_server, redis):
 
 
 def _flip_byte(value: bytes, index: int) -> bytes:
-    return value[:index] + bytes([value[index] ^ 0x40]) + value[index + 1:]
+    return value[:index] + bytes([value[index] ^ 0x40]) + value[index + 1 :]
 
 
 def test_bad_entries_are_misses_counted_by_reason_and_never_served(remote_runtime, redis_server, redis):
@@ -161,7 +172,8 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
         url = f"redis://127.0.0.1:{free_port()}"
         assert not kv.attach_remote(name, url, "on_evict")
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-            f"remote tier {url} is unreachable; runtime '{name}' runs without it"]
+            f"remote tier {url} is unreachable; runtime '{name}' runs without it"
+        ]
         assert request(name, {1: [1, 2, 3]}, config=CONFIG) == [0]
         kv.evict_user(name, 1)
         assert request(name, {1: [1, 2, 3]}, config=CONFIG) == [0]
@@ -171,26 +183,29 @@ def test_unreachable_server_at_start_runs_without_the_tier(redis_server, caplog)
         assert kv.runtime_stats(name)["remote_connected"] == 1
 
 
-@pytest.mark.parametrize(("url", "policy", "message"), [
-    ("http://127.0.0.1:6379", "on_evict", r"not of the form redis://\[\[user\]:password@\]host\[:port\]\[/db\]"),
-    ("redis://127.0.0.1:70000", "on_evict", "port 70000 outside 1..65535"),
-    ("redis://:topsecret@127.0.0.1:70000", "on_evict", r"'redis://\*\*\*@127.0.0.1:70000': port 70000"),
-    ("redis://ann:@127.0.0.1", "on_evict", "names a user but no password"),
-    ("redis://ann:top%4secret@127.0.0.1", "on_evict", "is not followed by two hex digits"),
-    ("redis://ann:topsecret@127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
-    ("redis://:@127.0.0.1", "on_evict", "gives an empty password"),
-    ("redis://127.0.0.1/2147483648", "on_evict", "db 2147483648 outside 0..2147483647"),
-    ("redis://127.0.0.1/99999999999999999999999", "on_evict", "db 99999999999999999999999 outside 0..2147483647"),
-    # Malformed, yet the password is hidden all the same: all but the scheme, wherever a ':' or '@'
-    # could set off a credential.
-    ("redis://:a/topsecret@127.0.0.1:1", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
-    ("redis://:topsecret:127.0.0.1:6379", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
-    ("ann:topsecret@127.0.0.1:6379", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
-    ("redis:/:topsecret@127.0.0.1", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
-    ("redis://127.0.0.1/0?password=topsecret", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
-    ("redis://kv%3Atopsecret%40127.0.0.1", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
-    ("http://nohost/0", "on_evict", r"^remote URL 'http://nohost/0' is not of the form"),
-])
+@pytest.mark.parametrize(
+    ("url", "policy", "message"),
+    [
+        ("http://127.0.0.1:6379", "on_evict", r"not of the form redis://\[\[user\]:password@\]host\[:port\]\[/db\]"),
+        ("redis://127.0.0.1:70000", "on_evict", "port 70000 outside 1..65535"),
+        ("redis://:topsecret@127.0.0.1:70000", "on_evict", r"'redis://\*\*\*@127.0.0.1:70000': port 70000"),
+        ("redis://ann:@127.0.0.1", "on_evict", "names a user but no password"),
+        ("redis://ann:top%4secret@127.0.0.1", "on_evict", "is not followed by two hex digits"),
+        ("redis://ann:topsecret@127.0.0.1:6379", "sometimes", "write policy 'sometimes'"),
+        ("redis://:@127.0.0.1", "on_evict", "gives an empty password"),
+        ("redis://127.0.0.1/2147483648", "on_evict", "db 2147483648 outside 0..2147483647"),
+        ("redis://127.0.0.1/99999999999999999999999", "on_evict", "db 99999999999999999999999 outside 0..2147483647"),
+        # Malformed, yet the password is hidden all the same: all but the scheme, wherever a ':' or '@'
+        # could set off a credential.
+        ("redis://:a/topsecret@127.0.0.1:1", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+        ("redis://:topsecret:127.0.0.1:6379", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+        ("ann:topsecret@127.0.0.1:6379", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
+        ("redis:/:topsecret@127.0.0.1", "on_evict", r"^remote URL '\*\*\*' is not of the form"),
+        ("redis://127.0.0.1/0?password=topsecret", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+        ("redis://kv%3Atopsecret%40127.0.0.1", "on_evict", r"^remote URL 'redis://\*\*\*' is not of the form"),
+        ("http://nohost/0", "on_evict", r"^remote URL 'http://nohost/0' is not of the form"),
+    ],
+)
 def test_bad_remote_settings_are_refused(url, policy, message):
     with scratch_runtime(CONFIG) as name:
         with pytest.raises(ValueError, match=message) as refused:
@@ -241,19 +256,23 @@ def test_a_password_protected_server_serves_with_the_right_password(locked_serve
     assert (stats["remote_writes"], stats["remote_hits"], stats["remote_errors"]) == (1, 1, 0)
 
 
-@pytest.mark.parametrize(("credentials", "db", "reply"), [
-    (":wrong-pw", 0, "WRONGPASS"),
-    ("kv:wrong-pw", 0, "WRONGPASS"),
-    ("", 0, "NOAUTH"),
-    ("mute:wrong-pw-too", 0, "NOPERM"),  # a user that may not even PING
-    (f":{ENCODED}", 99, "ERR DB index is out of range"),
-])
+@pytest.mark.parametrize(
+    ("credentials", "db", "reply"),
+    [
+        (":wrong-pw", 0, "WRONGPASS"),
+        ("kv:wrong-pw", 0, "WRONGPASS"),
+        ("", 0, "NOAUTH"),
+        ("mute:wrong-pw-too", 0, "NOPERM"),  # a user that may not even PING
+        (f":{ENCODED}", 99, "ERR DB index is out of range"),
+    ],
+)
 def test_a_refused_password_is_an_error_at_attach_that_hides_it(locked_server, credentials, db, reply):
     url = f"redis://{credentials + '@' if credentials else ''}127.0.0.1:{locked_server.port}/{db}"
     with scratch_runtime(CONFIG) as name:
         shown = r"redis://\*\*\*@" if credentials else "redis://"
-        with pytest.raises(ValueError, match=f"^remote tier {shown}127.0.0.1:{locked_server.port}/{db} refused the "
-                                             f"connection: {reply}") as refused:
+        with pytest.raises(
+            ValueError, match=f"^remote tier {shown}127.0.0.1:{locked_server.port}/{db} refused the connection: {reply}"
+        ) as refused:
             kv.attach_remote(name, url, "on_evict")
         secret = credentials.partition(":")[2]
         assert not [shown for shown in (secret, ENCODED, PASSWORD) if shown and shown in str(refused.value)]
@@ -311,7 +330,8 @@ def test_a_server_that_is_busy_at_attach_is_an_outage_not_a_refusal(tmp_path, ca
         with scratch_runtime(CONFIG) as name:
             assert not kv.attach_remote(name, server.url, "on_evict")
             assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-                f"remote tier {server.url} is unreachable; runtime '{name}' runs without it"]
+                f"remote tier {server.url} is unreachable; runtime '{name}' runs without it"
+            ]
             holder.close()
             deadline = time.monotonic() + 10
             while not kv.attach_remote(name, server.url, "on_evict") and time.monotonic() < deadline:
@@ -337,12 +357,15 @@ class ErrorServer(LocalServer):
                 client.sendall(self.reply * data.count(b"*"))  # one reply per command (RESP arrays)
 
 
-@pytest.mark.parametrize(("db", "reply", "refused"), [
-    (0, "DENIED Redis is running in protected mode because protected mode is enabled", True),
-    (1, "ERR SELECT is not allowed in cluster mode", True),
-    (0, "LOADING Redis is loading the dataset in memory", False),
-    (0, "BUSY Redis is busy running a script", False),
-])
+@pytest.mark.parametrize(
+    ("db", "reply", "refused"),
+    [
+        (0, "DENIED Redis is running in protected mode because protected mode is enabled", True),
+        (1, "ERR SELECT is not allowed in cluster mode", True),
+        (0, "LOADING Redis is loading the dataset in memory", False),
+        (0, "BUSY Redis is busy running a script", False),
+    ],
+)
 def test_an_error_reply_at_attach_is_a_refusal_only_when_it_rejects_the_settings(db, reply, refused, caplog):
     server = ErrorServer(reply)
     url = f"redis://127.0.0.1:{server.port}/{db}"
@@ -354,31 +377,38 @@ def test_an_error_reply_at_attach_is_a_refusal_only_when_it_rejects_the_settings
             else:
                 assert not kv.attach_remote(name, url, "on_evict")
                 assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-                    f"remote tier {url} is unreachable; runtime '{name}' runs without it"]
+                    f"remote tier {url} is unreachable; runtime '{name}' runs without it"
+                ]
             assert kv.runtime_stats(name)["remote_connected"] == 0
     finally:
         server.close()
 
 
-@pytest.mark.parametrize(("url", "shown"), [
-    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
-    ("redis://kv:pw@127.0.0.1", "redis://***@127.0.0.1"),
-    ("redis://:a/b@127.0.0.1:1", "redis://***@127.0.0.1:1"),
-    ("kv:pw@127.0.0.1:6379", "***@127.0.0.1:6379"),
-    ("redis:/:pw@127.0.0.1", "***@127.0.0.1"),
-    ("pw:x://y@127.0.0.1", "***@127.0.0.1"),  # "pw:x" is no scheme
-    ("redis://:p@w@[::1]:6379/2", "redis://***@[::1]:6379/2"),
-])
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://kv:pw@127.0.0.1", "redis://***@127.0.0.1"),
+        ("redis://:a/b@127.0.0.1:1", "redis://***@127.0.0.1:1"),
+        ("kv:pw@127.0.0.1:6379", "***@127.0.0.1:6379"),
+        ("redis:/:pw@127.0.0.1", "***@127.0.0.1"),
+        ("pw:x://y@127.0.0.1", "***@127.0.0.1"),  # "pw:x" is no scheme
+        ("redis://:p@w@[::1]:6379/2", "redis://***@[::1]:6379/2"),
+    ],
+)
 def test_the_op_library_hides_credentials(url, shown):
     """The one statement of the rule (csrc/runtime/url_redaction.cpp), which Python calls."""
     assert kv.redact_url(url) == shown
 
 
-@pytest.mark.parametrize(("url", "shown"), [
-    ("redis://kv:pw@127.0.0.1:70000", "redis://***@127.0.0.1:70000"),
-    ("redis://:s3%40cr@[::1]:70000/2", "redis://***@[::1]:70000/2"),
-    ("redis://127.0.0.1:70000", "redis://127.0.0.1:70000"),
-])
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://kv:pw@127.0.0.1:70000", "redis://***@127.0.0.1:70000"),
+        ("redis://:s3%40cr@[::1]:70000/2", "redis://***@[::1]:70000/2"),
+        ("redis://127.0.0.1:70000", "redis://127.0.0.1:70000"),
+    ],
+)
 def test_attach_remote_names_the_url_without_its_credentials(url, shown):
     with scratch_runtime(CONFIG) as name:
         with pytest.raises(ValueError) as refused:
@@ -391,13 +421,17 @@ def test_an_unreachable_server_is_logged_without_its_password(caplog):
         port = free_port()
         assert not kv.attach_remote(name, f"redis://kv:{ENCODED}@127.0.0.1:{port}", "on_evict")
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        f"remote tier redis://***@127.0.0.1:{port} is unreachable; runtime '{name}' runs without it"]
+        f"remote tier redis://***@127.0.0.1:{port} is unreachable; runtime '{name}' runs without it"
+    ]
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("remote_read_budget_us", 0, "remote_read_budget_us must be positive, got 0"),
-    ("remote_ttl_s", -1, "remote_ttl_s must be positive, got -1"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("remote_read_budget_us", 0, "remote_read_budget_us must be positive, got 0"),
+        ("remote_ttl_s", -1, "remote_ttl_s must be positive, got -1"),
+    ],
+)
 def test_bad_remote_config_is_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
         with scratch_runtime(json.dumps({**json.loads(CONFIG), field: value})):
@@ -418,9 +452,11 @@ def test_second_remote_tier_is_refused(remote_runtime, redis_server):
 def test_opcheck_attach_remote():
     """A management op: its schema declares no mutation of its inputs."""
     with scratch_runtime(CONFIG) as name:
-        torch.library.opcheck(torch.ops.kvexport.attach_remote.default,
-                              (name, f"redis://127.0.0.1:{free_port()}", "on_evict"),
-                              test_utils=("test_schema",))
+        torch.library.opcheck(
+            torch.ops.kvexport.attach_remote.default,
+            (name, f"redis://127.0.0.1:{free_port()}", "on_evict"),
+            test_utils=("test_schema",),
+        )
 
 
 def _in_thread(target, timeout_s: float) -> list:
@@ -486,8 +522,9 @@ def test_a_remote_read_holds_neither_the_runtime_nor_the_gil(redis_server):
             request(name, {2: [7, 8]}, config=config)  # stays on the device tier: no remote read
             proxy.gate.clear()
             returning: list = []
-            reader = threading.Thread(target=lambda: returning.append(request(name, {1: [1, 2, 3, 4, 5, 6]},
-                                                                              config=config)), daemon=True)
+            reader = threading.Thread(
+                target=lambda: returning.append(request(name, {1: [1, 2, 3, 4, 5, 6]}, config=config)), daemon=True
+            )
             reader.start()
             assert proxy.mget_seen.wait(timeout=10)  # forwarded by a Python thread: the GIL is free
             # While user 1's read waits on the server, another request has the runtime.
@@ -525,10 +562,12 @@ def test_flush_waits_for_queued_writes(remote_runtime, redis):
 
 # ---- two processes sharing one server ----------------------------------------------------------------
 
+
 def _run_worker(spec: dict) -> dict:
     code = "import sys; from tests.helpers.remote import remote_worker; remote_worker(sys.argv[1])"
-    result = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -544,8 +583,11 @@ def test_a_user_scored_in_one_process_is_a_remote_hit_in_another(redis_server):
 
     second = _run_worker({"url": redis_server.url, "runtime": runtime, "num_appended": 5})
     stats = second["stats"]
-    assert (stats["remote_hits"], stats["remote_hit_tokens"], stats["hit_tokens"]) == (1, num_cached_tokens,
-                                                                                       num_cached_tokens)
+    assert (stats["remote_hits"], stats["remote_hit_tokens"], stats["hit_tokens"]) == (
+        1,
+        num_cached_tokens,
+        num_cached_tokens,
+    )
     assert stats["recomputed_tokens"] == 2 * 5
     assert stats["remote_rejected_runtime"] + stats["remote_rejected_checksum"] + stats["remote_rejected_format"] == 0
     cached, full = torch.tensor(second["cached"]), torch.tensor(second["full"])
@@ -553,11 +595,14 @@ def test_a_user_scored_in_one_process_is_a_remote_hit_in_another(redis_server):
     assert torch.allclose(cached, full, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize(("url", "expected"), [
-    ("redis://127.0.0.1:6379/2", "redis://:a%3Ab%40c%2Fd%25e@127.0.0.1:6379/2"),
-    ("redis://kv@127.0.0.1", "redis://kv:a%3Ab%40c%2Fd%25e@127.0.0.1"),
-    ("redis://[::1]:6379", "redis://:a%3Ab%40c%2Fd%25e@[::1]:6379"),
-])
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://127.0.0.1:6379/2", "redis://:a%3Ab%40c%2Fd%25e@127.0.0.1:6379/2"),
+        ("redis://kv@127.0.0.1", "redis://kv:a%3Ab%40c%2Fd%25e@127.0.0.1"),
+        ("redis://[::1]:6379", "redis://:a%3Ab%40c%2Fd%25e@[::1]:6379"),
+    ],
+)
 def test_a_password_added_to_a_url_is_percent_encoded(url, expected):
     assert url_with_password(url, "a:b@c/d%e") == expected
 
@@ -567,9 +612,16 @@ def test_a_url_with_a_password_takes_no_second_one():
         url_with_password("redis://kv:pw@127.0.0.1", "other")
 
 
-@pytest.mark.parametrize(("content", "expected"), [
-    ("pw\n", "pw"), ("pw\r\n", "pw"), ("pw", "pw"), (" pw \n", " pw "), ("p\u00e4ss\n", "p\u00e4ss"),
-])
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("pw\n", "pw"),
+        ("pw\r\n", "pw"),
+        ("pw", "pw"),
+        (" pw \n", " pw "),
+        ("p\u00e4ss\n", "p\u00e4ss"),
+    ],
+)
 def test_a_password_file_loses_one_trailing_newline(tmp_path, content, expected):
     (tmp_path / "pw").write_bytes(content.encode())
     assert read_password_file(tmp_path / "pw") == expected

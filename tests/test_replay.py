@@ -48,8 +48,9 @@ def test_replay_passes_and_matches_python(replay_binary, tiny_artifact, tmp_path
             assert c[key]["max_abs"] == pytest.approx(p[key]["max_abs"], abs=1e-7)
     # Every counter of the cache; busy_host_requests counts what the host's load was during each run.
     load = "busy_host_requests"
-    assert {k: v for k, v in cpp["counters"].items() if k != load} == {k: v for k, v in python["counters"].items()
-                                                                        if k != load}
+    assert {k: v for k, v in cpp["counters"].items() if k != load} == {
+        k: v for k, v in python["counters"].items() if k != load
+    }
 
 
 def test_replay_cli_repeat_reports_percentiles(replay_binary, tiny_artifact, tmp_path):
@@ -111,7 +112,7 @@ def test_missing_required_library_is_named(replay_binary, artifact_copy, tmp_pat
 def test_unloaded_op_library_is_named_and_cleaned_up(replay_binary, artifact_copy, tmp_path):
     """An op library that defines none of the package's ops: the loader's schema error becomes a message."""
     source = tmp_path / "empty.cpp"
-    source.write_text("extern \"C\" int kvexport_test_nothing() { return 0; }\n")
+    source.write_text('extern "C" int kvexport_test_nothing() { return 0; }\n')
     library = artifact_copy / "lib" / "libkvexport_ops.so"
     subprocess.run(["g++", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
     rehash(artifact_copy, "lib/libkvexport_ops.so")
@@ -128,13 +129,16 @@ def test_missing_op_library_in_artifact(replay_binary, artifact_copy, tmp_path):
     assert "is incomplete: lib/libkvexport_ops.so is listed in the manifest but missing" in result.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    ([], "--artifact is required"),
-    (["--artifact"], "--artifact needs a value"),
-    (["--artifact", "/nonexistent"], "artifact directory /nonexistent does not exist"),
-    (["--artifact", ".", "--repeat", "0"], "--repeat must be a positive integer, got 0"),
-    (["--bogus"], "unknown flag --bogus"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ([], "--artifact is required"),
+        (["--artifact"], "--artifact needs a value"),
+        (["--artifact", "/nonexistent"], "artifact directory /nonexistent does not exist"),
+        (["--artifact", ".", "--repeat", "0"], "--repeat must be a positive integer, got 0"),
+        (["--bogus"], "unknown flag --bogus"),
+    ],
+)
 def test_bad_flags_exit_2(replay_binary, tmp_path, args, message):
     result, _ = run_harness([str(replay_binary), *args], tmp_path)
     assert result.returncode == 2

@@ -59,12 +59,12 @@ def test_shorter_history_truncates(runtime):
 
 
 def test_lru_eviction_offloads_least_recent_user(runtime):
-    request(runtime, {1: [1, 1, 1, 1]})   # 2 pages
-    request(runtime, {2: [2, 2, 2, 2]})   # 2 pages
-    request(runtime, {3: [3, 3]})         # 1 page
-    request(runtime, {1: [1, 1, 1, 1]})   # touch 1: LRU order is now 2, 3, 1
+    request(runtime, {1: [1, 1, 1, 1]})  # 2 pages
+    request(runtime, {2: [2, 2, 2, 2]})  # 2 pages
+    request(runtime, {3: [3, 3]})  # 1 page
+    request(runtime, {1: [1, 1, 1, 1]})  # touch 1: LRU order is now 2, 3, 1
     assert kv.device_users_lru(runtime) == [2, 3, 1]
-    request(runtime, {4: [4, 4, 4, 4]})   # needs 2 pages, 1 free: evicts user 2 only
+    request(runtime, {4: [4, 4, 4, 4]})  # needs 2 pages, 1 free: evicts user 2 only
     assert kv.device_users_lru(runtime) == [3, 1, 4]
     stats = kv.runtime_stats(runtime)
     assert (stats["device_evictions"], stats["offloads"]) == (1, 1)
@@ -131,8 +131,15 @@ def test_batch_users_are_never_evicted_for_each_other(runtime):
 
 def test_duplicate_user_in_batch_is_rejected(runtime):
     with pytest.raises(ValueError, match="user id 1 appears twice in one batch"):
-        kv.begin_batch(runtime, CONFIG, torch.tensor([1, 1]), torch.tensor([1, 2]), torch.tensor([1, 1]),
-                       torch.tensor([1, 1]), host_placement())
+        kv.begin_batch(
+            runtime,
+            CONFIG,
+            torch.tensor([1, 1]),
+            torch.tensor([1, 2]),
+            torch.tensor([1, 1]),
+            torch.tensor([1, 1]),
+            host_placement(),
+        )
 
 
 def test_reset_empties_everything(runtime):
@@ -168,8 +175,15 @@ def _in_thread(target) -> threading.Thread:
 def test_aborted_batch_releases_the_runtime_to_other_threads(runtime):
     request(runtime, {1: [1, 2, 3]})
     # This thread now owns the runtime, as a request failing midway would.
-    kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3, 4]), torch.tensor([4]),
-                   torch.tensor([1]), host_placement())
+    kv.begin_batch(
+        runtime,
+        CONFIG,
+        torch.tensor([1]),
+        torch.tensor([1, 2, 3, 4]),
+        torch.tensor([4]),
+        torch.tensor([1]),
+        host_placement(),
+    )
     kv.abort_batch(runtime)
     results = []
     assert not _in_thread(lambda: results.append(request(runtime, {1: [1, 2, 3, 4]}))).is_alive()
@@ -187,8 +201,10 @@ def test_refused_request_records_why_and_holds_nothing(tiny_config, tiny_model):
         with pytest.raises(ValueError, match="candidate_ids has 10000, outside the item vocabulary"):
             with torch.no_grad():
                 tiny_model.forward_cached(bad, name)  # refused by check_request, before begin_batch
-        assert kv.last_error(name) == ("invalid_request",
-                                       "candidate_ids has 10000, outside the item vocabulary [0, 9999]")
+        assert kv.last_error(name) == (
+            "invalid_request",
+            "candidate_ids has 10000, outside the item vocabulary [0, 9999]",
+        )
         assert _in_thread(lambda: kv.last_error(name)).is_alive() is False
         with torch.no_grad():
             tiny_model.forward_cached(good, name)
@@ -204,8 +220,15 @@ def test_a_user_of_the_callers_batch_in_flight_is_not_evicted(runtime):
     """evict_user from the thread whose batch holds that user is refused (ValueError), and the batch
     still commits; another user is evicted as usual."""
     request(runtime, {2: [5, 6, 7], 3: [9]})
-    kv.begin_batch(runtime, CONFIG, torch.tensor([1, 2]), torch.tensor([1, 2, 3, 5, 6, 7, 8]), torch.tensor([3, 4]),
-                   torch.tensor([1, 1]), host_placement())
+    kv.begin_batch(
+        runtime,
+        CONFIG,
+        torch.tensor([1, 2]),
+        torch.tensor([1, 2, 3, 5, 6, 7, 8]),
+        torch.tensor([3, 4]),
+        torch.tensor([1, 1]),
+        host_placement(),
+    )
     for user in (1, 2):
         with pytest.raises(ValueError, match=f"^user {user} is in this thread's batch in flight: end or abort"):
             kv.evict_user(runtime, user)
@@ -216,8 +239,15 @@ def test_a_user_of_the_callers_batch_in_flight_is_not_evicted(runtime):
 
 
 def test_failing_op_releases_its_batch_at_once(runtime):
-    kv.begin_batch(runtime, CONFIG, torch.tensor([1]), torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([1]),
-                   host_placement())
+    kv.begin_batch(
+        runtime,
+        CONFIG,
+        torch.tensor([1]),
+        torch.tensor([1, 2, 3]),
+        torch.tensor([3]),
+        torch.tensor([1]),
+        host_placement(),
+    )
     wrong_rows = torch.zeros(2, 1, 2)  # the plan has 1 candidate + 3 new prefix rows
     with pytest.raises(RuntimeError, match="expected k and v of 4 rows"):
         kv.paged_attention(runtime, 0, wrong_rows, wrong_rows, wrong_rows, 1.0, 1.0)
@@ -235,8 +265,15 @@ def test_stalled_batch_goes_to_the_next_request_and_its_ops_then_fail():
         later_error = []
 
         def host_that_stops_between_ops():
-            kv.begin_batch(name, config, torch.tensor([7]), torch.tensor([1, 2]), torch.tensor([2]),
-                           torch.tensor([1]), host_placement())
+            kv.begin_batch(
+                name,
+                config,
+                torch.tensor([7]),
+                torch.tensor([1, 2]),
+                torch.tensor([2]),
+                torch.tensor([1]),
+                host_placement(),
+            )
             begun.set()  # the host now fails this request without calling anything
             time.sleep(0.6)
             rows = torch.zeros(3, 1, 2)
@@ -259,8 +296,17 @@ def test_stalled_batch_goes_to_the_next_request_and_its_ops_then_fail():
         assert "no batch in flight" in later_error[0][1]
 
 
-BIG_CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": 16, "device_pages": 2200,
-                         "host_pages": 4, "dtype": "float32"})
+BIG_CONFIG = json.dumps(
+    {
+        "num_layers": 2,
+        "num_heads": 1,
+        "head_dim": 2,
+        "page_size": 16,
+        "device_pages": 2200,
+        "host_pages": 4,
+        "dtype": "float32",
+    }
+)
 
 
 def test_requests_of_many_tokens_compare_prefixes_on_several_threads_exactly():
@@ -270,7 +316,7 @@ def test_requests_of_many_tokens_compare_prefixes_on_several_threads_exactly():
     changed_at = {0: 8500, 1: 0, 2: 4097, 3: 8499}  # 8500: unchanged, then grown by one token
     with scratch_runtime(BIG_CONFIG) as name:
         assert request(name, users, config=BIG_CONFIG) == [0] * 4
-        again = {u: ts[:changed_at[u]] + [-1 - t for t in ts[changed_at[u]:]] + [5] for u, ts in users.items()}
+        again = {u: ts[: changed_at[u]] + [-1 - t for t in ts[changed_at[u] :]] + [5] for u, ts in users.items()}
         assert request(name, again, config=BIG_CONFIG) == [changed_at[u] for u in users]
         stats = kv.runtime_stats(name)
     assert stats["hit_tokens"] == sum(changed_at.values())

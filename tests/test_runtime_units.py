@@ -17,8 +17,11 @@ TIMEOUT_S = 600
 
 def cpp_tests() -> list[str]:
     """Suite.Name of every TEST() in the runtime's test sources."""
-    return [f"{suite}.{name}" for path in sorted((SOURCE_DIR / "runtime").glob("*_test.cpp"))
-            for suite, name in re.findall(r"^TEST\((\w+), (\w+)\)", path.read_text(), re.M)]
+    return [
+        f"{suite}.{name}"
+        for path in sorted((SOURCE_DIR / "runtime").glob("*_test.cpp"))
+        for suite, name in re.findall(r"^TEST\((\w+), (\w+)\)", path.read_text(), re.M)
+    ]
 
 
 def gtest_found() -> bool:
@@ -31,11 +34,17 @@ def gtest_found() -> bool:
 def test_the_runtime_parts_pass_every_cpp_unit_test():
     build_native(("kvexport_runtime",))  # configures the build directory (CMake looks for GoogleTest)
     if not gtest_found():
-        pytest.skip("GoogleTest is not installed (Debian/Ubuntu: apt-get install libgtest-dev; make system-packages "
-                    "installs it)")
+        pytest.skip(
+            "GoogleTest is not installed (Debian/Ubuntu: apt-get install libgtest-dev; make system-packages "
+            "installs it)"
+        )
     build_native(("kvexport_runtime_tests",))
-    result = subprocess.run(["ctest", "--test-dir", str(BUILD_DIR), "--output-on-failure", "-j", "2"],
-                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = subprocess.run(
+        ["ctest", "--test-dir", str(BUILD_DIR), "--output-on-failure", "-j", "2"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     ran = re.findall(r"Test +#\d+: (\S+) \.+ +Passed", result.stdout)
     assert ran and sorted(ran) == sorted(cpp_tests()), result.stdout[-4000:]

@@ -20,23 +20,38 @@ from tests.helpers import configs
 from tests.helpers.configs import TINY
 from tests.helpers.reference import reference_forward
 
-SWITCHES = {"head_activation": "relu", "layer_norm_eps": 1e-6, "silu_on": "u", "layer_output": "concat",
-            "item_ids": "keys", "context_ids": "keys", "event_tokens": "combined", "candidate_position": "shared_row",
-            "context_attention": "whole_prefix"}
+SWITCHES = {
+    "head_activation": "relu",
+    "layer_norm_eps": 1e-6,
+    "silu_on": "u",
+    "layer_output": "concat",
+    "item_ids": "keys",
+    "context_ids": "keys",
+    "event_tokens": "combined",
+    "candidate_position": "shared_row",
+    "context_attention": "whole_prefix",
+}
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("head_activation", "gelu", "model.head_activation must be one of silu, relu, got 'gelu'"),
-    ("silu_on", "uv", "model.silu_on must be one of uvqk, u, got 'uv'"),
-    ("layer_output", "sum", "model.layer_output must be one of gated, concat, got 'sum'"),
-    ("layer_norm_eps", 0, "model.layer_norm_eps must be a number in (0, 1), got 0"),
-    ("layer_norm_eps", "small", "model.layer_norm_eps must be float, got 'small'"),
-    ("item_ids", "hashed", "model.item_ids must be one of rows, keys, got 'hashed'"),
-    ("context_ids", "hashed", "model.context_ids must be one of rows, keys, got 'hashed'"),
-    ("event_tokens", "triples", "model.event_tokens must be one of pairs, combined, got 'triples'"),
-    ("candidate_position", "first", "model.candidate_position must be one of after_prefix, shared_row, got 'first'"),
-    ("context_attention", "full", "model.context_attention must be one of causal, whole_prefix, got 'full'"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("head_activation", "gelu", "model.head_activation must be one of silu, relu, got 'gelu'"),
+        ("silu_on", "uv", "model.silu_on must be one of uvqk, u, got 'uv'"),
+        ("layer_output", "sum", "model.layer_output must be one of gated, concat, got 'sum'"),
+        ("layer_norm_eps", 0, "model.layer_norm_eps must be a number in (0, 1), got 0"),
+        ("layer_norm_eps", "small", "model.layer_norm_eps must be float, got 'small'"),
+        ("item_ids", "hashed", "model.item_ids must be one of rows, keys, got 'hashed'"),
+        ("context_ids", "hashed", "model.context_ids must be one of rows, keys, got 'hashed'"),
+        ("event_tokens", "triples", "model.event_tokens must be one of pairs, combined, got 'triples'"),
+        (
+            "candidate_position",
+            "first",
+            "model.candidate_position must be one of after_prefix, shared_row, got 'first'",
+        ),
+        ("context_attention", "full", "model.context_attention must be one of causal, whole_prefix, got 'full'"),
+    ],
+)
 def test_an_unknown_switch_value_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
         configs.tiny_config(model={field: value})
@@ -65,8 +80,7 @@ def switched_model(tiny_model, tiny_config, **switches):
 ALONE = {name: value for name, value in SWITCHES.items() if name != "context_attention"}
 
 
-@pytest.mark.parametrize("switch", [{name: value} for name, value in ALONE.items()] + [SWITCHES],
-                         ids=[*ALONE, "all"])
+@pytest.mark.parametrize("switch", [{name: value} for name, value in ALONE.items()] + [SWITCHES], ids=[*ALONE, "all"])
 def test_each_switch_matches_the_reference_and_changes_the_output(tiny_model, tiny_config, switch):
     model = switched_model(tiny_model, tiny_config, **switch)
     batch = random_batch(tiny_config.model, seed=3, history_lengths=[1, 9, 4], num_candidates=[3, 1, 6])
@@ -89,8 +103,9 @@ def test_contextual_rows_reading_the_whole_prefix_match_the_reference(tiny_model
     batch = random_batch(tiny_config.model, seed=3, history_lengths=[1, 9, 4], num_candidates=[3, 1, 6])
     with torch.no_grad():
         got = whole(batch)
-        torch.testing.assert_close(got, reference_forward(whole, batch, context_attention="whole_prefix"),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got, reference_forward(whole, batch, context_attention="whole_prefix"), rtol=1e-5, atol=1e-5
+        )
         torch.testing.assert_close(causal(batch), reference_forward(causal, batch), rtol=1e-5, atol=1e-5)
         assert (got - causal(batch)).abs().max() > 1e-3
 
@@ -106,8 +121,14 @@ def test_a_package_with_every_switch_off_its_default_verifies(tmp_path, tiny_art
     checkpoint = tmp_path / "switched.pt"
     state = torch.load(tiny_checkpoint, weights_only=True)
     wider = build_model(configs.tiny_config(model=SWITCHES), seed=1).state_dict()
-    torch.save({**{k: wider[k] if wider[k].shape != v.shape else v for k, v in state.items()},
-                "item_keys": wider["item_keys"], "context_keys": wider["context_keys"]}, checkpoint)
+    torch.save(
+        {
+            **{k: wider[k] if wider[k].shape != v.shape else v for k, v in state.items()},
+            "item_keys": wider["item_keys"],
+            "context_keys": wider["context_keys"],
+        },
+        checkpoint,
+    )
     out = tmp_path / "switched"
     built = CliRunner().invoke(main, ["build", str(config), "-o", str(out), "--checkpoint", str(checkpoint)])
     assert built.exit_code == 0, built.output

@@ -64,11 +64,27 @@ class Served:
         self.stdout, self.stderr = logs / "serve.out", logs / "serve.err"
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvexport", *(["-v"] if verbose else []), "serve", str(artifact),
-                 "--address", "127.0.0.1",
-                 "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
-                 "--metrics-port", str(ports.metrics), *extra],
-                stdout=out, stderr=err, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "kvexport",
+                    *(["-v"] if verbose else []),
+                    "serve",
+                    str(artifact),
+                    "--address",
+                    "127.0.0.1",
+                    "--http-port",
+                    str(ports.http),
+                    "--grpc-port",
+                    str(ports.grpc),
+                    "--metrics-port",
+                    str(ports.metrics),
+                    *extra,
+                ],
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return f"stdout: {self.stdout.read_text()}\nstderr: {self.stderr.read_text()[-3000:]}"
@@ -79,8 +95,9 @@ class Served:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"kvexport serve exited {self.process.returncode}\n{self.output()}"
             with contextlib.suppress(OSError):
-                if http_get(self.ports.http, "/v2/health/ready")[0] == 200 and \
-                        self.stdout.read_text().startswith("serving "):
+                if http_get(self.ports.http, "/v2/health/ready")[0] == 200 and self.stdout.read_text().startswith(
+                    "serving "
+                ):
                     return
             time.sleep(0.2)
         raise AssertionError(f"kvexport serve not ready after {START_TIMEOUT_S} s\n{self.output()}")
@@ -97,8 +114,11 @@ class Served:
 
     def stub(self) -> int:
         """The pid of the model's Python-backend stub (the server has one model instance)."""
-        stubs = [int(pid) for pid in self.session_processes()
-                 if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name == STUB]
+        stubs = [
+            int(pid)
+            for pid in self.session_processes()
+            if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name == STUB
+        ]
         assert len(stubs) == 1, f"stubs {stubs}"
         return stubs[0]
 
@@ -128,6 +148,7 @@ def ports_free(ports: Ports) -> bool:
 
 # -- fixtures --------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tiny_artifact, tmp_path_factory):
     """One server for the module (4 instances, the tiny package's max_batch_size)."""
@@ -141,6 +162,7 @@ def server(tiny_artifact, tmp_path_factory):
 
 
 # -- the batcher, in this process ------------------------------------------------------------------
+
 
 def test_take_batch_keeps_each_users_order_and_distinct_users():
     queue_ = [("a", 1), ("b", 2), ("c", 1), ("d", 3), ("e", 2), ("f", 4), ("g", 5), ("h", 1)]
@@ -179,8 +201,13 @@ def test_scorer_splits_a_triton_batch_into_distinct_users_in_arrival_order(tiny_
     m = tiny_config.model
     generator = torch.Generator().manual_seed(11)
     first, other = (random_user(m, generator, uid, 20, 3) for uid in (900, 901))
-    grown = UserRequest(900, torch.cat([first.item_ids, first.item_ids[:5]]),
-                        torch.cat([first.action_ids, first.action_ids[:5]]), first.context_ids, first.candidate_ids)
+    grown = UserRequest(
+        900,
+        torch.cat([first.item_ids, first.item_ids[:5]]),
+        torch.cat([first.action_ids, first.action_ids[:5]]),
+        first.context_ids,
+        first.candidate_ids,
+    )
     bad = _batched(other)
     bad["candidate_ids"] = np.array([[m.item_vocab_size]], dtype=np.int64)
     with kvexport.load(tiny_artifact) as package:
@@ -194,12 +221,20 @@ def test_scorer_splits_a_triton_batch_into_distinct_users_in_arrival_order(tiny_
     tokens = m.num_contextual_features + 2 * len(first.item_ids)
     assert recording.calls[2][1] == tokens  # the second request of user 900 reused all of the first's tokens
     assert isinstance(results[1], RequestError)
-    assert str(results[1]) == f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary [0, {m.item_vocab_size - 1}]"
+    assert (
+        str(results[1])
+        == f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary [0, {m.item_vocab_size - 1}]"
+    )
     for got, want in zip([results[0], results[2], results[3]], eager([first, grown, other])):
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL)
     counters = scorer.counters()
-    assert (counters.batches, counters.batch_users, counters.requests_ok, counters.requests_refused,
-            counters.split_batches) == (2, 3, 3, 1, 0)
+    assert (
+        counters.batches,
+        counters.batch_users,
+        counters.requests_ok,
+        counters.requests_refused,
+        counters.split_batches,
+    ) == (2, 3, 3, 1, 0)
 
 
 @pytest.mark.slow
@@ -214,7 +249,7 @@ def test_scorer_scores_a_triton_batch_of_several_package_calls_in_order(tiny_art
         results = BatchScorer(recording).score([_batched(u) for u in users])
     ids = [u.user_id for u in users]
     size = tiny_config.serving.max_batch_size
-    assert [called for called, _ in recording.calls] == [ids[:size], ids[size:2 * size], ids[2 * size:]]
+    assert [called for called, _ in recording.calls] == [ids[:size], ids[size : 2 * size], ids[2 * size :]]
     for got, want in zip(results, eager(users)):
         np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL)
 
@@ -262,10 +297,14 @@ def test_a_request_is_one_user():
     user = _batched(random_user(config.model, torch.Generator().manual_seed(1), 5, 4, 2))
     assert parse_request(user).user_id == 5
     for name, value, message in (
-            ("item_ids", np.zeros((2, 4), dtype=np.int64), "item_ids must have shape [1, n] (one request is one "
-                                                           "user), got [2, 4]"),
-            ("user_id", np.array([[5, 6]], dtype=np.int64), "user_id must hold one id, got shape [1, 2]"),
-            ("context_ids", np.zeros((1, 3), dtype=np.int32), "context_ids must be INT64, got int32")):
+        (
+            "item_ids",
+            np.zeros((2, 4), dtype=np.int64),
+            "item_ids must have shape [1, n] (one request is one user), got [2, 4]",
+        ),
+        ("user_id", np.array([[5, 6]], dtype=np.int64), "user_id must hold one id, got shape [1, 2]"),
+        ("context_ids", np.zeros((1, 3), dtype=np.int32), "context_ids must be INT64, got int32"),
+    ):
         with pytest.raises(RequestError) as refused:
             parse_request({**user, name: value})
         assert str(refused.value) == message
@@ -273,21 +312,31 @@ def test_a_request_is_one_user():
 
 # -- the CLI ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_inspect_prints_the_serving_signature(tiny_artifact):
     result = CliRunner().invoke(main, ["inspect", str(tiny_artifact)])
     assert result.exit_code == 0, result.output
-    for line in ("serving: Triton model hstu-tiny, one user per request (kvexport serve)",
-                 "serving inputs: user_id          INT64    [1, 1]",
-                 "item_ids         INT64    [1, h]", "action_ids       INT64    [1, h]",
-                 "context_ids      INT64    [1, 3]", "candidate_ids    INT64    [1, T]",
-                 "serving output: logits           FP32     [1, T, 3]"):
+    for line in (
+        "serving: Triton model hstu-tiny, one user per request (kvexport serve)",
+        "serving inputs: user_id          INT64    [1, 1]",
+        "item_ids         INT64    [1, h]",
+        "action_ids       INT64    [1, h]",
+        "context_ids      INT64    [1, 3]",
+        "candidate_ids    INT64    [1, T]",
+        "serving output: logits           FP32     [1, T, 3]",
+    ):
         assert line in result.output
     result = CliRunner().invoke(main, ["inspect", "--json", str(tiny_artifact)])
     serving = json.loads(result.output)["serving_signature"]
     assert serving["model"] == "hstu-tiny"
-    assert [(i["name"], i["datatype"]) for i in serving["inputs"]] == [("user_id", "INT64"), ("item_ids", "INT64"), ("action_ids", "INT64"),
-                                                                          ("context_ids", "INT64"), ("candidate_ids", "INT64")]
+    assert [(i["name"], i["datatype"]) for i in serving["inputs"]] == [
+        ("user_id", "INT64"),
+        ("item_ids", "INT64"),
+        ("action_ids", "INT64"),
+        ("context_ids", "INT64"),
+        ("candidate_ids", "INT64"),
+    ]
     assert serving["output"] == {"name": "logits", "datatype": "FP32", "shape": [1, "T", 3]}
 
 
@@ -301,7 +350,8 @@ def test_serve_refuses_clashing_or_busy_ports(tmp_path):
     result = CliRunner().invoke(main, [*base, "--http-port", "9100", "--grpc-port", "9100"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        f"error: the ports must differ, got --http-port 9100, --grpc-port 9100, --metrics-port {ports.metrics}"]
+        f"error: the ports must differ, got --http-port 9100, --grpc-port 9100, --metrics-port {ports.metrics}"
+    ]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", ports.http))
         busy.listen()
@@ -311,14 +361,17 @@ def test_serve_refuses_clashing_or_busy_ports(tmp_path):
 
 
 def test_serve_without_the_extra_is_one_line(tmp_path):
-    code = ("import sys; sys.modules['pytriton'] = None\n"
-            "from kvexport.commands.cli import main\n"
-            f"main(['serve', {str(tmp_path)!r}], prog_name='kvexport')")
+    code = (
+        "import sys; sys.modules['pytriton'] = None\n"
+        "from kvexport.commands.cli import main\n"
+        f"main(['serve', {str(tmp_path)!r}], prog_name='kvexport')"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "error: kvexport serve needs the serve extra (nvidia-pytriton's tritonserver is not installed): "
-        "pip install 'kvexport[serve]'"]
+        "pip install 'kvexport[serve]'"
+    ]
 
 
 @needs_pytriton
@@ -336,6 +389,7 @@ def test_libpython_is_this_interpreters():
 
 
 # -- the server ------------------------------------------------------------------------------------
+
 
 @needs_pytriton
 @pytest.mark.slow
@@ -355,14 +409,17 @@ def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypat
 
     monkeypatch.setattr(tritonserver, "prepare", without_stub)
     ports = server_ports()
-    server = triton.Server(tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc,
-                           metrics_port=ports.metrics)
+    server = triton.Server(
+        tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc, metrics_port=ports.metrics
+    )
     started = time.monotonic()
     with caplog.at_level(logging.DEBUG, logger="kvexport"), pytest.raises(UserError) as failed:
         server.start()
     assert time.monotonic() - started < 60
-    assert str(failed.value).startswith("Triton did not start serving hstu-tiny: "
-                                        "failed to load 'hstu-tiny' version 1: Not found: triton_python_backend_stub")
+    assert str(failed.value).startswith(
+        "Triton did not start serving hstu-tiny: "
+        "failed to load 'hstu-tiny' version 1: Not found: triton_python_backend_stub"
+    )
     assert "\n" not in str(failed.value)
     workspaces = re.findall(r"workspace (\S+)", caplog.text)
     assert len(workspaces) == 1
@@ -403,8 +460,9 @@ def test_trace_through_the_server_matches_its_expected_outputs(server, tiny_arti
 @pytest.mark.slow
 def test_a_client_cannot_unload_the_model_or_read_the_servers_statistics(server):
     """Triton's model repository and statistics endpoints answer no client."""
-    unload = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/repository/models/hstu-tiny/unload",
-                                    data=b"{}", method="POST")
+    unload = urllib.request.Request(
+        f"http://127.0.0.1:{server.ports.http}/v2/repository/models/hstu-tiny/unload", data=b"{}", method="POST"
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(unload, timeout=10)
     assert refused.value.code == 403
@@ -427,9 +485,12 @@ def test_nothing_on_a_command_line_opens_the_restricted_endpoints(server):
     assert ("kvexport-closed", "") in pairs  # the restricted endpoints' flags, read as a client would
     base = f"http://127.0.0.1:{server.ports.http}"
     for key, value in sorted(pairs):
-        for request in (urllib.request.Request(f"{base}/v2/repository/models/hstu-tiny/unload", data=b"{}",
-                                               method="POST", headers={key: value}),
-                        urllib.request.Request(f"{base}/v2/models/hstu-tiny/stats", headers={key: value})):
+        for request in (
+            urllib.request.Request(
+                f"{base}/v2/repository/models/hstu-tiny/unload", data=b"{}", method="POST", headers={key: value}
+            ),
+            urllib.request.Request(f"{base}/v2/models/hstu-tiny/stats", headers={key: value}),
+        ):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(request, timeout=10)
             assert refused.value.code == 403, (key, value, request.full_url)
@@ -438,8 +499,7 @@ def test_nothing_on_a_command_line_opens_the_restricted_endpoints(server):
 
 @needs_pytriton
 @pytest.mark.slow
-def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_artifact, tiny_config, tmp_path,
-                                                                            eager):
+def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_artifact, tiny_config, tmp_path, eager):
     """--remote with a password in the URL: the tier is attached (a scored user reaches it, with the
     password), and neither the model's config nor the workspace's repository holds the password."""
     from tests.helpers.remote import RedisServer, Resp, need_redis
@@ -453,8 +513,9 @@ def test_serve_attaches_a_locked_remote_tier_and_never_serves_its_password(tiny_
         from urllib.parse import quote
 
         url = f"redis://:{quote(password, safe='')}@127.0.0.1:{redis_server.port}/0"
-        served = Served(tiny_artifact, server_ports(), tmp_path, "--remote", url, "--remote-write", "after_batch",
-                        verbose=True)
+        served = Served(
+            tiny_artifact, server_ports(), tmp_path, "--remote", url, "--remote-write", "after_batch", verbose=True
+        )
         served.wait_ready()
         user = random_user(tiny_config.model, torch.Generator().manual_seed(4), 777, 6, 3)
         client = Client("http", served.ports, "hstu-tiny")
@@ -500,14 +561,31 @@ def test_a_tampered_artifact_is_refused_in_one_line_and_nothing_is_left(tiny_art
     step.write_bytes(bytes(data))
     ports = server_ports()
     before = set(Path(tempfile.gettempdir()).glob("kvexport-serve-*"))
-    result = subprocess.run([sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
-                             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
-                             "--metrics-port", str(ports.metrics)], capture_output=True, text=True,
-                            timeout=START_TIMEOUT_S)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvexport",
+            "serve",
+            str(artifact),
+            "--address",
+            "127.0.0.1",
+            "--http-port",
+            str(ports.http),
+            "--grpc-port",
+            str(ports.grpc),
+            "--metrics-port",
+            str(ports.metrics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
         "error: Triton did not start serving hstu-tiny: failed to load 'hstu-tiny' version 1: Internal: "
-        "VerificationError: trace/step_0001.pt does not match its sha256 in the manifest (modified or corrupted)"]
+        "VerificationError: trace/step_0001.pt does not match its sha256 in the manifest (modified or corrupted)"
+    ]
     assert set(Path(tempfile.gettempdir()).glob("kvexport-serve-*")) == before
     assert ports_free(ports)
 
@@ -524,8 +602,9 @@ def test_readme_serving_example_runs(server, eager):
     code = blocks[0].replace(README_URL, f'"127.0.0.1:{server.ports.http}"')
     exec(compile(code, "docs/serving.md", "exec"), namespace)
     user = namespace["user"]
-    request = UserRequest(user["user_id"][0], *(torch.tensor(user[k]) for k in
-                                                ("item_ids", "action_ids", "context_ids", "candidate_ids")))
+    request = UserRequest(
+        user["user_id"][0], *(torch.tensor(user[k]) for k in ("item_ids", "action_ids", "context_ids", "candidate_ids"))
+    )
     np.testing.assert_allclose(namespace["logits"], eager([request])[0], rtol=0, atol=ATOL)
     namespace["client"].close()
 
@@ -536,9 +615,11 @@ def test_a_dead_tritonserver_ends_the_command_and_nothing_is_left(tiny_artifact,
     served = Served(tiny_artifact, server_ports(), tmp_path)
     try:
         served.wait_ready()
-        tritonserver = [pid for pid in served.session_processes()
-                        if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name
-                        == "tritonserver"]
+        tritonserver = [
+            pid
+            for pid in served.session_processes()
+            if Path(os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])).name == "tritonserver"
+        ]
         assert len(tritonserver) == 1
         os.kill(int(tritonserver[0]), signal.SIGKILL)  # its stubs are orphaned
         code = served.process.wait(timeout=STOP_TIMEOUT_S)
@@ -572,8 +653,9 @@ def test_concurrent_clients_with_returning_users_are_batched_and_correct(server,
     mean_batch = delta("kvexport_batch_users_total", after) / delta("kvexport_batches_total", after)
     assert mean_batch > 1, f"no batching: mean batch size {mean_batch}"
     # Triton's statistics: its model executions (batches) took more than one request each.
-    executions = (metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1")
-                  - metric(before, "nv_inference_exec_count", model="hstu-tiny", version="1"))
+    executions = metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1") - metric(
+        before, "nv_inference_exec_count", model="hstu-tiny", version="1"
+    )
     assert 800 / executions > 1, f"Triton's mean batch size {800 / executions}"
     assert delta("kvexport_cache_hit_tokens_total", after) > 0  # returning users came from the cache
     assert delta("kvexport_cache_prefix_truncations_total", after) > 0  # rewritten histories were recomputed
@@ -592,23 +674,57 @@ def _hostile_requests(config) -> list[tuple[dict[str, np.ndarray], dict[str, str
         return {**good, **changes}
 
     return [
-        (edit(candidate_ids=np.array([m.item_vocab_size], dtype=np.int64)), None,
-         f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary {items}", True),
-        (edit(item_ids=np.full(5, -2 ** 40, dtype=np.int64)), None,
-         f"item_ids has {-2 ** 40}, outside the item vocabulary {items}", True),
-        (edit(action_ids=good["action_ids"][:4]), None,
-         "item_ids has 5 events but action_ids has 4; each event is one item and one action", True),
-        (edit(action_ids=np.full(5, m.action_vocab_size, dtype=np.int64)), None,
-         f"action_ids has {m.action_vocab_size}, outside the action vocabulary [0, {m.action_vocab_size - 1}]", True),
-        (edit(context_ids=np.array([-1, 0, 0], dtype=np.int64)), None,
-         f"context_ids has -1, outside the context vocabulary {contexts}", True),
-        (edit(item_ids=np.zeros(m.max_history_length + 1, dtype=np.int64),
-              action_ids=np.zeros(m.max_history_length + 1, dtype=np.int64)), None,
-         f"item_ids has {m.max_history_length + 1} events, outside [0, {m.max_history_length}]", True),
-        (edit(candidate_ids=np.zeros(m.max_num_candidates + 1, dtype=np.int64)), None,
-         f"candidate_ids has {m.max_num_candidates + 1} candidates, outside [1, {m.max_num_candidates}]", True),
-        (edit(candidate_ids=np.zeros(0, dtype=np.int64)), None,
-         f"candidate_ids has 0 candidates, outside [1, {m.max_num_candidates}]", True),
+        (
+            edit(candidate_ids=np.array([m.item_vocab_size], dtype=np.int64)),
+            None,
+            f"candidate_ids has {m.item_vocab_size}, outside the item vocabulary {items}",
+            True,
+        ),
+        (
+            edit(item_ids=np.full(5, -(2**40), dtype=np.int64)),
+            None,
+            f"item_ids has {-(2**40)}, outside the item vocabulary {items}",
+            True,
+        ),
+        (
+            edit(action_ids=good["action_ids"][:4]),
+            None,
+            "item_ids has 5 events but action_ids has 4; each event is one item and one action",
+            True,
+        ),
+        (
+            edit(action_ids=np.full(5, m.action_vocab_size, dtype=np.int64)),
+            None,
+            f"action_ids has {m.action_vocab_size}, outside the action vocabulary [0, {m.action_vocab_size - 1}]",
+            True,
+        ),
+        (
+            edit(context_ids=np.array([-1, 0, 0], dtype=np.int64)),
+            None,
+            f"context_ids has -1, outside the context vocabulary {contexts}",
+            True,
+        ),
+        (
+            edit(
+                item_ids=np.zeros(m.max_history_length + 1, dtype=np.int64),
+                action_ids=np.zeros(m.max_history_length + 1, dtype=np.int64),
+            ),
+            None,
+            f"item_ids has {m.max_history_length + 1} events, outside [0, {m.max_history_length}]",
+            True,
+        ),
+        (
+            edit(candidate_ids=np.zeros(m.max_num_candidates + 1, dtype=np.int64)),
+            None,
+            f"candidate_ids has {m.max_num_candidates + 1} candidates, outside [1, {m.max_num_candidates}]",
+            True,
+        ),
+        (
+            edit(candidate_ids=np.zeros(0, dtype=np.int64)),
+            None,
+            f"candidate_ids has 0 candidates, outside [1, {m.max_num_candidates}]",
+            True,
+        ),
         # Refused by Triton itself, from the model's signature.
         (edit(context_ids=good["context_ids"][:2]), None, "unexpected shape for input 'context_ids'", False),
         (edit(user_id=np.array([1, 2], dtype=np.int64)), None, "unexpected shape for input 'user_id'", False),
@@ -657,8 +773,11 @@ def test_hostile_requests_are_refused_while_a_valid_stream_stays_correct(server,
         finally:
             client.close()
 
-    threads = [threading.Thread(target=valid), threading.Thread(target=attack, args=("http",)),
-               threading.Thread(target=attack, args=("grpc",))]
+    threads = [
+        threading.Thread(target=valid),
+        threading.Thread(target=attack, args=("http",)),
+        threading.Thread(target=attack, args=("grpc",)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -705,16 +824,23 @@ def test_sigterm_drains_and_start_stop_start_leaves_nothing_behind(tiny_artifact
             os.kill(stub, signal.SIGSTOP)
             try:
                 for k, request in enumerate(requests):
-                    client.client.async_infer("hstu-tiny", client.inputs(user_arrays(request)),
-                                              client_timeout=REQUEST_TIMEOUT_S,
-                                              callback=lambda result, error, k=k, answers=answers: answers.put((k, result, error)))
+                    client.client.async_infer(
+                        "hstu-tiny",
+                        client.inputs(user_arrays(request)),
+                        client_timeout=REQUEST_TIMEOUT_S,
+                        callback=lambda result, error, k=k, answers=answers: answers.put((k, result, error)),
+                    )
                 deadline = time.monotonic() + START_TIMEOUT_S
                 # All but the batch handed over: four package calls' worth of users (the tiny package's 4 each).
                 queued = len(requests) - 4 * tiny_config.serving.max_batch_size
                 pending = 0.0
                 while pending < queued and time.monotonic() < deadline:
-                    pending = metric(http_get(ports.metrics, "/metrics")[1], "nv_inference_pending_request_count",
-                                     model="hstu-tiny", version="1")
+                    pending = metric(
+                        http_get(ports.metrics, "/metrics")[1],
+                        "nv_inference_pending_request_count",
+                        model="hstu-tiny",
+                        version="1",
+                    )
                     time.sleep(0.05)
                 assert pending >= queued, f"Triton holds {pending} requests, not {queued}"
                 assert answers.empty()
@@ -788,7 +914,8 @@ def test_a_dead_stub_ends_the_command_and_nothing_is_left(tiny_artifact, tmp_pat
     assert code == 2, served.output()
     assert served.stderr.read_text().splitlines()[-1] == (
         f"error: the Python-backend stub running hstu-tiny (pid {stub}) died; Triton would keep reporting "
-        "ready while failing every request")
+        "ready while failing every request"
+    )
     assert served.session_processes() == [], "tritonserver outlived the command"
     assert ports_free(served.ports)
     assert workspace.name.startswith("kvexport-serve-") and not workspace.exists()

@@ -49,8 +49,9 @@ def test_build_writes_the_step_program_only_when_asked(step_artifact, tiny_artif
 
 def test_step_route_matches_the_full_recompute_through_eviction(step_artifact, tiny_config, reference):
     config = tiny_config
-    sweeps = [SweepRequests(config, 60 + 9 * i, 1, first_user=500 + i, new_events=3, candidates=2 + i % 5)
-              for i in range(10)]
+    sweeps = [
+        SweepRequests(config, 60 + 9 * i, 1, first_user=500 + i, new_events=3, candidates=2 + i % 5) for i in range(10)
+    ]
     with kvexport.load(step_artifact) as package:
         for r in range(3):
             for sweep in sweeps:  # ten users of 60-141 events: more than the device tier holds
@@ -67,8 +68,11 @@ def assert_rows_tiled_by_user(plan, layout, real_prefix: int) -> None:
     """row_order holds the real rows grouped by user, in row order within a user, then the padding
     rows; tiles cut each user's rows into runs of at most TILE_ROWS, then zeros."""
     row_user, rows = plan.row_user.tolist(), layout.candidate_rows + layout.prefix_rows
-    real = [i for i in range(rows) if (i < layout.real_candidates if i < layout.candidate_rows
-                                                else i - layout.candidate_rows < real_prefix)]
+    real = [
+        i
+        for i in range(rows)
+        if (i < layout.real_candidates if i < layout.candidate_rows else i - layout.candidate_rows < real_prefix)
+    ]
     padding = sorted(set(range(rows)) - set(real))
     assert plan.row_order.tolist() == sorted(real, key=lambda i: row_user[i]) + padding
     tiles, first = [], 0
@@ -76,7 +80,7 @@ def assert_rows_tiled_by_user(plan, layout, real_prefix: int) -> None:
         count = sum(1 for i in real if row_user[i] == user)
         tiles += [[user, first + start, min(TILE_ROWS, count - start)] for start in range(0, count, TILE_ROWS)]
         first += count
-    assert plan.tiles[:len(tiles)].tolist() == tiles and not plan.tiles[len(tiles):].any()
+    assert plan.tiles[: len(tiles)].tolist() == tiles and not plan.tiles[len(tiles) :].any()
 
 
 def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, reference):
@@ -84,16 +88,29 @@ def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, 
     16 rows, and has at most a quarter of padding above that; every output is exact."""
     seen = set()
     with kvexport.load(step_artifact) as package:
-        for i, (users, candidates, events) in enumerate([(1, 1, 1), (1, 17, 9), (2, 33, 40), (3, 64, 70),
-                                                         (4, 50, 96)]):
-            batch = random_batch(tiny_config.model, seed=i, history_lengths=[events] * users,
-                                 num_candidates=[candidates] * users, first_user_id=1000 * (i + 1))
+        for i, (users, candidates, events) in enumerate([(1, 1, 1), (1, 17, 9), (2, 33, 40), (3, 64, 70), (4, 50, 96)]):
+            batch = random_batch(
+                tiny_config.model,
+                seed=i,
+                history_lengths=[events] * users,
+                num_candidates=[candidates] * users,
+                first_user_id=1000 * (i + 1),
+            )
             user_ids, lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-                "", tiny_config.request_limits_json(), *batch.tensors())
+                "", tiny_config.request_limits_json(), *batch.tensors()
+            )
             name = f"bucket-probe-{i}"
-            staged, layout = kv.begin_step(name, tiny_config.runtime_json(), user_ids, token_ids, lengths,
-                                           num_candidates, candidate_ids, torch.empty(0),
-                                           tiny_config.model.max_prefix_length)
+            staged, layout = kv.begin_step(
+                name,
+                tiny_config.runtime_json(),
+                user_ids,
+                token_ids,
+                lengths,
+                num_candidates,
+                candidate_ids,
+                torch.empty(0),
+                tiny_config.model.max_prefix_length,
+            )
             kv.abort_batch(name)
             kv.drop_runtime(name)
             assert staged.numel() == layout.numel()
@@ -101,7 +118,7 @@ def test_buckets_pad_each_part_by_at_most_a_quarter(step_artifact, tiny_config, 
             # Every input on a 16-byte boundary (AOTInductor would copy one that is not, every run),
             # and the parts are the batch's: the first of them its candidates, the page table its users'.
             assert all(part.data_ptr() % 16 == 0 for part in (*inputs, *plan))
-            assert torch.equal(inputs.candidate_ids[:users * candidates], candidate_ids)
+            assert torch.equal(inputs.candidate_ids[: users * candidates], candidate_ids)
             assert plan.page_table.shape == (layout.users, layout.pages_per_user)
             assert_rows_tiled_by_user(plan, layout, real_prefix=int(lengths.sum()))
             real_prefix = int(lengths.sum())  # an empty cache: every prefix token is new
@@ -120,23 +137,41 @@ def test_step_plan_rebuilt_row_by_row_from_the_request(tiny_config):
     m, page_size = tiny_config.model, tiny_config.kv_cache.page_size
     name, limits, runtime = "plan-rows-probe", tiny_config.request_limits_json(), tiny_config.runtime_json()
     g = torch.Generator().manual_seed(3)
-    first = [random_user(m, g, 70 + i, events, candidates) for i, (events, candidates) in enumerate([(10, 2), (3, 5),
-                                                                                                      (20, 1)])]
+    first = [
+        random_user(m, g, 70 + i, events, candidates)
+        for i, (events, candidates) in enumerate([(10, 2), (3, 5), (20, 1)])
+    ]
 
     def begin(users):
         user_ids, lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-            name, limits, *Batch.concat(users).tensors())
-        staged, layout = kv.begin_step(name, runtime, user_ids, token_ids, lengths, num_candidates, candidate_ids,
-                                       torch.empty(0), m.max_prefix_length)
+            name, limits, *Batch.concat(users).tensors()
+        )
+        staged, layout = kv.begin_step(
+            name,
+            runtime,
+            user_ids,
+            token_ids,
+            lengths,
+            num_candidates,
+            candidate_ids,
+            torch.empty(0),
+            m.max_prefix_length,
+        )
         return user_ids, lengths.tolist(), token_ids.tolist(), candidate_ids, staged, layout
 
     try:
         user_ids, cached, *_ = begin(first)
         kv.end_batch(name, user_ids, torch.empty(0))  # commits the three users' prefixes
-        grown = [UserRequest(u.user_id, torch.cat([u.item_ids, random_user(m, g, 0, extra, 1).item_ids]),
-                             torch.cat([u.action_ids, random_user(m, g, 0, extra, 1).action_ids]), u.context_ids,
-                             random_user(m, g, 0, 1, candidates).candidate_ids)
-                 for u, extra, candidates in zip(first, (4, 0, 9), (3, 2, 6))]
+        grown = [
+            UserRequest(
+                u.user_id,
+                torch.cat([u.item_ids, random_user(m, g, 0, extra, 1).item_ids]),
+                torch.cat([u.action_ids, random_user(m, g, 0, extra, 1).action_ids]),
+                u.context_ids,
+                random_user(m, g, 0, 1, candidates).candidate_ids,
+            )
+            for u, extra, candidates in zip(first, (4, 0, 9), (3, 2, 6))
+        ]
         users = [grown[2], random_user(m, g, 99, 7, 4), grown[0], grown[1]]
         cached = [cached[2], 0, cached[0], cached[1]]
         _, lengths, tokens, candidate_ids, staged, layout = begin(users)
@@ -156,16 +191,16 @@ def test_step_plan_rebuilt_row_by_row_from_the_request(tiny_config):
     padding = [0] * (layout.prefix_rows - len(new))
 
     assert layout.real_candidates == sum(counts) and len(new) == sum(lengths) - sum(cached) > 0
-    assert inputs.candidate_ids[:sum(counts)].tolist() == candidate_ids.tolist()
+    assert inputs.candidate_ids[: sum(counts)].tolist() == candidate_ids.tolist()
     assert inputs.candidate_positions.tolist() == [lengths[b] for b, _, c in rows[:tp] if c] + [0] * (tp - sum(counts))
     assert inputs.new_ids.tolist() == [tokens[starts[b] + p] for b, p in new] + padding
     assert inputs.new_positions.tolist() == [p for _, p in new] + padding
     assert list(zip(plan.row_user.tolist(), plan.row_keys.tolist(), plan.row_candidate.tolist())) == rows
     assert plan.write_slots.tolist() == slots + [trash] * len(padding)
     assert plan.value_slots.tolist() == [s + page_size for s in slots] + [trash + page_size] * len(padding)
-    owned = [page for b in range(len(users)) for page in pages[b][:-(-lengths[b] // page_size)]]
+    owned = [page for b in range(len(users)) for page in pages[b][: -(-lengths[b] // page_size)]]
     assert len(set(owned)) == len(owned)  # no page is two users'
-    assert not any(page for b in range(len(users)) for page in pages[b][-(-lengths[b] // page_size):])
+    assert not any(page for b in range(len(users)) for page in pages[b][-(-lengths[b] // page_size) :])
     assert_rows_tiled_by_user(plan, layout, real_prefix=len(new))
 
 
@@ -175,8 +210,13 @@ def test_refusals_through_the_step_route_leave_the_next_request_exact(step_artif
     bad = good.to_dict()
     bad["item_ids"] = bad["item_ids"].clone()
     bad["item_ids"][0] = -1
-    too_long = random_batch(config.model, seed=5, history_lengths=[config.model.max_history_length] * 2,
-                            num_candidates=[1, 1], first_user_id=900)
+    too_long = random_batch(
+        config.model,
+        seed=5,
+        history_lengths=[config.model.max_history_length] * 2,
+        num_candidates=[1, 1],
+        first_user_id=900,
+    )
     with kvexport.load(step_artifact) as package:
         with pytest.raises(RequestFailed) as refused:
             package.run(type(good)(**bad))
@@ -190,8 +230,9 @@ def test_refusals_through_the_step_route_leave_the_next_request_exact(step_artif
 def _eight_threads(package, config, first_user: int, reference) -> list[str]:
     """Eight threads score their own users through one package, five rounds each; the requests
     that differ from the full recompute."""
-    sweeps = [SweepRequests(config, 30 + 5 * i, 1, first_user=first_user + i, new_events=2, candidates=3)
-              for i in range(8)]
+    sweeps = [
+        SweepRequests(config, 30 + 5 * i, 1, first_user=first_user + i, new_events=2, candidates=3) for i in range(8)
+    ]
     failures: list[str] = []
 
     def client(sweep):
@@ -217,22 +258,28 @@ def test_the_harness_replays_the_trace_through_the_step_program(step_artifact, t
     """The C++ harness plans each request itself and runs step.pt2 (two threads): every step as
     recorded; an artifact without step.pt2 is refused in one line."""
     report = tmp_path / "replay.json"
-    result = subprocess.run(replay_command(step_artifact, report, threads=2, route="step"), capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        replay_command(step_artifact, report, threads=2, route="step"), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(report.read_text())["passed"]
     plain = subprocess.run(replay_command(tiny_artifact, route="step"), capture_output=True, text=True, timeout=600)
     assert plain.returncode == 2
-    assert plain.stderr == ("error: --route step needs an artifact with a step program (step.pt2): build it with "
-                            "--step-program\n")
+    assert plain.stderr == (
+        "error: --route step needs an artifact with a step program (step.pt2): build it with --step-program\n"
+    )
 
 
 # -- on a GPU: the same route replayed as CUDA graphs --------------------------------------------
 
+
 def on_gpu(test):
     """Marks a test as a GPU one (pytest -m cuda), skipped without a CUDA device."""
-    for mark in (pytest.mark.cuda, pytest.mark.slow,
-                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")):
+    for mark in (
+        pytest.mark.cuda,
+        pytest.mark.slow,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ):
         test = mark(test)
     return test
 
@@ -246,8 +293,9 @@ def _score_rounds(package, sweeps, rounds: int, reference) -> None:
 
 @on_gpu
 def test_graphs_replay_exactly_through_eviction(cuda_artifact, tiny_config, reference):
-    sweeps = [SweepRequests(tiny_config, 60 + 9 * i, 1, first_user=3000 + i, new_events=3, candidates=4)
-              for i in range(10)]
+    sweeps = [
+        SweepRequests(tiny_config, 60 + 9 * i, 1, first_user=3000 + i, new_events=3, candidates=4) for i in range(10)
+    ]
     with kvexport.load(cuda_artifact) as package:
         _score_rounds(package, sweeps, 4, reference)
         assert package.cuda_graphs >= 1
@@ -256,12 +304,13 @@ def test_graphs_replay_exactly_through_eviction(cuda_artifact, tiny_config, refe
 
 
 @on_gpu
-def test_graphs_kept_are_bounded_and_large_buckets_run_without_one(cuda_artifact, tiny_config, reference,
-                                                                    monkeypatch):
+def test_graphs_kept_are_bounded_and_large_buckets_run_without_one(cuda_artifact, tiny_config, reference, monkeypatch):
     monkeypatch.setattr(step_runner, "MAX_GRAPHS", 2)
     monkeypatch.setattr(step_runner, "MAX_GRAPH_ROWS", 48)
-    sweeps = [SweepRequests(tiny_config, 20 + 40 * i, 1, first_user=4000 + i, new_events=2 + 6 * i, candidates=3)
-              for i in range(4)]
+    sweeps = [
+        SweepRequests(tiny_config, 20 + 40 * i, 1, first_user=4000 + i, new_events=2 + 6 * i, candidates=3)
+        for i in range(4)
+    ]
     with kvexport.load(cuda_artifact) as package:
         _score_rounds(package, sweeps, 3, reference)
         assert 1 <= package.cuda_graphs <= 2
@@ -277,7 +326,8 @@ def test_graphs_from_eight_threads(cuda_artifact, tiny_config, reference):
 @on_gpu
 def test_the_harness_replays_the_trace_through_cuda_graphs(cuda_artifact, tmp_path):
     report = tmp_path / "replay.json"
-    result = subprocess.run(replay_command(cuda_artifact, report, threads=2, route="graphs"), capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        replay_command(cuda_artifact, report, threads=2, route="graphs"), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(report.read_text())["passed"]

@@ -82,8 +82,9 @@ def test_recorded_reference_is_the_float32_model(recorded):
 
 
 def test_measured_error_is_the_eager_outputs_distance_to_the_reference(recorded):
-    worst = max(float((out - reference).abs().max())
-                for _, cached, full, reference in recorded.steps for out in (cached, full))
+    worst = max(
+        float((out - reference).abs().max()) for _, cached, full, reference in recorded.steps for out in (cached, full)
+    )
     assert recorded.trace.eager_error == worst
     tolerance = recorded.tolerance
     assert tolerance["measured_max_abs_error"] == worst and tolerance["rtol"] == 0.0
@@ -113,14 +114,17 @@ def _rescale_expectations(artifact, scale: float) -> None:
     for step in manifest["trace"]["steps"]:
         if TRACE_KEYS["expect_error"] in step:
             continue
-        for rel, keys in ((step[TRACE_KEYS["file"]], (EXPECTED_CACHED, EXPECTED_FULL)),
-                          (step[TRACE_KEYS["reference_file"]], (EXPECTED_REFERENCE,))):
+        for rel, keys in (
+            (step[TRACE_KEYS["file"]], (EXPECTED_CACHED, EXPECTED_FULL)),
+            (step[TRACE_KEYS["reference_file"]], (EXPECTED_REFERENCE,)),
+        ):
             data = torch.load(artifact / rel, weights_only=True)
             data.update({key: data[key] / scale for key in keys})
             torch.save(data, artifact / rel)
             manifest["files"][rel] = sha256_of(artifact / rel)
-    _set_package_metadata(artifact / "model.pt2", "kvexport.trace_digest",
-                          trace_digest(manifest["trace"]["steps"], manifest["files"]))
+    _set_package_metadata(
+        artifact / "model.pt2", "kvexport.trace_digest", trace_digest(manifest["trace"]["steps"], manifest["files"])
+    )
     manifest["files"]["model.pt2"] = sha256_of(artifact / "model.pt2")
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
@@ -152,8 +156,9 @@ def test_verify_fails_a_package_ten_percent_off(artifact_copy, tmp_path, scale, 
     assert result.exit_code == exit_code, result.output
     assert "sha256" not in result.output and "was edited" not in result.output
     steps = _served_steps(artifact_copy, report_path)
-    failing = [s for s in steps if not (s["vs_cached"]["passed"] or s["vs_full"]["passed"]
-                                        or s["vs_reference"]["passed"])]
+    failing = [
+        s for s in steps if not (s["vs_cached"]["passed"] or s["vs_full"]["passed"] or s["vs_reference"]["passed"])
+    ]
     assert len(failing) == (len(steps) if scale != 1.0 else 0)
 
 

@@ -77,29 +77,49 @@ def test_the_remote_tier_and_threads_go_into_the_models_parameters_a_password_on
     from tritonclient.grpc import model_config_pb2
 
     secret = tmp_path / "secret"
-    write_repo(tiny_artifact, tmp_path / "repo", "--remote", "redis://cache.internal:6379/1", "--remote-write",
-               "after_batch", "--remote-password-file", str(secret), "--threads", "3")
+    write_repo(
+        tiny_artifact,
+        tmp_path / "repo",
+        "--remote",
+        "redis://cache.internal:6379/1",
+        "--remote-write",
+        "after_batch",
+        "--remote-password-file",
+        str(secret),
+        "--threads",
+        "3",
+    )
     text = (tmp_path / "repo" / "hstu-tiny" / "config.pbtxt").read_text()
     parameters = text_format.Parse(text, model_config_pb2.ModelConfig()).parameters
     assert {key: value.string_value for key, value in parameters.items()} == {
-        "remote": "redis://cache.internal:6379/1", "remote_write": "after_batch",
-        "remote_password_file": str(secret.resolve()), "threads": "3"}
+        "remote": "redis://cache.internal:6379/1",
+        "remote_write": "after_batch",
+        "remote_password_file": str(secret.resolve()),
+        "threads": "3",
+    }
 
 
-@pytest.mark.parametrize("case", ["not_empty", "bad_name", "missing_python_path", "password_in_url",
-                                  "password_file_alone"])
+@pytest.mark.parametrize(
+    "case", ["not_empty", "bad_name", "missing_python_path", "password_in_url", "password_file_alone"]
+)
 def test_a_repository_that_cannot_be_written_is_refused_in_one_line(tiny_artifact, tmp_path, case):
     repo = tmp_path / "repo"
     extra, message = {
         "not_empty": ([], f"{repo} exists and is not empty: give a new directory"),
         "bad_name": (["--name", "a/b"], "--name 'a/b': a Triton model name of letters, digits, '-', '_' or '.'"),
-        "missing_python_path": (["--python-path", str(tmp_path / "nowhere")],
-                                f"--python-path {tmp_path / 'nowhere'}: no such directory"),
-        "password_in_url": (["--remote", "redis://:secret@cache:6379"],
-                            "--remote: the URL holds a password, which Triton would serve to any client with the "
-                            "model's config; give it with --remote-password-file"),
-        "password_file_alone": (["--remote-password-file", str(tmp_path / "secret")],
-                                "--remote-password-file needs --remote URL"),
+        "missing_python_path": (
+            ["--python-path", str(tmp_path / "nowhere")],
+            f"--python-path {tmp_path / 'nowhere'}: no such directory",
+        ),
+        "password_in_url": (
+            ["--remote", "redis://:secret@cache:6379"],
+            "--remote: the URL holds a password, which Triton would serve to any client with the "
+            "model's config; give it with --remote-password-file",
+        ),
+        "password_file_alone": (
+            ["--remote-password-file", str(tmp_path / "secret")],
+            "--remote-password-file needs --remote URL",
+        ),
     }[case]
     if case == "not_empty":
         repo.mkdir()
@@ -162,8 +182,9 @@ def test_the_trace_through_a_plain_tritonserver(served_repo, tiny_artifact, prot
                 continue  # its users together exceed the cache: scored apart, checked in test_serve
             request, cached, _ = load_trace_step(tiny_artifact / step["file"], True)
             got = np.concatenate(client.infer_at_once([user_arrays(u) for u in split_batch(request)]))
-            np.testing.assert_allclose(got, cached.numpy(), rtol=0, atol=artifact.tolerance["atol"],
-                                       err_msg=f"step {step['file']}")
+            np.testing.assert_allclose(
+                got, cached.numpy(), rtol=0, atol=artifact.tolerance["atol"], err_msg=f"step {step['file']}"
+            )
     finally:
         client.close()
 
@@ -191,8 +212,12 @@ def test_a_refused_request_gets_its_own_400_and_the_next_is_served(served_repo, 
         assert refused.value.status() == "400"
         assert "item_ids has -1, outside the item vocabulary [0, 9999]" in refused.value.message()
         assert "Traceback" not in refused.value.message()
-        np.testing.assert_allclose(client.infer(user_arrays(users[0])), cached.numpy()[:len(users[0].candidate_ids)],
-                                   rtol=0, atol=artifact.tolerance["atol"])
+        np.testing.assert_allclose(
+            client.infer(user_arrays(users[0])),
+            cached.numpy()[: len(users[0].candidate_ids)],
+            rtol=0,
+            atol=artifact.tolerance["atol"],
+        )
     finally:
         client.close()
 
@@ -219,6 +244,7 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
             client.infer(bad)
     finally:
         client.close()
+
     def refused(text: str) -> float:
         return metric(text, "kvexport_requests_total", model="hstu-tiny", result="refused")
 
@@ -230,11 +256,15 @@ def test_kvexport_metrics_on_tritons_own_metrics_port(served_repo, tiny_artifact
     assert metric(text, "kvexport_cache_hit_tokens_total", **instance) > 0
     assert metric(text, "kvexport_batches_total", **instance) >= 1
     assert "# TYPE kvexport_cache_device_pages_used gauge" in text
+
     # Triton counts a request the model answers with its own error response as a success: its failure
     # counter does not move, so alerts read kvexport_requests_total{result="refused"} (docs/serving.md, Metrics).
     def triton_total(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") and 'model="hstu-tiny"' in line)
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") and 'model="hstu-tiny"' in line
+        )
 
     assert triton_total("nv_inference_request_failure") == 0
     assert triton_total("nv_inference_request_success") >= 3
@@ -251,14 +281,23 @@ def test_concurrent_clients_with_returning_users_match_the_eager_recompute(serve
     got = run_clients(served_repo, plans)
     assert len(got) == len(expected) == 240
     assert max(float(np.abs(g - w).max()) for g, w in zip(got, expected)) <= ATOL
-    after = scrape_when(served_repo.metrics, lambda text: (
-        metric(text, "kvexport_requests_total", model="hstu-tiny", result="ok")
-        - metric(before, "kvexport_requests_total", model="hstu-tiny", result="ok")) >= 240)
-    executions = (metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1")
-                  - metric(before, "nv_inference_exec_count", model="hstu-tiny", version="1"))
+    after = scrape_when(
+        served_repo.metrics,
+        lambda text: (
+            (
+                metric(text, "kvexport_requests_total", model="hstu-tiny", result="ok")
+                - metric(before, "kvexport_requests_total", model="hstu-tiny", result="ok")
+            )
+            >= 240
+        ),
+    )
+    executions = metric(after, "nv_inference_exec_count", model="hstu-tiny", version="1") - metric(
+        before, "nv_inference_exec_count", model="hstu-tiny", version="1"
+    )
     assert 240 / executions > 1, f"Triton's mean batch size {240 / executions}"
-    hits = (metric(after, "kvexport_cache_hit_tokens_total", model="hstu-tiny")
-            - metric(before, "kvexport_cache_hit_tokens_total", model="hstu-tiny"))
+    hits = metric(after, "kvexport_cache_hit_tokens_total", model="hstu-tiny") - metric(
+        before, "kvexport_cache_hit_tokens_total", model="hstu-tiny"
+    )
     assert hits > 0
 
 
@@ -283,7 +322,9 @@ def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_pat
         client = http.InferenceServerClient(f"127.0.0.1:{ports.http}", concurrency=3)
         sender = Client("http", ports, "hstu-tiny")
         try:
-            pending = [client.async_infer("hstu-tiny", sender.inputs(user_arrays(u))) for u in (good[0], failing, good[1])]
+            pending = [
+                client.async_infer("hstu-tiny", sender.inputs(user_arrays(u))) for u in (good[0], failing, good[1])
+            ]
             results = []
             for p in pending:
                 try:
@@ -304,14 +345,22 @@ def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_pat
 
 
 def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_artifact_is_copied_once(
-        tiny_artifact, tmp_path):
+    tiny_artifact, tmp_path
+):
     repo = tmp_path / "repo"
     write_repo(tiny_artifact, repo, "--instances", "3", "--python-path", str(tmp_path))
-    assert sorted(p.name for p in repo.iterdir()) == ["hstu-tiny", "hstu-tiny_shard0", "hstu-tiny_shard1",
-                                                      "hstu-tiny_shard2", "tritonserver"]
+    assert sorted(p.name for p in repo.iterdir()) == [
+        "hstu-tiny",
+        "hstu-tiny_shard0",
+        "hstu-tiny_shard1",
+        "hstu-tiny_shard2",
+        "tritonserver",
+    ]
     router = (repo / "hstu-tiny" / "config.pbtxt").read_text()
-    assert 'parameters: { key: "shards" value: { string_value: "hstu-tiny_shard0,hstu-tiny_shard1,hstu-tiny_shard2" } }' \
+    assert (
+        'parameters: { key: "shards" value: { string_value: "hstu-tiny_shard0,hstu-tiny_shard1,hstu-tiny_shard2" } }'
         in router
+    )
     assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in router
     assert (repo / "hstu-tiny" / "1" / "model.py").read_text().startswith('"""kvexport\'s routing model')
     assert (repo / "hstu-tiny" / "artifact" / "manifest.json").is_file()
@@ -339,7 +388,8 @@ def test_gpus_are_refused_for_a_cpu_package_in_one_line(tiny_artifact, tmp_path)
     result = CliRunner().invoke(main, ["triton-repo", str(tiny_artifact), "-o", str(tmp_path / "repo"), "--gpus", "2"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: --gpus 2: the artifact runs on cpu; only a CUDA package spreads over GPUs"]
+        "error: --gpus 2: the artifact runs on cpu; only a CUDA package spreads over GPUs"
+    ]
     assert not (tmp_path / "repo").exists()
 
 
@@ -368,8 +418,10 @@ def test_a_pack_of_users_unpacks_to_the_same_users_in_the_same_order(tiny_config
     from kvexport.serving.triton_router import pack, unpack
 
     generator = torch.Generator().manual_seed(5)
-    users = [user_arrays(random_user(tiny_config.model, generator, uid, length, candidates))
-             for uid, length, candidates in ((7, 5, 2), (3, 0, 1), (7, 9, 4))]  # one user twice, one empty history
+    users = [
+        user_arrays(random_user(tiny_config.model, generator, uid, length, candidates))
+        for uid, length, candidates in ((7, 5, 2), (3, 0, 1), (7, 9, 4))
+    ]  # one user twice, one empty history
     packed = pack(torch, [{name: torch.from_numpy(a).reshape(1, -1) for name, a in u.items()} for u in users])
     assert packed.dtype == torch.int64 and packed.dim() == 1
     unpacked = unpack(np, packed.numpy())
@@ -386,7 +438,8 @@ def test_a_pack_of_users_unpacks_to_the_same_users_in_the_same_order(tiny_config
 @needs_pytriton
 @pytest.mark.slow
 def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager_recompute(
-        tiny_artifact, tiny_config, tmp_path, eager):
+    tiny_artifact, tiny_config, tmp_path, eager
+):
     """16 clients, 24 returning users, 3 shards behind the router: every answer equals the eager
     full recompute, each shard scored exactly the requests of the users that hash to it (its
     instance's kvexport counters), and a refusal is still the client's 400, alone."""
@@ -404,8 +457,10 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
         assert (want > 0).all()
 
         def served(text: str) -> list[float]:  # the requests each shard's one instance scored
-            return [metric(text, "kvexport_requests_total", instance=f"hstu-tiny_shard{i}_0_0", result="ok")
-                    for i in range(3)]
+            return [
+                metric(text, "kvexport_requests_total", instance=f"hstu-tiny_shard{i}_0_0", result="ok")
+                for i in range(3)
+            ]
 
         after = scrape_when(ports.metrics, lambda text: "kvexport_requests_total" in text and sum(served(text)) >= 160)
         assert served(after) == want.tolist()
@@ -419,8 +474,10 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
         finally:
             client.close()
     assert refused.value.status() == "400"
-    assert refused.value.message() == (f"item_ids has {tiny_config.model.item_vocab_size}, outside the item "
-                                       f"vocabulary [0, {tiny_config.model.item_vocab_size - 1}]")
+    assert refused.value.message() == (
+        f"item_ids has {tiny_config.model.item_vocab_size}, outside the item "
+        f"vocabulary [0, {tiny_config.model.item_vocab_size - 1}]"
+    )
 
 
 @needs_pytriton
@@ -446,8 +503,10 @@ def test_a_refusal_names_the_tensors_the_client_sent(served_repo, tiny_config):
             messages.append(refused.value.message())
     finally:
         client.close()
-    assert messages == [f"item_ids has {m.max_history_length + 1} events, outside [0, {m.max_history_length}]",
-                        f"candidate_ids has {m.max_num_candidates + 1} candidates, outside [1, {m.max_num_candidates}]"]
+    assert messages == [
+        f"item_ids has {m.max_history_length + 1} events, outside [0, {m.max_history_length}]",
+        f"candidate_ids has {m.max_num_candidates + 1} candidates, outside [1, {m.max_num_candidates}]",
+    ]
 
 
 def test_this_python_names_only_site_directories_that_exist(tiny_artifact, tmp_path, monkeypatch):
@@ -467,8 +526,9 @@ def test_this_python_names_only_site_directories_that_exist(tiny_artifact, tmp_p
 
 @needs_pytriton
 @pytest.mark.slow
-def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard(tiny_artifact, tiny_config,
-                                                                                 tmp_path, eager):
+def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard(
+    tiny_artifact, tiny_config, tmp_path, eager
+):
     """Eight users, each sending six requests of a growing history without waiting for answers
     (rounds 3 ms apart, so all are in flight together), through the router to 2 shards: every
     answer equals the eager recompute, and no shard ever met a user's history shorter than what it
@@ -483,13 +543,20 @@ def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard
     m = tiny_config.model
     generator = torch.Generator().manual_seed(13)
     users = [random_user(m, generator, 6000 + u, 40, 3) for u in range(8)]
-    rounds = [[UserRequest(u.user_id, u.item_ids[:10 + 5 * r], u.action_ids[:10 + 5 * r], u.context_ids,
-                           u.candidate_ids) for u in users] for r in range(6)]
+    rounds = [
+        [
+            UserRequest(u.user_id, u.item_ids[: 10 + 5 * r], u.action_ids[: 10 + 5 * r], u.context_ids, u.candidate_ids)
+            for u in users
+        ]
+        for r in range(6)
+    ]
     expected = eager([request for requests in rounds for request in requests])
 
     def truncations_and_lookups(text: str) -> tuple[float, float]:
-        return tuple(sum(metric(text, f"kvexport_cache_{name}_total", instance=f"hstu-tiny_shard{i}_0_0")
-                         for i in range(2)) for name in ("prefix_truncations", "lookups"))
+        return tuple(
+            sum(metric(text, f"kvexport_cache_{name}_total", instance=f"hstu-tiny_shard{i}_0_0") for i in range(2))
+            for name in ("prefix_truncations", "lookups")
+        )
 
     with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, _, _):
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -503,12 +570,17 @@ def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard
         try:
             for r, requests in enumerate(rounds):
                 for u, request in enumerate(requests):
-                    client.client.async_stream_infer("hstu-tiny", client.inputs(user_arrays(request)),
-                                                     request_id=str(r * 8 + u))
+                    client.client.async_stream_infer(
+                        "hstu-tiny", client.inputs(user_arrays(request)), request_id=str(r * 8 + u)
+                    )
                 time.sleep(0.003)
-            done = sorted(((int(result.get_response().id) if error is None else -1, result, error)
-                           for result, error in (answers.get(timeout=60) for _ in range(48))),
-                          key=lambda answer: answer[0])
+            done = sorted(
+                (
+                    (int(result.get_response().id) if error is None else -1, result, error)
+                    for result, error in (answers.get(timeout=60) for _ in range(48))
+                ),
+                key=lambda answer: answer[0],
+            )
         finally:
             client.client.stop_stream()
             client.close()
@@ -546,8 +618,12 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
     (tmp_path / "artifacts").mkdir()
     (tmp_path / "artifacts" / "hstu-tiny").symlink_to(tiny_artifact)
     ports = server_ports()
-    swap = {"/tmp/model-repo": str(tmp_path / "model-repo"), "--http-port 8000": f"--http-port {ports.http}",
-            "--grpc-port 8001": f"--grpc-port {ports.grpc}", "--metrics-port 8002": f"--metrics-port {ports.metrics}"}
+    swap = {
+        "/tmp/model-repo": str(tmp_path / "model-repo"),
+        "--http-port 8000": f"--http-port {ports.http}",
+        "--grpc-port 8001": f"--grpc-port {ports.grpc}",
+        "--metrics-port 8002": f"--metrics-port {ports.metrics}",
+    }
     for old, new in swap.items():
         assert sum(line.count(old) for line in lines) >= 1, old
         lines = [line.replace(old, new) for line in lines]
@@ -555,8 +631,9 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
     subprocess.run(["sh", "-c", lines[0]], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
     backends_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvexport-tritonserver-*")))
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(["sh", "-c", f"exec {lines[1]}"], cwd=tmp_path, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        ["sh", "-c", f"exec {lines[1]}"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not triton_ready(ports.http):
@@ -569,8 +646,9 @@ def test_the_readme_repository_block_runs_as_written(tiny_artifact, tmp_path, ea
             np.testing.assert_allclose(client.infer(user_arrays(user)), eager([user])[0], rtol=0, atol=ATOL)
             # The launcher forwards the routing header, so the model checks it.
             with pytest.raises(InferenceServerException) as refused:
-                client.client.infer("hstu-tiny", client.inputs(user_arrays(user)),
-                                    headers={"kvexport-user-id": str(user.user_id + 1)})
+                client.client.infer(
+                    "hstu-tiny", client.inputs(user_arrays(user)), headers={"kvexport-user-id": str(user.user_id + 1)}
+                )
             assert refused.value.status() == "400"
         finally:
             client.close()
@@ -594,13 +672,31 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
     import signal
 
     repo = tmp_path / "repo"
-    subprocess.run([sys.executable, "-m", "kvexport", "triton-repo", str(tiny_artifact), "-o", str(repo),
-                    "--this-python"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "kvexport", "triton-repo", str(tiny_artifact), "-o", str(repo), "--this-python"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     ports = server_ports()
-    server = subprocess.Popen([str(repo / "tritonserver"), "--http-port", str(ports.http), "--grpc-port",
-                               str(ports.grpc), "--metrics-port", str(ports.metrics), "--model-control-mode",
-                               "explicit", "--load-model", "hstu-tiny"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            str(repo / "tritonserver"),
+            "--http-port",
+            str(ports.http),
+            "--grpc-port",
+            str(ports.grpc),
+            "--metrics-port",
+            str(ports.metrics),
+            "--model-control-mode",
+            "explicit",
+            "--load-model",
+            "hstu-tiny",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     model = os.fsencode(repo / "hstu-tiny" / "1" / "model.py")
 
     def model_stubs() -> list[tuple[int, list[bytes]]]:
@@ -623,14 +719,15 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
         return triton_ready(ports.http, "models/hstu-tiny/ready")
 
     def repository(action: str) -> None:
-        request = urllib.request.Request(f"http://127.0.0.1:{ports.http}/v2/repository/models/hstu-tiny/{action}",
-                                         data=b"", method="POST")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ports.http}/v2/repository/models/hstu-tiny/{action}", data=b"", method="POST"
+        )
         with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
             assert response.status == 200
 
     try:
         wait_for(lambda: triton_ready(ports.http) and model_ready(), "ready model")
-        (first, argv), = model_stubs()
+        ((first, argv),) = model_stubs()
         first_region = Path("/dev/shm") / os.fsdecode(argv[2])
         repository("unload")
         wait_for(lambda: not model_stubs() and not first_region.exists(), "end of the unloaded model's stub")
@@ -652,6 +749,7 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
             server.wait()
     assert [line for line in lines if line.startswith("error:")] == [
         f"error: the Python-backend stub of {repo / 'hstu-tiny' / '1' / 'model.py'} (pid {pid}) died; Triton would "
-        "keep reporting ready while its requests fail: stopping tritonserver"]
+        "keep reporting ready while its requests fail: stopping tritonserver"
+    ]
     assert not triton_ready(ports.http)
     assert not region.exists()

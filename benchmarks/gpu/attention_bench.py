@@ -55,9 +55,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(parser)
     parser.add_argument("--json", help="also write the JSON object here")
-    parser.add_argument("--profile", action="store_true",
-                        help="only run the op (warmup + repeats calls per batch), for a profiler such as "
-                             "Nsight Compute, which takes the interface this script's own timing uses")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="only run the op (warmup + repeats calls per batch), for a profiler such as "
+        "Nsight Compute, which takes the interface this script's own timing uses",
+    )
     return parser.parse_args()
 
 
@@ -74,18 +77,25 @@ class Request:
         self.pages_per_user = -(-self.keys // args.page_size)
         num_pages = batch * self.pages_per_user
         self.page_table = torch.randperm(num_pages, device=dev, generator=g).view(batch, self.pages_per_user)
-        self.caches = [torch.randn(num_pages, 2, args.page_size, args.heads, args.head_dim, device=dev,
-                                   generator=g, dtype=dtype) for _ in range(args.layers)]
+        self.caches = [
+            torch.randn(num_pages, 2, args.page_size, args.heads, args.head_dim, device=dev, generator=g, dtype=dtype)
+            for _ in range(args.layers)
+        ]
         cands, rows_per_user = args.candidates, args.candidates + new_rows
         rows = batch * rows_per_user
-        self.q, self.k, self.v = (torch.randn(rows, args.heads, args.head_dim, device=dev, generator=g, dtype=dtype)
-                                  for _ in range(3))
+        self.q, self.k, self.v = (
+            torch.randn(rows, args.heads, args.head_dim, device=dev, generator=g, dtype=dtype) for _ in range(3)
+        )
         users = torch.arange(batch, device=dev)
         self.row_user = torch.cat([users.repeat_interleave(cands), users.repeat_interleave(new_rows)])
         prefix_keys = torch.arange(cached + 1, self.keys + 1, device=dev).repeat(batch)
         self.row_keys = torch.cat([torch.full((batch * cands,), self.keys, device=dev), prefix_keys])
-        self.row_candidate = torch.cat([torch.ones(batch * cands, dtype=torch.bool, device=dev),
-                                        torch.zeros(batch * new_rows, dtype=torch.bool, device=dev)])
+        self.row_candidate = torch.cat(
+            [
+                torch.ones(batch * cands, dtype=torch.bool, device=dev),
+                torch.zeros(batch * new_rows, dtype=torch.bool, device=dev),
+            ]
+        )
         # Each user's rows, for the PyTorch versions: [batch, rows_per_user].
         cand_rows = torch.arange(batch * cands, device=dev).view(batch, cands)
         prefix_rows = batch * cands + torch.arange(batch * new_rows, device=dev).view(batch, new_rows)
@@ -94,9 +104,18 @@ class Request:
         self.inv_scaling = 1.0 / 8192
 
     def kernel(self, layer: int) -> torch.Tensor:
-        return torch.ops.kvexport.hstu_paged_attention(self.q, self.k, self.v, self.caches[layer], self.page_table,
-                                                       self.row_user, self.row_keys, self.row_candidate,
-                                                       self.alpha, self.inv_scaling)
+        return torch.ops.kvexport.hstu_paged_attention(
+            self.q,
+            self.k,
+            self.v,
+            self.caches[layer],
+            self.page_table,
+            self.row_user,
+            self.row_keys,
+            self.row_candidate,
+            self.alpha,
+            self.inv_scaling,
+        )
 
     def torch_reference(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
         """Gathers every user's pages into contiguous k/v, then matmul -> SiLU -> matmul in `dtype`
@@ -141,8 +160,11 @@ def device_peaks(warmup: int = 3, repeats: int = 10) -> dict:
     copy_ms = _copy_ms(size, warmup, repeats)
     matmul_ms = _matmul_ms(n, warmup, repeats)
     torch.cuda.empty_cache()
-    return {"bytes_per_s": round(2 * size / (copy_ms / 1e3), -9), "flops": round(2 * n**3 / (matmul_ms / 1e3), -12),
-            "measured": "a 1 GiB device-to-device copy (read + written) and an 8192^3 bf16 matmul, medians"}
+    return {
+        "bytes_per_s": round(2 * size / (copy_ms / 1e3), -9),
+        "flops": round(2 * n**3 / (matmul_ms / 1e3), -12),
+        "measured": "a 1 GiB device-to-device copy (read + written) and an 8192^3 bf16 matmul, medians",
+    }
 
 
 def _copy_ms(size: int, warmup: int, repeats: int) -> float:
@@ -171,15 +193,23 @@ def kernel_times(fn, layers: int, warmup: int, repeats: int, name: str = "kvexpo
         for i in range(repeats):
             fn(i % layers)
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name
-                      and not e.name.startswith(("Memcpy", "Memset"))),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and name in e.name
+            and not e.name.startswith(("Memcpy", "Memset"))
+        ),
+        key=lambda e: e.time_range.start,
+    )
     if not kernels or len(kernels) % repeats:
         raise RuntimeError(f"{len(kernels)} kernels named *{name}* in {repeats} calls")
     per_call = len(kernels) // repeats
-    totals = [sum(e.time_range.elapsed_us() for e in kernels[i:i + per_call]) / 1e3
-              for i in range(0, len(kernels), per_call)]
+    totals = [
+        sum(e.time_range.elapsed_us() for e in kernels[i : i + per_call]) / 1e3
+        for i in range(0, len(kernels), per_call)
+    ]
     return statistics.median(totals), per_call
 
 
@@ -192,8 +222,9 @@ def bench(args: argparse.Namespace, batch: int, peaks: dict) -> dict:
 def _measure(request: Request, args: argparse.Namespace, batch: int, peaks: dict) -> dict:
     kernel_ms, kernels_per_call = kernel_times(request.kernel, args.layers, args.warmup, args.repeats)
     op_ms = event_times(request.kernel, args.layers, args.warmup, args.repeats)
-    naive_ms = event_times(lambda layer: request.torch_reference(layer, torch.bfloat16), args.layers, 2,
-                           min(args.repeats, 20))
+    naive_ms = event_times(
+        lambda layer: request.torch_reference(layer, torch.bfloat16), args.layers, 2, min(args.repeats, 20)
+    )
     expected = request.torch_reference(0, torch.float32)
     actual = request.kernel(0).float()
     rows_keys = int(request.row_keys.sum())
@@ -243,9 +274,16 @@ def main() -> int:
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "shape": {"history": args.history, "new_events": args.new_events, "candidates": args.candidates,
-                  "heads": args.heads, "head_dim": args.head_dim, "page_size": args.page_size,
-                  "layers": args.layers, "dtype": "bfloat16"},
+        "shape": {
+            "history": args.history,
+            "new_events": args.new_events,
+            "candidates": args.candidates,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "page_size": args.page_size,
+            "layers": args.layers,
+            "dtype": "bfloat16",
+        },
         "peaks": peaks,
         "byte_model": "each cached key and value read once per (user, head)",
         "results": results,

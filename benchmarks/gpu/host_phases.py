@@ -37,8 +37,14 @@ def phases(package, batch_size: int, args) -> dict:
     """StepRunner.run's phases on a bucket already captured, each timed on the host's clock (the
     last, device_wait, is the synchronisation that ends the request)."""
     runner, config = package._step, package.config
-    requests = SweepRequests(config, args.length, batch_size, first_user=batch_size * 100_000,
-                             new_events=args.new_events, candidates=args.candidates)
+    requests = SweepRequests(
+        config,
+        args.length,
+        batch_size,
+        first_user=batch_size * 100_000,
+        new_events=args.new_events,
+        candidates=args.candidates,
+    )
     variants = [check_batch(requests.variant(r), config) for r in range(2 * (args.warmup + args.repeats) + 2)]
     package.run(variants[0])
     package.run(variants[1])  # captures the bucket's graph
@@ -48,10 +54,20 @@ def phases(package, batch_size: int, args) -> dict:
         batch = variants[i + 2]
         t = [time.perf_counter()]
         user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-            runner.runtime_name, runner._limits, *batch.tensors())
+            runner.runtime_name, runner._limits, *batch.tensors()
+        )
         t.append(time.perf_counter())
-        staged, layout = kv.begin_step(runner.runtime_name, runner._runtime_config, user_ids, token_ids, token_lengths,
-                                       num_candidates, candidate_ids, runner._placement, runner._max_prefix_length)
+        staged, layout = kv.begin_step(
+            runner.runtime_name,
+            runner._runtime_config,
+            user_ids,
+            token_ids,
+            token_lengths,
+            num_candidates,
+            candidate_ids,
+            runner._placement,
+            runner._max_prefix_length,
+        )
         t.append(time.perf_counter())
         bucket = runner._buckets[layout.bucket]
         with torch.cuda.stream(runner._stream):
@@ -75,10 +91,15 @@ def phases(package, batch_size: int, args) -> dict:
         torch.cuda.synchronize()
         if i >= args.warmup:
             whole.append(time.perf_counter() - started)
-    row = {"batch_size": batch_size, "phases_us": {p: _us(samples[p]) for p in PHASES},
-           "sum_of_phases_us": round(sum(_us(samples[p]) for p in PHASES), 1), "run_us": _us(whole),
-           "staged_bytes": staged.numel() * staged.element_size(), "staged_pinned": staged.is_pinned(),
-           "bucket": list(layout.bucket)}
+    row = {
+        "batch_size": batch_size,
+        "phases_us": {p: _us(samples[p]) for p in PHASES},
+        "sum_of_phases_us": round(sum(_us(samples[p]) for p in PHASES), 1),
+        "run_us": _us(whole),
+        "staged_bytes": staged.numel() * staged.element_size(),
+        "staged_pinned": staged.is_pinned(),
+        "bucket": list(layout.bucket),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -100,11 +121,15 @@ def primitives(args) -> dict:
     for kib in (8, 256, 2048):
         n = kib * 128
         target = torch.empty(n, dtype=torch.int64, device=device)
-        for kind, source in (("pinned", torch.ones(n, dtype=torch.int64).pin_memory()),
-                             ("pageable", torch.ones(n, dtype=torch.int64))):
+        for kind, source in (
+            ("pinned", torch.ones(n, dtype=torch.int64).pin_memory()),
+            ("pageable", torch.ones(n, dtype=torch.int64)),
+        ):
+
             def copy(source=source, target=target):
                 target.copy_(source, non_blocking=True)
                 torch.cuda.synchronize()
+
             out[f"h2d_{kind}_{kib}KiB_us"] = median_us(copy)
         out[f"pinned_alloc_{kib}KiB_us"] = median_us(lambda n=n: torch.empty(n, dtype=torch.int64, pin_memory=True))
     out["sync_only_us"] = median_us(torch.cuda.synchronize)
@@ -129,8 +154,13 @@ def main() -> None:
         if package._step is None or not package._step._graphs_on:
             raise SystemExit(f"error: {args.artifact} has no step program on a GPU (build it with --device cuda)")
         rows = [phases(package, int(b), args) for b in args.batch.split(",")]
-    result = {"artifact": str(args.artifact), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "rows": rows, "primitives": primitives(args)}
+    result = {
+        "artifact": str(args.artifact),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": rows,
+        "primitives": primitives(args),
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -43,8 +43,7 @@ from kvexport.model import build_model
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
 
-VARIANTS = {"default": {}, "no_split_reductions": {"split_reductions": False},
-            "combo_kernels": {"combo_kernels": True}}
+VARIANTS = {"default": {}, "no_split_reductions": {"split_reductions": False}, "combo_kernels": {"combo_kernels": True}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,8 +56,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, among {', '.join(VARIANTS)} (default: all; default always runs)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, among {', '.join(VARIANTS)} (default: all; default always runs)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.batch = [int(b) for b in args.batch.split(",")]
@@ -78,15 +80,26 @@ def kernels(compiled, tensors, device: torch.device) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         compiled(*tensors)
         torch.cuda.synchronize()
-    launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.startswith(("Memcpy", "Memset"))]
-    return {"kernels_per_request": len(launched),
-            "device_us_per_request": round(sum(e.device_time_total for e in launched), 1)}
+    launched = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    return {
+        "kernels_per_request": len(launched),
+        "device_us_per_request": round(sum(e.device_time_total for e in launched), 1),
+    }
 
 
 def bench_batch(packages: dict, runtime: str, config, args, batch_size: int, device: torch.device) -> dict:
-    requests = SweepRequests(config, args.length, batch_size, first_user=batch_size * 100_000,
-                             new_events=args.new_events, candidates=args.candidates)
+    requests = SweepRequests(
+        config,
+        args.length,
+        batch_size,
+        first_user=batch_size * 100_000,
+        new_events=args.new_events,
+        candidates=args.candidates,
+    )
     first = requests.variant(0).tensors()
     logits = {}
     for name, compiled in packages.items():  # the same request from an empty cache
@@ -104,10 +117,16 @@ def bench_batch(packages: dict, runtime: str, config, args, batch_size: int, dev
                 times[name].append(ms)
     for name, compiled in packages.items():
         ratios = [a / b for a, b in zip(times["default"], times[name])]
-        row[name] = {"ms": summary(times[name]), **kernels(compiled, requests.variant(call).tensors(), device),
-                     "max_abs_diff": float((logits[name] - logits["default"]).abs().max()),
-                     "default_over_this": {"median": round(statistics.median(ratios), 3),
-                                           "min": round(min(ratios), 3), "max": round(max(ratios), 3)}}
+        row[name] = {
+            "ms": summary(times[name]),
+            **kernels(compiled, requests.variant(call).tensors(), device),
+            "max_abs_diff": float((logits[name] - logits["default"]).abs().max()),
+            "default_over_this": {
+                "median": round(statistics.median(ratios), 3),
+                "min": round(min(ratios), 3),
+                "max": round(max(ratios), 3),
+            },
+        }
         call += 1
     print(json.dumps(row), flush=True)
     return row
@@ -125,9 +144,15 @@ def main() -> int:
     model = model.to(device)
     program = export_cached(CachedRanker(model, runtime), config)
     del model
-    result: dict = {"config": config.name, "device": str(device), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "variants": {name: VARIANTS[name] for name in args.variants}, "compile_s": {}, "rows": []}
+    result: dict = {
+        "config": config.name,
+        "device": str(device),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "variants": {name: VARIANTS[name] for name in args.variants},
+        "compile_s": {},
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory(prefix="kvexport-inductor-") as tmp:
         packages = {}
         for name in args.variants:

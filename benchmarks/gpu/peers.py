@@ -46,8 +46,13 @@ def sdpa_ms(request: Request, backend: str, args: argparse.Namespace) -> float |
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     shape = (request.batch, args.heads, request.keys, args.head_dim)
     q = torch.randn(request.batch, args.heads, rows, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    kvs = [(torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g),
-            torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(args.layers)]
+    kvs = [
+        (
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g),
+        )
+        for _ in range(args.layers)
+    ]
 
     def call(layer: int) -> torch.Tensor:
         with sdpa_kernel(getattr(SDPBackend, backend)):
@@ -64,9 +69,13 @@ def bench(args: argparse.Namespace, batch: int, peak_bytes_per_s: float) -> dict
     request = Request(args, batch)
     ours_ms, _ = kernel_times(request.kernel, args.layers, args.warmup, args.repeats)
     kv_bytes = batch * request.keys * args.heads * args.head_dim * 2 * 2
-    row = {"batch": batch, "keys_per_user": request.keys, "kv_bytes": kv_bytes,
-           "ours_us": round(ours_ms * 1e3, 1),
-           "ours_bandwidth_fraction": round(kv_bytes / (ours_ms / 1e3) / peak_bytes_per_s, 3)}
+    row = {
+        "batch": batch,
+        "keys_per_user": request.keys,
+        "kv_bytes": kv_bytes,
+        "ours_us": round(ours_ms * 1e3, 1),
+        "ours_bandwidth_fraction": round(kv_bytes / (ours_ms / 1e3) / peak_bytes_per_s, 3),
+    }
     for backend in BACKENDS:
         ms = sdpa_ms(request, backend, args)
         row[f"{backend.lower()}_us"] = None if ms is None else round(ms * 1e3, 1)
@@ -88,14 +97,21 @@ def main() -> int:
     library.load()
     peaks = device_peaks()
     rows = [bench(args, int(b), peaks["bytes_per_s"]) for b in args.batch.split(",")]
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(), "peaks": peaks, "rows": rows}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "peaks": peaks,
+        "rows": rows,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     for row in rows:
         peers = ", ".join(f"{b.lower().removesuffix('_attention')} {row[f'{b.lower()}_us']}" for b in BACKENDS)
-        print(f"batch {row['batch']:3d}: ours {row['ours_us']} us ({row['ours_bandwidth_fraction']:.0%} of the bound); "
-              f"{peers} us; best peer / ours {row['speedup_vs_best_peer']}")
+        print(
+            f"batch {row['batch']:3d}: ours {row['ours_us']} us ({row['ours_bandwidth_fraction']:.0%} of the bound); "
+            f"{peers} us; best peer / ours {row['speedup_vs_best_peer']}"
+        )
     return 0
 
 

@@ -49,9 +49,12 @@ from kvexport.trace.soak import eager_model_for
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path, nargs="?", help="a built artifact directory (kvexport build -o OUT)")
-    parser.add_argument("--length", type=int,
-                        help="cached history events per user (default: the most the config admits beside "
-                             "--new-events, model.max_history_length - new events: 4064 for hstu-kuairand-1k)")
+    parser.add_argument(
+        "--length",
+        type=int,
+        help="cached history events per user (default: the most the config admits beside "
+        "--new-events, model.max_history_length - new events: 4064 for hstu-kuairand-1k)",
+    )
     parser.add_argument("--new-events", type=int, default=32)
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
@@ -59,14 +62,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--full-repeats", type=int, default=5, help="repetitions of the full recompute")
     parser.add_argument("--checkpoint", type=Path, help="the checkpoint the artifact was built from, if any")
-    parser.add_argument("--routes", help="comma-separated: graphs, step, model (see above; default: every route "
-                                         "the artifact has, graphs on a GPU only)")
+    parser.add_argument(
+        "--routes",
+        help="comma-separated: graphs, step, model (see above; default: every route "
+        "the artifact has, graphs on a GPU only)",
+    )
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--trace-dir", type=Path,
-                        help="write a Chrome trace (host and device) of one cached call per batch size here")
+    parser.add_argument(
+        "--trace-dir", type=Path, help="write a Chrome trace (host and device) of one cached call per batch size here"
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of the medians per batch size (needs matplotlib)")
-    parser.add_argument("--replot", type=Path, metavar="JSON",
-                        help="only draw --plot from an earlier run's --json (no artifact needed)")
+    parser.add_argument(
+        "--replot", type=Path, metavar="JSON", help="only draw --plot from an earlier run's --json (no artifact needed)"
+    )
     args = parser.parse_args()
     if args.replot and not args.plot:
         parser.error("--replot needs --plot")
@@ -81,11 +89,16 @@ def parse_args() -> argparse.Namespace:
 
 
 # kvexport.load's arguments of each route.
-ROUTES = {"graphs": {"step_program": True, "cuda_graphs": True},
-          "step": {"step_program": True, "cuda_graphs": False},
-          "model": {"step_program": False}}
-ROUTE_LABELS = {"graphs": "step.pt2 as CUDA graphs", "step": "step.pt2 without graphs",
-                "model": "model.pt2 (plain hosts)"}
+ROUTES = {
+    "graphs": {"step_program": True, "cuda_graphs": True},
+    "step": {"step_program": True, "cuda_graphs": False},
+    "model": {"step_program": False},
+}
+ROUTE_LABELS = {
+    "graphs": "step.pt2 as CUDA graphs",
+    "step": "step.pt2 without graphs",
+    "model": "model.pt2 (plain hosts)",
+}
 
 
 def times(run, warmup: int, repeats: int) -> list[float]:
@@ -93,8 +106,10 @@ def times(run, warmup: int, repeats: int) -> list[float]:
 
 
 # The ops a request runs, as the profiler names them.
-OPS = tuple(f"{library.NAMESPACE}::{op}" for op in ("check_request", "upload", "begin_step", *library.STATEFUL_OPS,
-                                                   *library.STEP_OPS))
+OPS = tuple(
+    f"{library.NAMESPACE}::{op}"
+    for op in ("check_request", "upload", "begin_step", *library.STATEFUL_OPS, *library.STEP_OPS)
+)
 
 
 TOP_KERNELS = 12  # the costliest kernels by name, in the profile's top_kernels
@@ -117,8 +132,11 @@ def cuda_profile(package, batch, trace: Path | None) -> dict:
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
+    kernels = [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
     ours = [e for e in kernels if "kvexport" in e.name]
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     api: dict[str, dict] = {}
@@ -132,19 +150,29 @@ def cuda_profile(package, batch, trace: Path | None) -> dict:
         row = by_name.setdefault(e.name[:120], {"calls": 0, "us": 0.0})
         row["calls"] += 1
         row["us"] = round(row["us"] + e.device_time_total, 1)
-    return {"kernels_per_request": len(kernels),
-            "top_kernels": dict(sorted(by_name.items(), key=lambda item: -item[1]["us"])[:TOP_KERNELS]),
-            "attention_us_per_request": round(sum(e.device_time_total for e in ours), 1),
-            "all_kernels_us_per_request": round(sum(e.device_time_total for e in kernels), 1),
-            "host": {"profiled_call_us": round(call_us, 1),
-                     "op_us": {op: round(sum(e.cpu_time_total for e in host if e.name == op), 1) for op in OPS},
-                     "cuda_api": dict(sorted(api.items(), key=lambda item: -item[1]["us"]))}}
+    return {
+        "kernels_per_request": len(kernels),
+        "top_kernels": dict(sorted(by_name.items(), key=lambda item: -item[1]["us"])[:TOP_KERNELS]),
+        "attention_us_per_request": round(sum(e.device_time_total for e in ours), 1),
+        "all_kernels_us_per_request": round(sum(e.device_time_total for e in kernels), 1),
+        "host": {
+            "profiled_call_us": round(call_us, 1),
+            "op_us": {op: round(sum(e.cpu_time_total for e in host if e.name == op), 1) for op in OPS},
+            "cuda_api": dict(sorted(api.items(), key=lambda item: -item[1]["us"])),
+        },
+    }
 
 
 def bench_batch(package, model, eager_runtime: str | None, args, batch_size: int, route: str) -> dict:
     config, device = package.config, package.device
-    requests = SweepRequests(config, args.length, batch_size, first_user=batch_size * 100_000,
-                             new_events=args.new_events, candidates=args.candidates)
+    requests = SweepRequests(
+        config,
+        args.length,
+        batch_size,
+        first_user=batch_size * 100_000,
+        new_events=args.new_events,
+        candidates=args.candidates,
+    )
     variants = [check_batch(requests.variant(r), config) for r in range(args.warmup + args.repeats + 2)]
     package.score(variants[0])  # primes the cache: every later variant reuses the cached prefix
     cached = times(lambda i: package.run(variants[i + 1]), args.warmup, args.repeats)
@@ -154,15 +182,21 @@ def bench_batch(package, model, eager_runtime: str | None, args, batch_size: int
         package.run(variants[i + 1])
 
     full_ms = times(full, 1, args.full_repeats)
-    row = {"route": route, "batch_size": batch_size, "cached_events": args.length, "new_events": args.new_events,
-           "candidates": args.candidates, "cached_ms": summary(cached), "full_ms": summary(full_ms)}
+    row = {
+        "route": route,
+        "batch_size": batch_size,
+        "cached_events": args.length,
+        "new_events": args.new_events,
+        "candidates": args.candidates,
+        "cached_ms": summary(cached),
+        "full_ms": summary(full_ms),
+    }
     row["cache_speedup"] = round(row["full_ms"]["median"] / row["cached_ms"]["median"], 2)
     if eager_runtime is not None:
         with torch.no_grad():
             kv.reset_runtime(eager_runtime)
             model.forward_cached(variants[0], eager_runtime)
-            eager = times(lambda i: model.forward_cached(variants[i + 1], eager_runtime), args.warmup,
-                          args.repeats)
+            eager = times(lambda i: model.forward_cached(variants[i + 1], eager_runtime), args.warmup, args.repeats)
         row["eager_cached_ms"] = summary(eager)
         row["package_speedup_vs_eager"] = round(row["eager_cached_ms"]["median"] / row["cached_ms"]["median"], 2)
     if device.type == "cuda":
@@ -189,21 +223,31 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(batches, [r["full_ms"]["median"] for r in rows], "o-", label="package, full recompute (empty cache)")
     ax.plot(batches, [r["eager_cached_ms"]["median"] for r in rows], "^-", label="eager model, cached")
     for (route, route_rows), marker in zip(by_route.items(), "sDv"):
-        ax.plot(batches, [r["cached_ms"]["median"] for r in route_rows], f"{marker}-",
-                label=f"package, cached: {ROUTE_LABELS[route]}")
+        ax.plot(
+            batches,
+            [r["cached_ms"]["median"] for r in route_rows],
+            f"{marker}-",
+            label=f"package, cached: {ROUTE_LABELS[route]}",
+        )
     if "all_kernels_us_per_request" in rows[0]:
-        ax.plot(batches, [r["all_kernels_us_per_request"] / 1000 for r in rows], "s--",
-                label="package, cached: its kernels' device time")
-        ax.plot(batches, [r["attention_us_per_request"] / 1000 for r in rows], "x:",
-                label="of which attention kernels")
+        ax.plot(
+            batches,
+            [r["all_kernels_us_per_request"] / 1000 for r in rows],
+            "s--",
+            label="package, cached: its kernels' device time",
+        )
+        ax.plot(batches, [r["attention_us_per_request"] / 1000 for r in rows], "x:", label="of which attention kernels")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("users per request (batch)")
     ax.set_ylabel("ms per request (median)")
     first = rows[0]
-    ax.set_title(f"{result.get('gpu') or result['device']}: {first['cached_events']} cached + {first['new_events']} new "
-                 f"events, {first['candidates']} candidates", fontsize=10)
+    ax.set_title(
+        f"{result.get('gpu') or result['device']}: {first['cached_events']} cached + {first['new_events']} new "
+        f"events, {first['candidates']} candidates",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -227,11 +271,14 @@ def main() -> int:
         return 2
     device = package_device(artifact)
     if args.routes is None:
-        args.routes = (["graphs"] if device.type == "cuda" else []) + ["step", "model"] if artifact.step_package \
-            else ["model"]
+        args.routes = (
+            (["graphs"] if device.type == "cuda" else []) + ["step", "model"] if artifact.step_package else ["model"]
+        )
     if artifact.step_package is None and args.routes != ["model"]:
-        print(f"error: {args.artifact} has no step program (build it with --step-program); use --routes model",
-              file=sys.stderr)
+        print(
+            f"error: {args.artifact} has no step program (build it with --step-program); use --routes model",
+            file=sys.stderr,
+        )
         return 2
     rows, load_s = [], {}
     model = eager_model_for(artifact, args.checkpoint).to(device)
@@ -241,13 +288,20 @@ def main() -> int:
             started = time.perf_counter()
             with kvexport.load(artifact, **ROUTES[route]) as package:
                 load_s[route] = round(time.perf_counter() - started, 2)
-                rows += [bench_batch(package, model, eager.name if i == 0 else None, args, b, route)
-                         for b in args.batch]
+                rows += [
+                    bench_batch(package, model, eager.name if i == 0 else None, args, b, route) for b in args.batch
+                ]
     finally:
         eager.close()
-    result = {"artifact": str(args.artifact), "device": str(device), "torch": torch.__version__, "load_s": load_s,
-              "package_bytes": artifact.package.stat().st_size,
-              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows}
+    result = {
+        "artifact": str(args.artifact),
+        "device": str(device),
+        "torch": torch.__version__,
+        "load_s": load_s,
+        "package_bytes": artifact.package.stat().st_size,
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "rows": rows,
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:

@@ -50,9 +50,24 @@ class Server:
         self.log_path = work / "serve.log"
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvexport", "serve", str(artifact), "--address", "127.0.0.1",
-             "--http-port", str(self.http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "kvexport",
+                "serve",
+                str(artifact),
+                "--address",
+                "127.0.0.1",
+                "--http-port",
+                str(self.http),
+                "--grpc-port",
+                str(free_port()),
+                "--metrics-port",
+                str(free_port()),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.ready():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -69,14 +84,25 @@ class Server:
 
     def infer(self, model: str, user: UserRequest, num_tasks: int) -> tuple[int, np.ndarray | str]:
         """(HTTP status, logits [T, num_tasks] or the error message)."""
-        tensors = {"user_id": torch.tensor([[user.user_id]]), "item_ids": user.item_ids[None],
-                   "action_ids": user.action_ids[None], "context_ids": user.context_ids[None],
-                   "candidate_ids": user.candidate_ids[None]}
-        body = {"inputs": [{"name": name, "datatype": "INT64", "shape": list(t.shape), "data": t.flatten().tolist()}
-                           for name, t in tensors.items()],
-                "outputs": [{"name": "logits"}]}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.http}/v2/models/{model}/infer",
-                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        tensors = {
+            "user_id": torch.tensor([[user.user_id]]),
+            "item_ids": user.item_ids[None],
+            "action_ids": user.action_ids[None],
+            "context_ids": user.context_ids[None],
+            "candidate_ids": user.candidate_ids[None],
+        }
+        body = {
+            "inputs": [
+                {"name": name, "datatype": "INT64", "shape": list(t.shape), "data": t.flatten().tolist()}
+                for name, t in tensors.items()
+            ],
+            "outputs": [{"name": "logits"}],
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.http}/v2/models/{model}/infer",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 output = json.load(response)["outputs"][0]
@@ -103,8 +129,10 @@ def at_once(server: Server, model: str, users: list[UserRequest], num_tasks: int
 
 def percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
-    return {"p50_ms": round(statistics.median(ordered) * 1e3, 3),
-            "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 3)}
+    return {
+        "p50_ms": round(statistics.median(ordered) * 1e3, 3),
+        "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 3),
+    }
 
 
 def main() -> None:
@@ -116,7 +144,11 @@ def main() -> None:
     artifact = open_artifact(args.artifact)
     config, atol = artifact.config, artifact.tolerance["atol"]
     model, num_tasks = config.name, config.model.num_tasks
-    report: dict = {"artifact": str(args.artifact), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "atol": atol}
+    report: dict = {
+        "artifact": str(args.artifact),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "atol": atol,
+    }
     last: dict[int, tuple[UserRequest, np.ndarray]] = {}  # each user's last request and its expected logits
     with tempfile.TemporaryDirectory() as work:
         server = Server(args.artifact, Path(work))
@@ -148,12 +180,18 @@ def main() -> None:
             hostile_user, _ = others[0]
             items = hostile_user.item_ids.clone()
             items[-1] = config.model.item_vocab_size
-            hostile = UserRequest(hostile_user.user_id + 10**9, items, hostile_user.action_ids,
-                                  hostile_user.context_ids, hostile_user.candidate_ids)
+            hostile = UserRequest(
+                hostile_user.user_id + 10**9,
+                items,
+                hostile_user.action_ids,
+                hostile_user.context_ids,
+                hostile_user.candidate_ids,
+            )
             answers = at_once(server, model, [hostile] + [u for u, _ in others], num_tasks)
             status, message = answers[0]
-            others_ok = all(s == 200 and float(np.abs(got - want).max()) <= atol
-                            for (s, got), (_, want) in zip(answers[1:], others))
+            others_ok = all(
+                s == 200 and float(np.abs(got - want).max()) <= atol for (s, got), (_, want) in zip(answers[1:], others)
+            )
             report["hostile"] = {"status": status, "message": message, "others_answered_exactly": others_ok}
             print(f"hostile: HTTP {status} {message!r}; the {len(others)} users beside it exact: {others_ok}")
 
@@ -176,8 +214,10 @@ def main() -> None:
             in_process.append(time.perf_counter() - started)
     report["in_process"] = percentiles(in_process[10:])
     report["overhead_p50_ms"] = round(report["served"]["p50_ms"] - report["in_process"]["p50_ms"], 3)
-    print(f"one client: served p50 {report['served']['p50_ms']} ms, in-process p50 {report['in_process']['p50_ms']} "
-          f"ms, overhead {report['overhead_p50_ms']} ms; kvexport serve exited {report['serve_exit_code']}")
+    print(
+        f"one client: served p50 {report['served']['p50_ms']} ms, in-process p50 {report['in_process']['p50_ms']} "
+        f"ms, overhead {report['overhead_p50_ms']} ms; kvexport serve exited {report['serve_exit_code']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     ok = not report["trace"]["mismatches"] and status == 400 and others_ok and report["serve_exit_code"] == 0

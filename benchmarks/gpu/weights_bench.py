@@ -73,8 +73,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--package", type=Path, metavar="ARTIFACT",
-                        help="an artifact built from CONFIG without a checkpoint: its model.pt2 is the in_so variant")
+    parser.add_argument(
+        "--package",
+        type=Path,
+        metavar="ARTIFACT",
+        help="an artifact built from CONFIG without a checkpoint: its model.pt2 is the in_so variant",
+    )
     parser.add_argument("--json", type=Path)
     return parser.parse_args()
 
@@ -96,8 +100,12 @@ def built_variant(root: Path, config, device: str) -> dict:
         raise UserError(f"{root} was built with a checkpoint; this script compares the seeded weights")
     if torch.device(built.manifest["device"]).type != torch.device(device).type:
         raise UserError(f"{root} was built for {built.manifest['device']}, not {device}")
-    return {"package": built.package, "runtime": built.runtime_name,
-            "compile_s": built.manifest["timings_seconds"]["compile"], "compiled_by": "kvexport build"}
+    return {
+        "package": built.package,
+        "runtime": built.runtime_name,
+        "compile_s": built.manifest["timings_seconds"]["compile"],
+        "compiled_by": "kvexport build",
+    }
 
 
 def main() -> int:
@@ -114,8 +122,13 @@ def main() -> int:
     model = model.to(args.device)
     started = time.perf_counter()
     program = export_cached(CachedRanker(model, runtime), config)
-    result = {"config": config.name, "device": args.device, "torch": torch.__version__,
-              "export_s": round(time.perf_counter() - started, 1), "variants": {}}
+    result = {
+        "config": config.name,
+        "device": args.device,
+        "torch": torch.__version__,
+        "export_s": round(time.perf_counter() - started, 1),
+        "variants": {},
+    }
     del model
     logits = {}
     with tempfile.TemporaryDirectory(prefix="kvexport-weights-") as tmp:
@@ -135,8 +148,21 @@ def main() -> int:
                 row = {"compile_s": round(time.perf_counter() - started, 1), "compiled_by": "this script"}
             row.update(package_bytes=package.stat().st_size, largest_members=largest_members(package))
             logits_path = Path(tmp) / f"{name}.logits"
-            done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(args.config), str(package), args.device,
-                                   package_runtime, str(logits_path)], capture_output=True, text=True, check=False)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    LOAD_AND_RUN,
+                    str(args.config),
+                    str(package),
+                    args.device,
+                    package_runtime,
+                    str(logits_path),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if done.returncode != 0:
                 row["error"] = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
             else:

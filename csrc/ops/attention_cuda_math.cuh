@@ -10,28 +10,44 @@
 
 namespace kvexport::ops {
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // Exact SiLU (expf, IEEE division; no fast math): the reference comparison of float32 and the
 // fp32 self term.
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
 
 // SiLU of the score tiles, whose result is rounded to bf16/fp16 (relative error 2^-9 / 2^-12)
 // right after: __expf (ex2.approx, at most 2 + 1.2 |x| ulp: about 1e-6 relative at |x| = 7) and
 // an approximate division are far inside that rounding, and the exact versions would cost more
 // issue slots than the tensor-core work of the tile.
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float silu_fast(float x) {
+  return __fdividef(x, 1.0f + __expf(-x));
+}
 
 // The same for bf16 weights, in one multi-function-unit instruction instead of two:
 // SiLU(x) = h + h tanh(h) with h = x / 2, tanh.approx's error (about 2^-11 relative to 1) below the
@@ -77,6 +93,8 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t bits) {
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 }
 
-__device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_cast<const uint32_t*>(p); }
+__device__ __forceinline__ uint32_t load_pair(const void* p) {
+  return *static_cast<const uint32_t*>(p);
+}
 
 }  // namespace kvexport::ops

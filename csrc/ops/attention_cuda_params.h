@@ -14,8 +14,8 @@ struct AttentionParams {
   const int64_t* row_keys;
   const bool* row_candidate;
   const int64_t *row_order, *tiles;  // the runtime's plan (runtime::user_tiles)
-  void* out;       // [rows, heads, head_dim], q's dtype
-  float* partial;  // [chunks, rows, heads, head_dim]; only when chunks > 1
+  void* out;                         // [rows, heads, head_dim], q's dtype
+  float* partial;                    // [chunks, rows, heads, head_dim]; only when chunks > 1
   int64_t rows, max_pages;
   int heads, head_dim, page_size;
   int chunks, chunk_keys;  // chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys); the last one all the rest

@@ -46,7 +46,7 @@ inline __attribute__((always_inline)) V exp_approx(V x) {
   V clamped = x < -87.0f ? zero - 87.0f : x;
   clamped = clamped > 88.0f ? zero + 88.0f : clamped;
   const V t = clamped * 1.44269504088896341f;  // x * log2(e)
-  constexpr float kRound = 12582912.0f;         // 1.5 * 2^23: adding it rounds to an integer
+  constexpr float kRound = 12582912.0f;        // 1.5 * 2^23: adding it rounds to an integer
   const V n = (t + kRound) - kRound;
   const V f = (t - n) * 0.693147180559945309f;  // e^f with f in [-ln2/2, ln2/2]
   V p = zero + 1.0f / 5040.0f;
@@ -215,11 +215,10 @@ inline __attribute__((always_inline)) void attend_block_impl(const float* q, con
 using AttendBlock = void (*)(const float*, const float*, float*, const int64_t*, int64_t, Block, int64_t, float, float,
                              float*);
 
-#define KVEXPORT_ATTEND_BLOCK(name, head_dim, lanes)                                                             \
-  KVEXPORT_KERNEL_CLONES void name(const float* q, const float* q_t, float* acc, const int64_t* limits,          \
-                                   int64_t rows, Block block, int64_t dh, float alpha, float inv_scaling_seqlen,  \
-                                   float* scores) {                                                               \
-    attend_block_impl<head_dim, lanes>(q, q_t, acc, limits, rows, block, dh, alpha, inv_scaling_seqlen, scores);  \
+#define KVEXPORT_ATTEND_BLOCK(name, head_dim, lanes)                                                                  \
+  KVEXPORT_KERNEL_CLONES void name(const float* q, const float* q_t, float* acc, const int64_t* limits, int64_t rows, \
+                                   Block block, int64_t dh, float alpha, float inv_scaling_seqlen, float* scores) {   \
+    attend_block_impl<head_dim, lanes>(q, q_t, acc, limits, rows, block, dh, alpha, inv_scaling_seqlen, scores);      \
   }
 KVEXPORT_ATTEND_BLOCK(attend_block_32, 32, 8)
 KVEXPORT_ATTEND_BLOCK(attend_block_64, 64, 8)
@@ -246,10 +245,14 @@ bool wide_vectors() {
 AttendBlock attend_block_for(int64_t head_dim) {
   const bool wide = wide_vectors();
   switch (head_dim) {
-    case 32: return wide ? attend_block_32_wide : attend_block_32;
-    case 64: return wide ? attend_block_64_wide : attend_block_64;
-    case 128: return wide ? attend_block_128_wide : attend_block_128;
-    default: return attend_block_any;
+    case 32:
+      return wide ? attend_block_32_wide : attend_block_32;
+    case 64:
+      return wide ? attend_block_64_wide : attend_block_64;
+    case 128:
+      return wide ? attend_block_128_wide : attend_block_128;
+    default:
+      return attend_block_any;
   }
 }
 
@@ -259,10 +262,9 @@ AttendBlock attend_block_for(int64_t head_dim) {
 // into `converted` (2 * count rows of head_dim floats). Multiversioned like attend_block: the
 // conversions vectorise.
 template <typename scalar_t>
-KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* user_pages, int64_t first,
-                                         int64_t count, int64_t page_size, int64_t page_stride,
-                                         int64_t row_stride, int64_t head_dim, const float** keys,
-                                         const float** values, float* converted) {
+KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* user_pages, int64_t first, int64_t count,
+                                         int64_t page_size, int64_t page_stride, int64_t row_stride, int64_t head_dim,
+                                         const float** keys, const float** values, float* converted) {
   const int64_t value_offset = page_size * row_stride;
   for (int64_t j = 0; j < count;) {  // page by page: one division per page, not per key
     const int64_t position = first + j;
@@ -388,7 +390,9 @@ thread_local int request_budget = 0;
 constexpr int64_t kSerialRows = 1024;
 
 // The attention kernel's thread budget: the request's, not the serial one above.
-int kernel_threads() { return request_threads > 0 ? request_budget : at::get_num_threads(); }
+int kernel_threads() {
+  return request_threads > 0 ? request_budget : at::get_num_threads();
+}
 
 // This process's threads that are running or ready to run now (state R in
 // /proc/self/task/TID/stat): the calling thread, helpers still spinning after a region, and any
@@ -449,7 +453,9 @@ int free_cpus(int threads) {
 constexpr int64_t kInlineWork = 1 << 18;
 
 // Whether a call of `work` (row, key, head) triples runs on the calling thread alone.
-bool runs_alone(int64_t work) { return kernel_threads() <= 1 || work < kInlineWork || at::in_parallel_region(); }
+bool runs_alone(int64_t work) {
+  return kernel_threads() <= 1 || work < kInlineWork || at::in_parallel_region();
+}
 
 // Runs body(i) for i in [0, total) on the calling thread plus up to kernel_threads() - 1 OpenMP
 // threads, or on the calling thread alone when `alone` (runs_alone's answer for the call). Items
@@ -466,20 +472,32 @@ class Attention {
   Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
             const at::Tensor& page_table, const at::Tensor& row_user, const at::Tensor& row_keys,
             const at::Tensor& row_candidate, float alpha, float inv_scaling_seqlen, at::Tensor& out)
-      : num_heads_(q.size(1)), head_dim_(q.size(2)),
-        fp8_(cache.scalar_type() == at::kByte
-                 ? runtime::fp8::PageLayout::of_pages(cache.size(1), num_heads_, head_dim_)
-                 : runtime::fp8::PageLayout{}),
-        page_size_(fp8_.page_size > 0 ? fp8_.page_size : cache.size(2)), row_stride_(num_heads_ * head_dim_),
-        page_stride_(2 * page_size_ * row_stride_), max_pages_(page_table.size(1)),
-        block_keys_(std::max<int64_t>(16, kBlockFloats / head_dim_)), alpha_(alpha), inv_scaling_(inv_scaling_seqlen),
-        q_stride_(q.stride(0)), k_stride_(k.stride(0)), v_stride_(v.stride(0)), q_(q.data_ptr<scalar_t>()),
-        k_(k.data_ptr<scalar_t>()), v_(v.data_ptr<scalar_t>()),
+      : num_heads_(q.size(1)),
+        head_dim_(q.size(2)),
+        fp8_(cache.scalar_type() == at::kByte ? runtime::fp8::PageLayout::of_pages(cache.size(1), num_heads_, head_dim_)
+                                              : runtime::fp8::PageLayout{}),
+        page_size_(fp8_.page_size > 0 ? fp8_.page_size : cache.size(2)),
+        row_stride_(num_heads_ * head_dim_),
+        page_stride_(2 * page_size_ * row_stride_),
+        max_pages_(page_table.size(1)),
+        block_keys_(std::max<int64_t>(16, kBlockFloats / head_dim_)),
+        alpha_(alpha),
+        inv_scaling_(inv_scaling_seqlen),
+        q_stride_(q.stride(0)),
+        k_stride_(k.stride(0)),
+        v_stride_(v.stride(0)),
+        q_(q.data_ptr<scalar_t>()),
+        k_(k.data_ptr<scalar_t>()),
+        v_(v.data_ptr<scalar_t>()),
         cache_(fp8_.page_size > 0 ? nullptr : cache.data_ptr<scalar_t>()),
-        fp8_cache_(fp8_.page_size > 0 ? cache.data_ptr<uint8_t>() : nullptr), pages_(page_table.data_ptr<int64_t>()),
-        users_(row_user.data_ptr<int64_t>()), keys_(row_keys.data_ptr<int64_t>()),
-        candidate_(row_candidate.data_ptr<bool>()), out_(out.data_ptr<scalar_t>()),
-        attend_block_(attend_block_for(head_dim_)), alone_(runs_alone(total_work(q.size(0)))),
+        fp8_cache_(fp8_.page_size > 0 ? cache.data_ptr<uint8_t>() : nullptr),
+        pages_(page_table.data_ptr<int64_t>()),
+        users_(row_user.data_ptr<int64_t>()),
+        keys_(row_keys.data_ptr<int64_t>()),
+        candidate_(row_candidate.data_ptr<bool>()),
+        out_(out.data_ptr<scalar_t>()),
+        attend_block_(attend_block_for(head_dim_)),
+        alone_(runs_alone(total_work(q.size(0)))),
         tiles_(user_tiles(users_, q.size(0), alone_ ? kAloneTileRows : kTileRows)) {}
 
   void run() const {
@@ -519,7 +537,8 @@ class Attention {
     return n;
   }
 
-  // s.acc (head_dim x kAloneTileRows, transposed) += the tile's attention over the first n keys of head h, block by block.
+  // s.acc (head_dim x kAloneTileRows, transposed) += the tile's attention over the first n keys of head h, block by
+  // block.
   void accumulate(const Tile& tile, int64_t h, int64_t n, Scratch& s) const {
     const int64_t* user_pages = pages_ + users_[tile.first_row] * max_pages_;
     for (int64_t first = 0; first < n; first += block_keys_) {
@@ -528,8 +547,8 @@ class Attention {
         gather_fp8_block(fp8_cache_, fp8_, h, user_pages, first, count, s.keys.data(), s.values.data(),
                          s.converted.data());
       } else {
-        gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_,
-                     head_dim_, s.keys.data(), s.values.data(), s.converted.data());
+        gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_, head_dim_,
+                     s.keys.data(), s.values.data(), s.converted.data());
       }
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         s.limits[t] = std::clamp<int64_t>(keys_[tile.first_row + t] - first, 0, count);
@@ -655,4 +674,6 @@ constexpr auto kIsaDescription = kvexport::ops::isa::describe();
 }  // namespace
 
 // What this library was compiled for (compiled_isa.h); also found in the .so file by its marker.
-extern "C" __attribute__((visibility("default"))) const char* kvexport_ops_isa() { return kIsaDescription.data(); }
+extern "C" __attribute__((visibility("default"))) const char* kvexport_ops_isa() {
+  return kIsaDescription.data();
+}

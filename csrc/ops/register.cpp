@@ -117,8 +117,8 @@ c10::ArrayRef<int64_t> values_in_place(const char* what, const at::Tensor& host,
 }
 
 at::Tensor begin_batch(const std::string& name, const std::string& config, const at::Tensor& user_ids,
-                       const at::Tensor& token_ids, const at::Tensor& token_lengths,
-                       const at::Tensor& num_candidates, const at::Tensor& placement) {
+                       const at::Tensor& token_ids, const at::Tensor& token_lengths, const at::Tensor& num_candidates,
+                       const at::Tensor& placement) {
   return request_op(name, [&] {
     require_defined({&user_ids, &token_ids, &token_lengths, &num_candidates});
     auto rt = runtime::get_or_create_runtime(name, config, placement.device());
@@ -220,10 +220,14 @@ std::tuple<std::string, std::string> last_error(const std::string& name) {
   return {runtime::error_code_name(error.code), error.message};
 }
 
-std::vector<std::string> stat_names() { return runtime::stat_names(); }
+std::vector<std::string> stat_names() {
+  return runtime::stat_names();
+}
 
 // A no-op when nothing is held, including when no runtime of that name exists yet.
-void abort_batch(const std::string& name) { release_batch(name); }
+void abort_batch(const std::string& name) {
+  release_batch(name);
+}
 
 void create_runtime(const std::string& name, const std::string& config, at::Device device) {
   management_op([&] {
@@ -259,7 +263,9 @@ at::Tensor read_user_kv(const std::string& name, int64_t user_id) {
   return management_op([&] { return runtime::find_runtime(name)->read_user_kv(user_id); });
 }
 
-bool drop_runtime(const std::string& name) { return runtime::drop_runtime(name); }
+bool drop_runtime(const std::string& name) {
+  return runtime::drop_runtime(name);
+}
 
 bool attach_remote(const std::string& name, const std::string& url, const std::string& write_policy) {
   return management_op([&] {
@@ -280,7 +286,9 @@ bool attach_remote(const std::string& name, const std::string& url, const std::s
   });
 }
 
-std::string redact_url_op(const std::string& url) { return runtime::redact_url(url); }
+std::string redact_url_op(const std::string& url) {
+  return runtime::redact_url(url);
+}
 
 bool flush_remote(const std::string& name, int64_t timeout_ms) {
   return management_op([&] {
@@ -307,9 +315,10 @@ TORCH_LIBRARY(kvexport, m) {
   // nothing indexes with an unchecked id): user_ids, token_lengths, the prefix tokens laid out
   // (context ids, then each event's tokens, users one after another), num_candidates,
   // candidate_ids.
-  m.def("check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
-        "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "check_request(str runtime, str limits, Tensor user_ids, Tensor history_lengths, Tensor item_ids, "
+      "Tensor action_ids, Tensor context_ids, Tensor num_candidates, Tensor candidate_ids) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Contiguous copies of int64 host tensors on placement's device; on a GPU staged in one pinned
   // buffer and copied asynchronously (a failure is one of request `runtime`'s).
   m.def("upload(str runtime, Tensor[] host, Tensor placement) -> Tensor[]");
@@ -321,10 +330,12 @@ TORCH_LIBRARY(kvexport, m) {
   // effectful op whose second output has a data-dependent size.) begin_batch's request tensors
   // and end_batch's user_ids are on the host, so neither waits for the device; `placement` is any
   // tensor on the package's device (a weight): the runtime lives there.
-  m.def("begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
-        "Tensor num_candidates, Tensor placement) -> Tensor");
-  m.def("paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "
-        "float inv_scaling_seqlen) -> Tensor");
+  m.def(
+      "begin_batch(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
+      "Tensor num_candidates, Tensor placement) -> Tensor");
+  m.def(
+      "paged_attention(str runtime, int layer, Tensor q, Tensor k, Tensor v, float alpha, "
+      "float inv_scaling_seqlen) -> Tensor");
   m.def("end_batch(str runtime, Tensor user_ids, Tensor after) -> ()");
   // A step program's request (docs/design.md 3.9): the host calls check_request, then begin_step,
   // which plans like begin_batch and returns, on the host, the step program's inputs and plan in
@@ -332,12 +343,14 @@ TORCH_LIBRARY(kvexport, m) {
   // pages per user, tiles, real candidates, alignment of the parts (runtime::StepLayout)]; the
   // step program runs paged_attention_step per layer
   // with that plan as tensors (fixed addresses, so a CUDA graph can replay it); end_batch commits.
-  m.def("begin_step(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
-        "Tensor num_candidates, Tensor candidate_ids, Tensor placement, int max_prefix_length) -> "
-        "(Tensor, Tensor)");
-  m.def("paged_attention_step(str runtime, int layer, Tensor q, Tensor k, Tensor v, Tensor page_table, "
-        "Tensor row_user, Tensor row_keys, Tensor row_candidate, Tensor write_slots, Tensor value_slots, "
-        "Tensor row_order, Tensor tiles, int max_keys, float alpha, float inv_scaling_seqlen) -> Tensor");
+  m.def(
+      "begin_step(str runtime, str config, Tensor user_ids, Tensor token_ids, Tensor token_lengths, "
+      "Tensor num_candidates, Tensor candidate_ids, Tensor placement, int max_prefix_length) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "paged_attention_step(str runtime, int layer, Tensor q, Tensor k, Tensor v, Tensor page_table, "
+      "Tensor row_user, Tensor row_keys, Tensor row_candidate, Tensor write_slots, Tensor value_slots, "
+      "Tensor row_order, Tensor tiles, int max_keys, float alpha, float inv_scaling_seqlen) -> Tensor");
   // Management (eager only, never in an exported graph).
   m.def("create_runtime(str runtime, str config, Device device) -> ()");
   m.def("abort_batch(str runtime) -> ()");
@@ -362,8 +375,9 @@ TORCH_LIBRARY(kvexport, m) {
   // A remote tier's URL for a message or a log, its credentials as *** (the one statement of the rule).
   m.def("redact_url(str url) -> str");
   // Pure kernel behind paged_attention, with every input explicit.
-  m.def("hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
-        "Tensor row_keys, Tensor row_candidate, float alpha, float inv_scaling_seqlen) -> Tensor");
+  m.def(
+      "hstu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor page_table, Tensor row_user, "
+      "Tensor row_keys, Tensor row_candidate, float alpha, float inv_scaling_seqlen) -> Tensor");
   // Rows [N, H, dh] rounded as FP8 pages store them (runtime/fp8_pages.h): the full recompute of a
   // model with kv_cache.dtype float8_e4m3 attends over these, the cached path over its pages.
   m.def("fp8_round(Tensor x) -> Tensor");

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
-#include <nlohmann/json.hpp>
 #include <unordered_map>
 #include <vector>
 
@@ -78,7 +78,9 @@ int64_t time_code(const RequestLimits& l, int64_t query_time) {
 }
 
 // Whether ids below `limit` shifted left by `bits` (0..62) stay below 2^63.
-bool fits_shifted(int64_t limit, int64_t bits) { return limit >= 1 && ((limit - 1) >> (63 - bits)) == 0; }
+bool fits_shifted(int64_t limit, int64_t bits) {
+  return limit >= 1 && ((limit - 1) >> (63 - bits)) == 0;
+}
 
 RequestLimits parse_limits(const std::string& json) {
   const auto j = nlohmann::json::parse(json);
@@ -96,7 +98,8 @@ RequestLimits parse_limits(const std::string& json) {
     const auto unit = period.at(0).get<int64_t>(), units = period.at(1).get<int64_t>();
     if (unit <= 0 || unit >= (int64_t{1} << 24) || units <= 0 || units > (int64_t{1} << 16) / num_codes) {
       throw std::invalid_argument("kvexport: request limits: query time period [" + std::to_string(unit) + ", " +
-                                  std::to_string(units) + "]: seconds must lie in [1, 2^24) and the periods make "
+                                  std::to_string(units) +
+                                  "]: seconds must lie in [1, 2^24) and the periods make "
                                   "at most 65536 codes");
     }
     l.query_time_periods.emplace_back(unit, units);
@@ -131,8 +134,8 @@ RequestLimits parse_limits(const std::string& json) {
   if (bits < -1 || bits > 62 ||
       (bits >= 0 && (l.action_vocab_size > (int64_t{1} << bits) || !fits_shifted(l.item_vocab_size, bits)))) {
     throw std::invalid_argument("kvexport: request limits: " + std::to_string(l.action_vocab_size) + " actions and " +
-                                std::to_string(l.item_vocab_size) + " items do not fit a token of combined_action_bits " +
-                                std::to_string(bits));
+                                std::to_string(l.item_vocab_size) +
+                                " items do not fit a token of combined_action_bits " + std::to_string(bits));
   }
   return l;
 }
@@ -147,7 +150,9 @@ const RequestLimits& limits_for(const std::string& json) {
   return it->second;
 }
 
-[[noreturn]] void refuse(const std::string& message) { throw RequestError(ErrorCode::kInvalidRequest, message); }
+[[noreturn]] void refuse(const std::string& message) {
+  throw RequestError(ErrorCode::kInvalidRequest, message);
+}
 
 std::string shape_of(const at::Tensor& t) {
   std::string s = "[";
@@ -158,16 +163,26 @@ std::string shape_of(const at::Tensor& t) {
 // Torch's Python names (int32, not Int), as users write them.
 std::string dtype_name(at::ScalarType type) {
   switch (type) {
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    case at::kShort: return "int16";
-    case at::kByte: return "uint8";
-    case at::kBool: return "bool";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    default: return c10::toString(type);
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kShort:
+      return "int16";
+    case at::kByte:
+      return "uint8";
+    case at::kBool:
+      return "bool";
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    default:
+      return c10::toString(type);
   }
 }
 
@@ -223,8 +238,7 @@ void check_distinct(const at::Tensor& user_ids) {
 // branch-free, so each user's copy stays one vectorisable pass over its events; a request of many
 // events lays its users out on several threads (runtime::kParallelTokens).
 std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const at::Tensor& items,
-                                        const at::Tensor& actions, const at::Tensor& context,
-                                        const RequestLimits& l) {
+                                        const at::Tensor& actions, const at::Tensor& context, const RequestLimits& l) {
   const int64_t num_users = context.size(0), num_context = l.num_contextual_features, width = context.size(1);
   const int64_t per_event = l.tokens_per_event;
   auto tokens = at::empty({num_users * num_context + per_event * items.size(0)}, at::kLong);
@@ -243,8 +257,8 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
     // the length, the limits or the ids, so the loops keep them in registers.
     const int64_t events = length[b];
     const uint64_t items_below = item_limit, actions_below = action_limit;
-    int64_t* __restrict user_out = std::copy(ctx + b * width, ctx + b * width + num_context,
-                                             out + b * num_context + per_event * first_event[b]);
+    int64_t* __restrict user_out =
+        std::copy(ctx + b * width, ctx + b * width + num_context, out + b * num_context + per_event * first_event[b]);
     const int64_t* __restrict user_item = item + first_event[b];
     const int64_t* __restrict user_action = action + first_event[b];
     bool user_bad = false;
@@ -267,8 +281,7 @@ std::optional<at::Tensor> layout_tokens(const at::Tensor& history_lengths, const
     }
     bad[b] = user_bad;
   };
-  const bool parallel =
-      per_event * first_event[num_users] >= runtime::kParallelTokens && !at::in_parallel_region();
+  const bool parallel = per_event * first_event[num_users] >= runtime::kParallelTokens && !at::in_parallel_region();
   runtime::for_each_item(num_users, parallel ? at::get_num_threads() : 1, lay_out);
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) return std::nullopt;
   return tokens;

@@ -18,9 +18,13 @@ namespace {
 using json = nlohmann::json;
 
 // A JSON value as Python's str() shows it in a message (strings without quotes).
-std::string text(const json& value) { return value.is_string() ? value.get<std::string>() : value.dump(); }
+std::string text(const json& value) {
+  return value.is_string() ? value.get<std::string>() : value.dump();
+}
 
-std::string trace_field(const char* role) { return contract().at("trace").at(role).get<std::string>(); }
+std::string trace_field(const char* role) {
+  return contract().at("trace").at(role).get<std::string>();
+}
 
 std::vector<char> read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -79,8 +83,9 @@ void check_manifest_shape(const json& m, const fs::path& path) {
   }
   const auto& expected_version = contract().at("format_version");
   if (m.at("format_version") != expected_version) {
-    throw contract_failure("format_version", {{"path", where}, {"found", text(m.at("format_version"))},
-                                     {"expected", text(expected_version)}});
+    throw contract_failure(
+        "format_version",
+        {{"path", where}, {"found", text(m.at("format_version"))}, {"expected", text(expected_version)}});
   }
   auto malformed = [&](const char* field) {
     return contract_failure("manifest_field_malformed", {{"path", where}, {"field", field}});
@@ -106,9 +111,8 @@ std::vector<std::string> present_files(const fs::path& root) {
     if (!entry.is_regular_file()) continue;
     const auto rel = entry.path().lexically_relative(root).generic_string();
     const auto& skipped = contract().at("unhashed_dirs");
-    const bool unhashed = std::any_of(skipped.begin(), skipped.end(), [&](const json& dir) {
-      return rel.rfind(dir.get<std::string>() + "/", 0) == 0;
-    });
+    const bool unhashed = std::any_of(skipped.begin(), skipped.end(),
+                                      [&](const json& dir) { return rel.rfind(dir.get<std::string>() + "/", 0) == 0; });
     if (rel != manifest && !unhashed) names.push_back(rel);
   }
   std::sort(names.begin(), names.end());

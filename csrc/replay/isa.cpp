@@ -66,8 +66,8 @@ std::string missing_cpu_feature(const nlohmann::json& required) {
     const auto& spec = required[part];
     for (const auto& feature : spec.value("cpu_features", nlohmann::json::array())) {
       if (!feature.is_string() || host_has(feature.get<std::string>())) continue;
-      return "this host lacks " + feature.get<std::string>() + " required by " + label + " (compiled with -march=" +
-             spec.value("march", std::string("?")) + ")";
+      return "this host lacks " + feature.get<std::string>() + " required by " + label +
+             " (compiled with -march=" + spec.value("march", std::string("?")) + ")";
     }
   }
   return "";

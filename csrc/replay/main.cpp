@@ -27,8 +27,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/cuda.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <cctype>
@@ -99,20 +99,34 @@ Options parse_options(int argc, char** argv) {
   };
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--artifact") o.artifact = value(i);
-    else if (flag == "--library") o.libraries.emplace_back(value(i));
-    else if (flag == "--atol") o.atol = number(flag, value(i));
-    else if (flag == "--rtol") o.rtol = number(flag, value(i));
-    else if (flag == "--json") o.json = fs::path(value(i));
-    else if (flag == "--repeat") o.repeat = positive(flag, value(i));
-    else if (flag == "--threads") o.threads = positive(flag, value(i));
-    else if (flag == "--hostile") o.hostile = fs::path(value(i));
-    else if (flag == "--remote") o.remote = value(i);
-    else if (flag == "--remote-write") o.remote_write = value(i);
-    else if (flag == "--remote-password-file") o.remote_password_file = fs::path(value(i));
-    else if (flag == "--route") o.route = value(i);
-    else if (flag == "--help" || flag == "-h") throw ReplayError(kPass, kUsage);
-    else throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
+    if (flag == "--artifact")
+      o.artifact = value(i);
+    else if (flag == "--library")
+      o.libraries.emplace_back(value(i));
+    else if (flag == "--atol")
+      o.atol = number(flag, value(i));
+    else if (flag == "--rtol")
+      o.rtol = number(flag, value(i));
+    else if (flag == "--json")
+      o.json = fs::path(value(i));
+    else if (flag == "--repeat")
+      o.repeat = positive(flag, value(i));
+    else if (flag == "--threads")
+      o.threads = positive(flag, value(i));
+    else if (flag == "--hostile")
+      o.hostile = fs::path(value(i));
+    else if (flag == "--remote")
+      o.remote = value(i);
+    else if (flag == "--remote-write")
+      o.remote_write = value(i);
+    else if (flag == "--remote-password-file")
+      o.remote_password_file = fs::path(value(i));
+    else if (flag == "--route")
+      o.route = value(i);
+    else if (flag == "--help" || flag == "-h")
+      throw ReplayError(kPass, kUsage);
+    else
+      throw ReplayError(kUnusable, "unknown flag " + flag + "\n" + kUsage);
   }
   if (o.artifact.empty()) throw ReplayError(kUnusable, std::string("--artifact is required\n") + kUsage);
   if (o.remote_password_file && !o.remote) throw ReplayError(kUnusable, "--remote-password-file needs --remote URL");
@@ -127,9 +141,8 @@ void load_libraries(const Manifest& manifest, const Options& options) {
   std::vector<fs::path> paths = {manifest.root / "lib" / "libkvexport_ops.so"};
   paths.insert(paths.end(), options.libraries.begin(), options.libraries.end());
   for (const auto& name : manifest.required_libraries) {
-    const bool given = std::any_of(paths.begin(), paths.end(), [&](const fs::path& p) {
-      return p.stem() == name || p.stem() == "lib" + name;
-    });
+    const bool given = std::any_of(paths.begin(), paths.end(),
+                                   [&](const fs::path& p) { return p.stem() == name || p.stem() == "lib" + name; });
     if (!given) {
       throw ReplayError(kUnusable, "the package needs op library " + name + "; pass it with --library PATH");
     }
@@ -142,14 +155,13 @@ void load_libraries(const Manifest& manifest, const Options& options) {
   }
 }
 
-
 // Counter names come from the op library, which owns them.
 std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
   const auto result = call_op("kvexport::stat_names", {});
   const auto names = result.at(0).toListRef();
   const auto values = call_op("kvexport::runtime_stats", {runtime})[0].toTensor();
-  TORCH_CHECK(values.numel() == static_cast<int64_t>(names.size()), "kvexport bug: runtime_stats has ",
-              values.numel(), " values for ", names.size(), " names");
+  TORCH_CHECK(values.numel() == static_cast<int64_t>(names.size()), "kvexport bug: runtime_stats has ", values.numel(),
+              " values for ", names.size(), " names");
   std::map<std::string, int64_t> stats;
   for (size_t i = 0; i < names.size(); ++i) stats[names[i].toStringRef()] = values[i].item<int64_t>();
   return stats;
@@ -159,11 +171,11 @@ std::map<std::string, int64_t> runtime_stats(const std::string& runtime) {
 bool is_utf8(const std::string& text) {
   for (size_t i = 0; i < text.size();) {
     const auto byte = static_cast<unsigned char>(text[i]);
-    const size_t length = byte < 0x80            ? 1
-                          : (byte >> 5) == 0x6   ? 2
-                          : (byte >> 4) == 0xE   ? 3
-                          : (byte >> 3) == 0x1E  ? 4
-                                                 : 0;
+    const size_t length = byte < 0x80           ? 1
+                          : (byte >> 5) == 0x6  ? 2
+                          : (byte >> 4) == 0xE  ? 3
+                          : (byte >> 3) == 0x1E ? 4
+                                                : 0;
     if (length == 0 || i + length > text.size()) return false;
     uint32_t code = length == 1 ? byte : byte & (0x7F >> length);
     for (size_t k = 1; k < length; ++k) {
@@ -198,11 +210,14 @@ std::string read_password_file(const fs::path& path) {
                            {{"path", path.string()}, {"reason", std::strerror(errno ? errno : EIO)}});
   }
   if (static_cast<std::streamsize>(password.size()) > max_bytes) {
-    throw contract_failure("password_file_too_large", {{"path", path.string()}, {"max_bytes", std::to_string(max_bytes)}});
+    throw contract_failure("password_file_too_large",
+                           {{"path", path.string()}, {"max_bytes", std::to_string(max_bytes)}});
   }
   if (password.starts_with("\xEF\xBB\xBF")) throw contract_failure("password_file_bom", named);
-  if (password.ends_with("\r\n")) password.resize(password.size() - 2);
-  else if (password.ends_with('\n')) password.pop_back();
+  if (password.ends_with("\r\n"))
+    password.resize(password.size() - 2);
+  else if (password.ends_with('\n'))
+    password.pop_back();
   if (password.empty()) throw contract_failure("password_file_empty", named);
   if (password.find_first_of("\r\n") != std::string::npos) throw contract_failure("password_file_lines", named);
   if (!is_utf8(password)) throw contract_failure("password_file_not_utf8", named);
@@ -483,8 +498,7 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Mani
   check_shared_objects(package);
   try {
     return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-        package.string(), "model", /*run_single_threaded=*/false,
-        static_cast<size_t>(num_runners));
+        package.string(), "model", /*run_single_threaded=*/false, static_cast<size_t>(num_runners));
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     const std::string marker = "Could not find schema for ";
@@ -492,8 +506,9 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_package(const Mani
     if (schema != std::string::npos) {
       const auto begin = schema + marker.size();
       const auto op = what.substr(begin, what.find_first_of(".\n", begin) - begin);
-      throw ReplayError(kUnusable, "model.pt2 calls " + op + " but no loaded library defines it; pass its "
-                                   "library with --library PATH");
+      throw ReplayError(kUnusable, "model.pt2 calls " + op +
+                                       " but no loaded library defines it; pass its "
+                                       "library with --library PATH");
     }
     throw ReplayError(kUnusable, "cannot load model.pt2: " + what.substr(0, what.find('\n')));
   }
@@ -561,22 +576,31 @@ void replay_concurrently(const Replay& replay, int num_threads, std::vector<Step
 
 nlohmann::json make_report(const Manifest& manifest, const Options& options, int files_checked, double atol,
                            double rtol, const std::vector<StepResult>& results) {
-  nlohmann::json report = {{"artifact", manifest.root.string()}, {"runner", "cpp"}, {"files_checked", files_checked},
-                           {"atol", atol}, {"rtol", rtol}, {"repeat", options.repeat},
-                           {"threads", options.threads}, {"steps", nlohmann::json::array()}};
+  nlohmann::json report = {{"artifact", manifest.root.string()},
+                           {"runner", "cpp"},
+                           {"files_checked", files_checked},
+                           {"atol", atol},
+                           {"rtol", rtol},
+                           {"repeat", options.repeat},
+                           {"threads", options.threads},
+                           {"steps", nlohmann::json::array()}};
   bool all_passed = true;
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     const bool passed = r.vs_cached.passed && r.vs_full.passed && r.vs_reference.passed;
     all_passed = all_passed && passed;
-    report["steps"].push_back({{"index", i}, {"description", manifest.steps[i].description},
-                               {"batch_size", r.batch_size}, {"vs_cached", to_json(r.vs_cached)},
-                               {"vs_full", to_json(r.vs_full)}, {"vs_reference", to_json(r.vs_reference)},
+    report["steps"].push_back({{"index", i},
+                               {"description", manifest.steps[i].description},
+                               {"batch_size", r.batch_size},
+                               {"vs_cached", to_json(r.vs_cached)},
+                               {"vs_full", to_json(r.vs_full)},
+                               {"vs_reference", to_json(r.vs_reference)},
                                {"hit_tokens", r.hit_tokens},
                                {"recomputed_tokens", r.recomputed_tokens},
                                {"latency_ms", percentile(r.latencies_ms, 0.5)},
                                {"latency_p50_ms", percentile(r.latencies_ms, 0.5)},
-                               {"latency_p99_ms", percentile(r.latencies_ms, 0.99)}, {"passed", passed}});
+                               {"latency_p99_ms", percentile(r.latencies_ms, 0.99)},
+                               {"passed", passed}});
   }
   report["passed"] = all_passed;
   return report;
@@ -607,7 +631,8 @@ int run(const Options& options) {
   PrivateTempDir temp_dir;
   const auto loader = load_package(manifest, options.threads);
   auto metadata = loader->get_metadata();
-  for (const char* key : {"kvexport.runtime_name", "kvexport.signature", "kvexport.runtime_config", "kvexport.device"}) {
+  for (const char* key :
+       {"kvexport.runtime_name", "kvexport.signature", "kvexport.runtime_config", "kvexport.device"}) {
     if (!metadata.count(key)) throw ReplayError(kUnusable, std::string("model.pt2 lacks the metadata ") + key);
   }
   check_manifest_against_package(manifest, metadata);

@@ -1,7 +1,7 @@
 #include "replay/shared_objects.h"
 
-#include <caffe2/serialize/inline_container.h>
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -9,8 +9,8 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "replay/artifact.h"
@@ -20,11 +20,11 @@ namespace kvexport::replay {
 namespace {
 
 constexpr size_t kElfHeader = 64;
-constexpr uint32_t kLoadableSegment = 1;  // PT_LOAD
-constexpr uint32_t kDynamicSegment = 2;   // PT_DYNAMIC
-constexpr int64_t kNeeded = 1, kStringTable = 5;  // DT_NEEDED, DT_STRTAB
+constexpr uint32_t kLoadableSegment = 1;                    // PT_LOAD
+constexpr uint32_t kDynamicSegment = 2;                     // PT_DYNAMIC
+constexpr int64_t kNeeded = 1, kStringTable = 5;            // DT_NEEDED, DT_STRTAB
 constexpr uint32_t kSymbolTable = 2, kDynamicSymbols = 11;  // SHT_SYMTAB, SHT_DYNSYM
-constexpr size_t kSymbolSize = 24;  // sizeof(Elf64_Sym)
+constexpr size_t kSymbolSize = 24;                          // sizeof(Elf64_Sym)
 constexpr size_t kLongestName = 4096;
 
 // A little-endian field of `bytes` (the harness runs on little-endian hosts only).
@@ -79,7 +79,10 @@ class MemberReader {
     if (size_ < sizeof(magic)) return false;
     file_.seekg(static_cast<std::streamoff>(offset_));
     file_.read(magic, sizeof(magic));
-    return file_.gcount() == sizeof(magic) && std::memcmp(magic, "\x7f" "ELF", sizeof(magic)) == 0;
+    return file_.gcount() == sizeof(magic) && std::memcmp(magic,
+                                                          "\x7f"
+                                                          "ELF",
+                                                          sizeof(magic)) == 0;
   }
 
   std::ifstream file_;
@@ -89,7 +92,9 @@ class MemberReader {
 };
 
 // Whether [start, start + length) ends past `size`, without the sum wrapping around.
-bool ends_past(uint64_t start, uint64_t length, uint64_t size) { return start > size || length > size - start; }
+bool ends_past(uint64_t start, uint64_t length, uint64_t size) {
+  return start > size || length > size - start;
+}
 
 // start + length in decimal, however large (Python's message prints the exact sum).
 std::string decimal_sum(uint64_t start, uint64_t length) {
@@ -106,8 +111,12 @@ std::string decimal_sum(uint64_t start, uint64_t length) {
 void check_elf(MemberReader& member, const std::string& name) {
   const uint64_t size = member.size();
   const auto header = member.read(0, kElfHeader);
-  if (header.size() < kElfHeader || std::memcmp(header.data(), "\x7f" "ELF", 4) != 0 || header[4] != 2 ||
-      header[5] != 1) {
+  if (header.size() < kElfHeader ||
+      std::memcmp(header.data(),
+                  "\x7f"
+                  "ELF",
+                  4) != 0 ||
+      header[4] != 2 || header[5] != 1) {
     throw contract_failure("elf_not_shared_object", {{"name", name}});
   }
   const auto program_headers = field<uint64_t>(header, 0x20), section_table = field<uint64_t>(header, 0x28);
@@ -125,8 +134,8 @@ void check_elf(MemberReader& member, const std::string& name) {
     const size_t at = i * entry_size;
     const auto offset = field<uint64_t>(table, at + 8), file_size = field<uint64_t>(table, at + 32);
     if (field<uint32_t>(table, at) == kLoadableSegment && ends_past(offset, file_size, size)) {
-      throw contract_failure("elf_segment_past_end", {{"name", name}, {"end", decimal_sum(offset, file_size)},
-                                                      {"size", std::to_string(size)}});
+      throw contract_failure("elf_segment_past_end",
+                             {{"name", name}, {"end", decimal_sum(offset, file_size)}, {"size", std::to_string(size)}});
     }
   }
 }
@@ -162,8 +171,10 @@ std::vector<std::string> needed_libraries(MemberReader& member) {
     const size_t at = i * entry_size;
     const auto offset = field<uint64_t>(table, at + 8), address = field<uint64_t>(table, at + 16);
     const auto file_size = field<uint64_t>(table, at + 32);
-    if (field<uint32_t>(table, at) != kLoadableSegment || *strings < address || *strings - address >= file_size) continue;
-    for (const auto value : needed) names.push_back(string_at(member.read(offset + (*strings - address) + value, kLongestName), 0));
+    if (field<uint32_t>(table, at) != kLoadableSegment || *strings < address || *strings - address >= file_size)
+      continue;
+    for (const auto value : needed)
+      names.push_back(string_at(member.read(offset + (*strings - address) + value, kLongestName), 0));
     break;
   }
   return names;

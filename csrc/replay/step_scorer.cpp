@@ -48,8 +48,10 @@ struct StepScorer::Graphs {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
   };
   Graphs(c10::DeviceIndex index, int64_t max_rows, size_t max_graphs)
-      : stream(c10::cuda::getStreamFromPool(false, index)), pool(at::cuda::graph_pool_handle()),
-        max_rows(max_rows), max_graphs(max_graphs) {}
+      : stream(c10::cuda::getStreamFromPool(false, index)),
+        pool(at::cuda::graph_pool_handle()),
+        max_rows(max_rows),
+        max_graphs(max_graphs) {}
   c10::cuda::CUDAStream stream;
   at::cuda::MempoolId_t pool;
   int64_t max_rows;
@@ -98,11 +100,11 @@ at::Tensor StepScorer::score(const std::vector<at::Tensor>& request) {
              &token_ids = checked.at(2).toTensor(), &num_candidates = checked.at(3).toTensor(),
              &candidate_ids = checked.at(4).toTensor();
   const auto planned = call_op("kvexport::begin_step", {runtime_, runtime_config_, user_ids, token_ids, token_lengths,
-                                                     num_candidates, candidate_ids, placement_, max_prefix_length_});
+                                                        num_candidates, candidate_ids, placement_, max_prefix_length_});
   const auto layout = planned.at(1).toTensor();
   try {
-    auto logits = run_step(planned.at(0).toTensor(),
-                           {layout.data_ptr<int64_t>(), layout.data_ptr<int64_t>() + layout.numel()});
+    auto logits =
+        run_step(planned.at(0).toTensor(), {layout.data_ptr<int64_t>(), layout.data_ptr<int64_t>() + layout.numel()});
     call_op("kvexport::end_batch", {runtime_, user_ids, logits});
     return logits;
   } catch (...) {
@@ -114,8 +116,9 @@ at::Tensor StepScorer::score(const std::vector<at::Tensor>& request) {
 at::Tensor StepScorer::run_step(const at::Tensor& staged, const std::vector<int64_t>& values) {
   const auto layout = runtime::StepLayout::from_vector(values);
   if (!graphs_) {
-    return loader_->run(split(staged.to(device_, /*non_blocking=*/true), layout)).at(0).narrow(0, 0,
-                                                                                            layout.real_candidates);
+    return loader_->run(split(staged.to(device_, /*non_blocking=*/true), layout))
+        .at(0)
+        .narrow(0, 0, layout.real_candidates);
   }
 #ifdef KVEXPORT_WITH_CUDA
   auto& g = *graphs_;

@@ -76,22 +76,21 @@ RowCounts count_rows(BatchPlan& plan, const std::vector<int64_t>& token_lengths,
 // Where write_rows puts each part, row parts indexed by row. candidate_positions, new_token_ids
 // and new_token_index may be null (one plan has no use for them); every other part is written.
 struct RowParts {
-  int64_t prefix_first = 0;  // row index of the first new prefix row
-  int64_t* page_table = nullptr;  // [B, max_pages]
+  int64_t prefix_first = 0;                // row index of the first new prefix row
+  int64_t* page_table = nullptr;           // [B, max_pages]
   int64_t* candidate_positions = nullptr;  // [candidates]: the user's prefix length
   int64_t* new_token_ids = nullptr;        // [prefix]: the token of each new prefix row
   int64_t* new_token_index = nullptr;      // [prefix]: its index in the request's token_ids
   int64_t* new_positions = nullptr;        // [prefix]: its position in its user's prefix
   int64_t *row_user = nullptr, *row_keys = nullptr, *row_candidate = nullptr;
   int64_t *write_slots = nullptr, *value_slots = nullptr;  // [prefix]
-  int64_t *row_order = nullptr, *tiles = nullptr;  // the real rows grouped by user; [tiles, 3]
+  int64_t *row_order = nullptr, *tiles = nullptr;          // the real rows grouped by user; [tiles, 3]
 };
 
 // One pass over each user's rows. Returns the most rows of any tile.
 int64_t write_rows(const BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                    const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
-                   c10::ArrayRef<int64_t> token_ids, int64_t page_size, const RowCounts& counts,
-                   const RowParts& out) {
+                   c10::ArrayRef<int64_t> token_ids, int64_t page_size, const RowCounts& counts, const RowParts& out) {
   int64_t candidate = 0, row = 0, order = 0, tile = 0, widest = 0;
   for (int64_t b = 0, first_token = 0; b < static_cast<int64_t>(plan.user_ids.size());
        first_token += token_lengths[b++]) {
@@ -141,9 +140,8 @@ int64_t bucket_size(int64_t size, int64_t floor) {
 
 StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                          const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
-                         c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids,
-                         int64_t page_size, int64_t max_pages_per_user, int64_t trash_slot,
-                         at::Device device) {
+                         c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids, int64_t page_size,
+                         int64_t max_pages_per_user, int64_t trash_slot, at::Device device) {
   const auto counts = count_rows(plan, token_lengths, num_candidates, page_size, max_pages_per_user);
   StepLayout layout;
   layout.real_candidates = counts.candidates;
@@ -185,8 +183,8 @@ StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<in
 }
 
 at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
-                        const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
-                        int64_t page_size, at::Device device) {
+                              const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                              int64_t page_size, at::Device device) {
   const auto num_users = static_cast<int64_t>(plan.user_ids.size());
   const auto counts = count_rows(plan, token_lengths, num_candidates, page_size, 1);
   const int64_t rows = counts.candidates + counts.prefix, prefix = counts.prefix;
@@ -194,8 +192,8 @@ at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vect
   auto new_tokens = at::empty({2, prefix}, at::kLong);
   // One host-to-device copy per request, from a staging buffer: every per-request device tensor is
   // a view of one buffer.
-  const std::vector<int64_t> sizes = {num_users * counts.max_pages, rows, rows, prefix, prefix, rows,
-                                      3 * counts.tiles, rows};
+  const std::vector<int64_t> sizes = {
+      num_users * counts.max_pages, rows, rows, prefix, prefix, rows, 3 * counts.tiles, rows};
   std::vector<int64_t> offsets(sizes.size() + 1, 0);
   std::partial_sum(sizes.begin(), sizes.end(), offsets.begin() + 1);
   auto host = staging_buffer(offsets.back(), device);

@@ -24,7 +24,7 @@ struct PlannedBatch {
 // users], users in batch order.
 struct BatchPlan {
   std::vector<int64_t> user_ids;
-  std::vector<int64_t> cached_lengths;  // reused prefix per user
+  std::vector<int64_t> cached_lengths;                // reused prefix per user
   std::vector<std::vector<int64_t>> uncached_tokens;  // each user's tokens after its cached prefix
   // A user's first rows that read its whole prefix (RuntimeConfig::context_rows_see_prefix).
   int64_t context_rows_see_prefix = 0;
@@ -41,8 +41,8 @@ struct BatchPlan {
   at::Tensor value_slots;    // [num_new_prefix_rows] int64, write_slots + page_size: where the v rows go
   // For kernels that work on tiles of one user's rows (CUDA): rows grouped by user, and tiles
   // [T, 3] int64 of (user, first index into row_order, row count <= kAttentionTileRows).
-  at::Tensor row_order;  // [N] int64
-  at::Tensor tiles;      // [T, 3] int64
+  at::Tensor row_order;       // [N] int64
+  at::Tensor tiles;           // [T, 3] int64
   int64_t max_row_keys = 0;   // the most cached keys any row reads
   int64_t max_tile_rows = 0;  // the most rows of any tile
 };
@@ -76,7 +76,7 @@ struct StepLayout {
   int64_t pages_per_user = 0;  // its columns
   int64_t tiles = 0;           // TT: attention tiles, the real ones first, then empty ones
   // (enough for any batch of the bucket)
-  int64_t real_candidates = 0; // T: the leading candidate rows that are the batch's
+  int64_t real_candidates = 0;  // T: the leading candidate rows that are the batch's
   int64_t rows() const { return candidate_rows + prefix_rows; }
   // int64 parts of StepPlan::staged, each at its offset: candidate ids and positions [Tp] each,
   // new token ids and positions [Np] each, page_table [Bp, pages_per_user], row_user, row_keys,
@@ -130,21 +130,20 @@ struct StepPlan {
 
 // The step program's inputs and plan for the batch begin_batch planned (plan's user_ids and
 // cached_lengths; user_pages as in build_plan_tensors), padded to buckets (bucket_size: at least
-// 16 rows of each kind, the page table max_pages_per_user wide). Padding rows read no keys, belong to no tile and write their k/v to `trash_slot` (a
-// slot of a page no user owns). candidate_ids [T] are the batch's candidates; token_ids its
-// prefix tokens. Sets plan's row counts (real rows).
+// 16 rows of each kind, the page table max_pages_per_user wide). Padding rows read no keys, belong to no tile and write
+// their k/v to `trash_slot` (a slot of a page no user owns). candidate_ids [T] are the batch's candidates; token_ids
+// its prefix tokens. Sets plan's row counts (real rows).
 StepPlan build_step_plan(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
                          const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
-                         c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids,
-                         int64_t page_size, int64_t max_pages_per_user, int64_t trash_slot,
-                         at::Device device);
+                         c10::ArrayRef<int64_t> token_ids, c10::ArrayRef<int64_t> candidate_ids, int64_t page_size,
+                         int64_t max_pages_per_user, int64_t trash_slot, at::Device device);
 
 // Fills plan's tensors from its user_ids and cached_lengths; user_pages[b] are user b's pages,
 // enough for token_lengths[b] tokens. The tensors land on `device` in one copy. Returns, on the
 // host, [2, num_new_prefix_rows] int64: each new prefix row's index in the request's token_ids,
 // then its position in its user's prefix (the model selects the new tokens with them).
 at::Tensor build_plan_tensors(BatchPlan& plan, const std::vector<const std::vector<int64_t>*>& user_pages,
-                        const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
-                        int64_t page_size, at::Device device);
+                              const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates,
+                              int64_t page_size, at::Device device);
 
 }  // namespace kvexport::runtime

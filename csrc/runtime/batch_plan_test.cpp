@@ -35,8 +35,8 @@ struct TwoUsers {
 
 TEST(BatchPlan, LaysOutCandidatesThenNewPrefixRowsUserByUser) {
   TwoUsers batch;
-  const auto new_tokens = build_plan_tensors(batch.plan, batch.user_pages, batch.token_lengths,
-                                             batch.num_candidates, TwoUsers::kPageSize, at::kCPU);
+  const auto new_tokens = build_plan_tensors(batch.plan, batch.user_pages, batch.token_lengths, batch.num_candidates,
+                                             TwoUsers::kPageSize, at::kCPU);
   const auto& plan = batch.plan;
   EXPECT_EQ(plan.num_candidate_rows, 3);
   EXPECT_EQ(plan.num_new_prefix_rows, 6);
@@ -60,8 +60,8 @@ TEST(BatchPlan, LaysOutCandidatesThenNewPrefixRowsUserByUser) {
 TEST(BatchPlan, ContextualRowsThatSeeThePrefixReadAllOfIt) {
   TwoUsers batch;
   batch.plan.context_rows_see_prefix = 3;
-  build_plan_tensors(batch.plan, batch.user_pages, batch.token_lengths, batch.num_candidates,
-                     TwoUsers::kPageSize, at::kCPU);
+  build_plan_tensors(batch.plan, batch.user_pages, batch.token_lengths, batch.num_candidates, TwoUsers::kPageSize,
+                     at::kCPU);
   EXPECT_EQ(values_of(batch.plan.row_keys), (Values{5, 5, 3, 5, 4, 5, 3, 3, 3}));
 }
 
@@ -69,8 +69,8 @@ TEST(BatchPlan, AStepPlanPadsEveryPartToItsBucket) {
   TwoUsers batch;
   const Values token_ids{100, 101, 102, 103, 104, 200, 201, 202}, candidate_ids{7, 8, 9};
   const int64_t trash_slot = 7 * 2 * TwoUsers::kPageSize;  // page 7 belongs to no user
-  const auto step = build_step_plan(batch.plan, batch.user_pages, batch.token_lengths, batch.num_candidates,
-                                    token_ids, candidate_ids, TwoUsers::kPageSize, 4, trash_slot, at::kCPU);
+  const auto step = build_step_plan(batch.plan, batch.user_pages, batch.token_lengths, batch.num_candidates, token_ids,
+                                    candidate_ids, TwoUsers::kPageSize, 4, trash_slot, at::kCPU);
   const auto& layout = step.layout;
   EXPECT_EQ(layout.to_vector(), (Values{16, 16, 2, 4, 3, 3, StepLayout::kStepAlign}));
   EXPECT_EQ(layout.offsets(), (Values{0, 16, 32, 48, 64, 72, 104, 136, 168, 184, 200, 232}));

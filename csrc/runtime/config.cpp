@@ -30,7 +30,9 @@ c10::ScalarType RuntimeConfig::scalar_type() const {
   throw std::invalid_argument("runtime config: unsupported dtype " + dtype);
 }
 
-c10::ScalarType RuntimeConfig::cache_scalar_type() const { return fp8_pages() ? c10::kByte : scalar_type(); }
+c10::ScalarType RuntimeConfig::cache_scalar_type() const {
+  return fp8_pages() ? c10::kByte : scalar_type();
+}
 
 std::vector<int64_t> RuntimeConfig::page_shape() const {
   if (fp8_pages()) return {fp8::PageLayout{page_size, num_heads, head_dim}.page_bytes()};

@@ -20,11 +20,11 @@ struct RemoteCounters {
   int64_t errors = 0;             // reads and writes the server failed (or skipped while reconnecting)
   int64_t bytes_in = 0;
   int64_t bytes_out = 0;
-  int64_t reads = 0;              // reads that reached the server
-  int64_t read_us = 0;            // their total latency
+  int64_t reads = 0;    // reads that reached the server
+  int64_t read_us = 0;  // their total latency
   int64_t read_us_max = 0;
-  int64_t connected = 0;          // gauge: 1 while the tier's reads have a live connection
-  int64_t reconnects = 0;         // connections the reads re-established after losing the server
+  int64_t connected = 0;   // gauge: 1 while the tier's reads have a live connection
+  int64_t reconnects = 0;  // connections the reads re-established after losing the server
 
   int64_t rejected() const { return rejected_format + rejected_checksum + rejected_runtime + rejected_prefix; }
   // Adds another set (one tier's counts into the runtime's); the maximum stays a maximum.

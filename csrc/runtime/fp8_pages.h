@@ -53,7 +53,8 @@ struct PageLayout {
 inline const std::array<float, 256>& e4m3_values() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    for (int b = 0; b < 256; ++b)
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
     return t;
   }();
   return table;
@@ -116,8 +117,8 @@ inline void store_rows(at::Tensor& layer_cache, const PageLayout& layout, const 
 
 // x [n, heads, head_dim] rounded as the cache stores it: quantised and dequantised, in x's dtype.
 inline at::Tensor round_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 3 && x.is_cpu(), "fp8 round_rows: x must be [n, heads, head_dim] on the CPU, got ",
-              x.sizes(), " on ", x.device());
+  TORCH_CHECK(x.dim() == 3 && x.is_cpu(), "fp8 round_rows: x must be [n, heads, head_dim] on the CPU, got ", x.sizes(),
+              " on ", x.device());
   const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
   const auto values = x.to(at::kFloat).contiguous();
   auto out = at::empty_like(values);
@@ -136,8 +137,8 @@ inline at::Tensor dequantize_pages(const at::Tensor& pages, const PageLayout& la
   auto out = at::empty({num_pages * layout.rows_per_page(), row}, at::kFloat);
   const auto* base = bytes.const_data_ptr<uint8_t>();
   for (int64_t slot = 0; slot < num_pages * layout.rows_per_page(); ++slot) {
-    dequantize_row(base + layout.row_offset(slot), base + layout.scales_offset(slot), layout.num_heads,
-                   layout.head_dim, out.data_ptr<float>() + slot * row);
+    dequantize_row(base + layout.row_offset(slot), base + layout.scales_offset(slot), layout.num_heads, layout.head_dim,
+                   out.data_ptr<float>() + slot * row);
   }
   std::vector<int64_t> shape(pages.sizes().begin(), pages.sizes().end() - 1);
   for (int64_t size : {int64_t{2}, layout.page_size, layout.num_heads, layout.head_dim}) shape.push_back(size);

@@ -58,8 +58,8 @@ void store_rows(at::Tensor& slots, const at::Tensor& index, const at::Tensor& ro
   const auto* from = static_cast<const char*>(rows.const_data_ptr());
   for (int64_t i = 0; i < index.size(0); ++i) {
     if (at[i] < 0 || at[i] >= count) {
-      throw RequestError(ErrorCode::kInternal, "cache slot " + std::to_string(at[i]) + " outside 0.." +
-                                                   std::to_string(count - 1));
+      throw RequestError(ErrorCode::kInternal,
+                         "cache slot " + std::to_string(at[i]) + " outside 0.." + std::to_string(count - 1));
     }
     std::memcpy(to + at[i] * row_bytes, from + i * from_stride, row_bytes);
   }
@@ -82,8 +82,10 @@ KVRuntime::KVRuntime(std::string name, RuntimeConfig config, at::Device device)
     : name_(std::move(name)), config_(std::move(config)), pages_(config_.device_pages) {
   const auto& c = config_;
   if (c.fp8_pages() && !device.is_cpu()) {
-    throw std::invalid_argument("FP8 pages need the Hopper kernel's FP8 path, not built yet: kv_cache.dtype "
-                                "float8_e4m3 runs on the CPU only, got device " + device.str());
+    throw std::invalid_argument(
+        "FP8 pages need the Hopper kernel's FP8 path, not built yet: kv_cache.dtype "
+        "float8_e4m3 runs on the CPU only, got device " +
+        device.str());
   }
   // One page more than the pool hands out: step programs' padding rows write there.
   std::vector<int64_t> shape{c.num_layers, c.device_pages + 1};
@@ -129,8 +131,8 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<
   const auto num_users = user_ids.size();
   if (token_lengths.size() != num_users || num_candidates.size() != num_users) {
     throw invalid_request("begin_batch: user_ids (" + std::to_string(num_users) + "), token_lengths (" +
-                                std::to_string(token_lengths.size()) + ") and num_candidates (" +
-                                std::to_string(num_candidates.size()) + ") differ in length");
+                          std::to_string(token_lengths.size()) + ") and num_candidates (" +
+                          std::to_string(num_candidates.size()) + ") differ in length");
   }
   std::vector<int64_t> sorted = user_ids;
   std::sort(sorted.begin(), sorted.end());
@@ -149,7 +151,7 @@ void KVRuntime::check_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<
   }
   if (total != static_cast<int64_t>(token_ids.size())) {
     throw invalid_request("begin_batch: token_lengths sum to " + std::to_string(total) + " but there are " +
-                                std::to_string(token_ids.size()) + " tokens");
+                          std::to_string(token_ids.size()) + " tokens");
   }
   if (pages > config_.device_pages) {
     std::ostringstream msg;
@@ -166,8 +168,8 @@ PlannedBatch KVRuntime::begin_batch(const std::vector<int64_t>& user_ids, c10::A
   auto remote = read_remote(user_ids);
   std::unique_lock<std::mutex> lock(mutex_);
   const auto user_pages = plan_batch(lock, user_ids, token_ids, token_lengths, remote);
-  auto new_tokens = build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size,
-                                       cache_.device());
+  auto new_tokens =
+      build_plan_tensors(plan_, user_pages, token_lengths, num_candidates, config_.page_size, cache_.device());
   // By value, under the lock: once it is released, a stalled batch's plan may be replaced.
   return {std::move(new_tokens), plan_.num_candidate_rows + plan_.num_new_prefix_rows};
 }
@@ -187,8 +189,8 @@ StepPlan KVRuntime::begin_step(const std::vector<int64_t>& user_ids, c10::ArrayR
   const auto user_pages = plan_batch(lock, user_ids, token_ids, token_lengths, remote);
   // The page after the pool's last one belongs to no user: padding rows write there.
   const int64_t trash_slot = config_.device_pages * 2 * config_.page_size;
-  return build_step_plan(plan_, user_pages, token_lengths, num_candidates, token_ids, candidate_ids,
-                         config_.page_size, config_.pages_for(max_prefix_length), trash_slot, cache_.device());
+  return build_step_plan(plan_, user_pages, token_lengths, num_candidates, token_ids, candidate_ids, config_.page_size,
+                         config_.pages_for(max_prefix_length), trash_slot, cache_.device());
 }
 
 std::vector<const std::vector<int64_t>*> KVRuntime::plan_batch(std::unique_lock<std::mutex>& lock,
@@ -426,8 +428,8 @@ const BatchPlan& KVRuntime::owned_batch() const {
 
 void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Tensor& k, const at::Tensor& v) {
   if (layer < 0 || layer >= config_.num_layers) {
-    throw RequestError(ErrorCode::kInternal, "layer " + std::to_string(layer) + " outside 0.." +
-                                                 std::to_string(config_.num_layers - 1));
+    throw RequestError(ErrorCode::kInternal,
+                       "layer " + std::to_string(layer) + " outside 0.." + std::to_string(config_.num_layers - 1));
   }
   const int64_t rows = plan.num_candidate_rows + plan.num_new_prefix_rows;
   if (k.dim() != 3 || v.dim() != 3 || k.size(0) != rows || v.size(0) != rows) {
@@ -441,8 +443,8 @@ void KVRuntime::store_new_kv(const BatchPlan& plan, int64_t layer, const at::Ten
 void KVRuntime::store_step_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots,
                               const at::Tensor& value_slots) {
   if (layer < 0 || layer >= config_.num_layers) {
-    throw RequestError(ErrorCode::kInternal, "layer " + std::to_string(layer) + " outside 0.." +
-                                                 std::to_string(config_.num_layers - 1));
+    throw RequestError(ErrorCode::kInternal,
+                       "layer " + std::to_string(layer) + " outside 0.." + std::to_string(config_.num_layers - 1));
   }
   const int64_t prefix_rows = write_slots.size(0);
   if (k.dim() != 3 || v.dim() != 3 || k.size(0) != v.size(0) || k.size(0) < prefix_rows ||
@@ -584,8 +586,7 @@ at::Tensor KVRuntime::read_user_kv(int64_t user_id) {
   const int64_t num_pages = config_.pages_for(num_tokens);
   auto pages = cached_pages(*entry);
   if (config_.fp8_pages()) pages = fp8::dequantize_pages(pages, fp8_layout()).to(config_.scalar_type());
-  return pages
-      .permute({0, 2, 1, 3, 4, 5})
+  return pages.permute({0, 2, 1, 3, 4, 5})
       .reshape({config_.num_layers, 2, num_pages * config_.page_size, config_.num_heads, config_.head_dim})
       .narrow(2, 0, num_tokens)
       .clone();

@@ -48,8 +48,7 @@ class KVRuntime {
   // during the call only), token_lengths [B] their lengths. Throws RequestError (state unchanged)
   // when the batch is malformed or cannot fit even after evicting every other user.
   PlannedBatch begin_batch(const std::vector<int64_t>& user_ids, c10::ArrayRef<int64_t> token_ids,
-                               const std::vector<int64_t>& token_lengths,
-                               const std::vector<int64_t>& num_candidates);
+                           const std::vector<int64_t>& token_lengths, const std::vector<int64_t>& num_candidates);
   // begin_batch for a step program (docs/design.md 3.9): the same planning, and the step's inputs
   // and plan on the host in one buffer, padded to buckets (build_step_plan).
   // candidate_ids [T] are the batch's candidates; max_prefix_length sizes the padded page table.
@@ -89,7 +88,7 @@ class KVRuntime {
 
   std::vector<int64_t> stats();
   void reset();
-  bool evict_user(int64_t user_id);  // device tier -> offload tier; false if not on the device
+  bool evict_user(int64_t user_id);        // device tier -> offload tier; false if not on the device
   int64_t cached_length(int64_t user_id);  // tokens cached on the device or host tier
   // Appends a tier to the end of the tier chain (the host tier, built from the config, is first).
   // Throws std::invalid_argument when the chain has a tier of that type already.
@@ -132,7 +131,7 @@ class KVRuntime {
   // request tokens) and counts the lookup.
   int64_t reuse_prefix(int64_t user_id, int64_t common, int64_t length, std::optional<OffloadedUser>& offloaded);
   std::vector<int64_t> allocate_pages(int64_t count, const std::unordered_set<int64_t>& in_batch);
-  void evict(int64_t user_id);  // device tier -> tier chain
+  void evict(int64_t user_id);                            // device tier -> tier chain
   at::Tensor cached_pages(const UserEntry& entry) const;  // the pages holding the entry's tokens
   // The entry's tokens and cached pages, copied to host memory; on CUDA asynchronously, with
   // `ready` set to the event that marks the copy done.

@@ -23,9 +23,9 @@ void PagePool::release(const std::vector<int64_t>& pages) {
     const bool outside = page < 0 || page >= num_pages_;
     if (outside || is_free_[page]) {
       for (size_t j = 0; j < i; ++j) is_free_[pages[j]] = false;  // nothing released
-      throw std::logic_error("kvexport bug: releasing page " + std::to_string(page) + ", which is " +
-                             (outside ? "outside the pool of " + std::to_string(num_pages_) + " pages"
-                                      : std::string("free already")));
+      throw std::logic_error(
+          "kvexport bug: releasing page " + std::to_string(page) + ", which is " +
+          (outside ? "outside the pool of " + std::to_string(num_pages_) + " pages" : std::string("free already")));
     }
     is_free_[page] = true;
   }

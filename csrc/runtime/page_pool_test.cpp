@@ -59,7 +59,9 @@ TEST(PagePool, RefusesToReleaseAFreePage) {
 TEST(PagePool, RefusesAPageReleasedTwiceInOneCallAndReleasesNoneOfIt) {
   PagePool pool(4);
   pool.allocate(4);
-  EXPECT_EQ(logic_error_of([&] { pool.release(Pages{2, 0, 2}); }),
+  EXPECT_EQ(logic_error_of([&] {
+              pool.release(Pages{2, 0, 2});
+            }),
             "kvexport bug: releasing page 2, which is free already");
   EXPECT_EQ(pool.num_free(), 0);
   EXPECT_FALSE(pool.is_free(2));

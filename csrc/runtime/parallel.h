@@ -24,7 +24,7 @@ void for_each_item(int64_t total, int64_t threads, const F& body) {
   std::atomic<int64_t> next{total};
   std::exception_ptr error;  // an exception must not leave the parallel region
   std::mutex error_mutex;
-#pragma omp parallel num_threads(static_cast<int>(threads))
+#pragma omp parallel num_threads(static_cast <int>(threads))
   {
     try {
       for (int64_t i; (i = next.fetch_sub(1, std::memory_order_relaxed) - 1) >= 0;) body(i);

@@ -51,9 +51,15 @@ std::string percent_decode(const std::string& text, const std::string& url) {
 // or unneeded password, a user without the right, a db the server lacks or cannot select, a server
 // that takes no connections from this host) rather than a passing state.
 bool is_refusal(const std::string& error) {
-  static const char* const kPrefixes[] = {"NOAUTH",       "WRONGPASS",           "NOPERM",
-                                          "ERR AUTH",     "ERR invalid password", "ERR Client sent AUTH",
-                                          "ERR DB index", "ERR invalid DB index", "ERR SELECT is not allowed",
+  static const char* const kPrefixes[] = {"NOAUTH",
+                                          "WRONGPASS",
+                                          "NOPERM",
+                                          "ERR AUTH",
+                                          "ERR invalid password",
+                                          "ERR Client sent AUTH",
+                                          "ERR DB index",
+                                          "ERR invalid DB index",
+                                          "ERR SELECT is not allowed",
                                           "DENIED"};
   return std::any_of(std::begin(kPrefixes), std::end(kPrefixes),
                      [&](const char* prefix) { return error.rfind(prefix, 0) == 0; });
@@ -125,8 +131,7 @@ RedisConnection::~RedisConnection() {
 bool RedisConnection::connect(std::chrono::microseconds connect_timeout) {
   if (context_) return true;
   refusal_.clear();
-  redisContext* context =
-      redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, to_timeval(connect_timeout));
+  redisContext* context = redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, to_timeval(connect_timeout));
   if (context == nullptr || context->err || redisSetTimeout(context, to_timeval(timeout_)) != REDIS_OK) {
     if (context) redisFree(context);
     drop();
@@ -144,11 +149,10 @@ bool RedisConnection::connect(std::chrono::microseconds connect_timeout) {
   };
   const auto& e = endpoint_;
   if (!e.password.empty() &&
-      !setup(static_cast<redisReply*>(
-          e.username.empty()
-              ? redisCommand(context_, "AUTH %b", e.password.data(), e.password.size())
-              : redisCommand(context_, "AUTH %b %b", e.username.data(), e.username.size(), e.password.data(),
-                             e.password.size())))) {
+      !setup(static_cast<redisReply*>(e.username.empty()
+                                          ? redisCommand(context_, "AUTH %b", e.password.data(), e.password.size())
+                                          : redisCommand(context_, "AUTH %b %b", e.username.data(), e.username.size(),
+                                                         e.password.data(), e.password.size())))) {
     return false;
   }
   if (e.db != 0 &&
@@ -175,7 +179,7 @@ void RedisConnection::drop() {
 }
 
 RedisConnection::Status RedisConnection::get_many(const std::vector<std::string>& keys,
-                                                 std::vector<std::optional<std::string>>& values) {
+                                                  std::vector<std::optional<std::string>>& values) {
   if (const auto status = ensure_connected(); status != Status::kOk) return status;
   std::vector<const char*> argv = {"MGET"};
   std::vector<size_t> argv_lengths = {4};

@@ -89,8 +89,8 @@ uint64_t entry_checksum(const char* data, size_t size) {
   return hash;
 }
 
-std::string encode_entry(const std::string& runtime, const RuntimeConfig& config,
-                         const std::vector<int64_t>& token_ids, const at::Tensor& pages) {
+std::string encode_entry(const std::string& runtime, const RuntimeConfig& config, const std::vector<int64_t>& token_ids,
+                         const at::Tensor& pages) {
   const auto contiguous = pages.contiguous();
   Writer out;
   out.raw(kMagic, sizeof(kMagic));

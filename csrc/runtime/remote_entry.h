@@ -36,8 +36,8 @@ struct DecodedEntry {
 };
 
 // pages: a contiguous CPU tensor holding the k/v of token_ids.
-std::string encode_entry(const std::string& runtime, const RuntimeConfig& config,
-                         const std::vector<int64_t>& token_ids, const at::Tensor& pages);
+std::string encode_entry(const std::string& runtime, const RuntimeConfig& config, const std::vector<int64_t>& token_ids,
+                         const at::Tensor& pages);
 // Never throws on bad bytes: a bad entry is a fault.
 DecodedEntry decode_entry(const std::string& bytes, const std::string& runtime, const RuntimeConfig& config);
 

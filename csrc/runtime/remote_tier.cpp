@@ -40,8 +40,8 @@ RemoteTier::RemoteTier(std::string runtime, RuntimeConfig config, RemoteSettings
   // A server that answers but refuses the setup (a wrong or missing password) is a setting to fix,
   // not an outage to ride out.
   if (!reachable_ && !reader_.refusal().empty()) {
-    throw std::invalid_argument("remote tier " + settings_.endpoint.display() + " refused the connection: " +
-                                reader_.refusal());
+    throw std::invalid_argument("remote tier " + settings_.endpoint.display() +
+                                " refused the connection: " + reader_.refusal());
   }
   reader_connects_ = reader_.num_connects();
   reader_connected_ = reachable_;
@@ -114,7 +114,9 @@ bool RemoteTier::flush(std::chrono::milliseconds timeout) {
   return drained_.wait_for(lock, timeout, [&] { return queue_.empty() && !writing_; });
 }
 
-std::optional<OffloadedUser> RemoteTier::take(int64_t user_id) { return std::move(take_many({user_id}).front()); }
+std::optional<OffloadedUser> RemoteTier::take(int64_t user_id) {
+  return std::move(take_many({user_id}).front());
+}
 
 std::vector<std::optional<OffloadedUser>> RemoteTier::take_many(const std::vector<int64_t>& user_ids) {
   std::vector<std::string> keys;

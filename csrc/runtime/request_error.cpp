@@ -27,7 +27,9 @@ const char* error_code_name(ErrorCode code) {
   return "internal";
 }
 
-void clear_last_error(const std::string& runtime) { thread_errors()[runtime] = LastError{}; }
+void clear_last_error(const std::string& runtime) {
+  thread_errors()[runtime] = LastError{};
+}
 
 void record_last_error(const std::string& runtime, ErrorCode code, const std::string& message) {
   thread_errors()[runtime] = LastError{code, message};

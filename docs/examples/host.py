@@ -6,6 +6,7 @@ Scores the first request of OUT's trace, then a request with an id past the item
 (the package must refuse it), asks the runtime why, and scores the first request again.
 See docs/hosting.md.
 """
+
 import json
 import sys
 from pathlib import Path

@@ -46,9 +46,16 @@ def busy_processes(count: int, own_sessions: bool = True) -> Iterator[list[subpr
     own_sessions: each in a session of its own, as an unrelated program would run; else in this
     process's session.
     """
-    processes = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=own_sessions,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for _ in range(count)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUSY_LOOP],
+            start_new_session=own_sessions,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
     try:
         time.sleep(SETTLE_SECONDS)
         yield processes
@@ -75,8 +82,10 @@ def contention(runner: Package, length: int, warmup: int, repeats: int, busy: in
     """Slowdowns with busy processes in their own sessions ("other_sessions", the headline) and in
     this one ("same_session"); `busy` defaults to one per available CPU."""
     busy = available_cpus() if busy is None else busy
-    return {"other_sessions": slowdowns(runner, length, warmup, repeats, busy, own_sessions=True),
-            "same_session": slowdowns(runner, length, warmup, repeats, busy, own_sessions=False)}
+    return {
+        "other_sessions": slowdowns(runner, length, warmup, repeats, busy, own_sessions=True),
+        "same_session": slowdowns(runner, length, warmup, repeats, busy, own_sessions=False),
+    }
 
 
 def slowdowns(runner: Package, length: int, warmup: int, repeats: int, busy: int, own_sessions: bool) -> dict:
@@ -93,8 +102,13 @@ def slowdowns(runner: Package, length: int, warmup: int, repeats: int, busy: int
         if i >= warmup:
             samples.append((idle, contended))
     row = {
-        "cached_events": length, "new_events": NEW_EVENTS, "candidates": CANDIDATES, "batch_size": 1,
-        "busy_processes": busy, "busy_in_own_sessions": own_sessions, "cpus": available_cpus(),
+        "cached_events": length,
+        "new_events": NEW_EVENTS,
+        "candidates": CANDIDATES,
+        "batch_size": 1,
+        "busy_processes": busy,
+        "busy_in_own_sessions": own_sessions,
+        "cpus": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "full_idle_ms": summary([s[0][0] for s in samples]),
         "full_contended_ms": summary([s[1][0] for s in samples]),
@@ -103,9 +117,18 @@ def slowdowns(runner: Package, length: int, warmup: int, repeats: int, busy: int
         "full_slowdown": summary([s[1][0] / s[0][0] for s in samples]),
         "cached_slowdown": summary([s[1][1] / s[0][1] for s in samples]),
     }
-    log.info("contention L=%d, %d busy processes (%s) on %d CPUs: full recompute x%.2f (%.0f -> %.0f ms), "
-             "cached x%.2f (%.1f -> %.1f ms)", length, busy, "own sessions" if own_sessions else "this session",
-             row["cpus"], row["full_slowdown"]["median"],
-             row["full_idle_ms"]["median"], row["full_contended_ms"]["median"], row["cached_slowdown"]["median"],
-             row["cached_idle_ms"]["median"], row["cached_contended_ms"]["median"])
+    log.info(
+        "contention L=%d, %d busy processes (%s) on %d CPUs: full recompute x%.2f (%.0f -> %.0f ms), "
+        "cached x%.2f (%.1f -> %.1f ms)",
+        length,
+        busy,
+        "own sessions" if own_sessions else "this session",
+        row["cpus"],
+        row["full_slowdown"]["median"],
+        row["full_idle_ms"]["median"],
+        row["full_contended_ms"]["median"],
+        row["cached_slowdown"]["median"],
+        row["cached_idle_ms"]["median"],
+        row["cached_contended_ms"]["median"],
+    )
     return row

@@ -46,8 +46,15 @@ class KernelShape:
     @classmethod
     def of(cls, config: Config, cached_events: int) -> KernelShape:
         m = config.model
-        return cls(m.num_heads, m.head_dim, config.kv_cache.page_size, m.num_contextual_features, cached_events,
-                   m.scaling_seqlen, m.tokens_per_event)
+        return cls(
+            m.num_heads,
+            m.head_dim,
+            config.kv_cache.page_size,
+            m.num_contextual_features,
+            cached_events,
+            m.scaling_seqlen,
+            m.tokens_per_event,
+        )
 
 
 def attention_inputs(shape: KernelShape, seed: int = 0) -> tuple:
@@ -73,7 +80,7 @@ def time_kernel_here(library: Path, shape: KernelShape, calls: int) -> float:
 
     ops_library.load(library)
     inputs = attention_inputs(shape)
-    alpha, inv_scaling = 1.0 / shape.head_dim ** 0.5, 1.0 / shape.scaling_seqlen
+    alpha, inv_scaling = 1.0 / shape.head_dim**0.5, 1.0 / shape.scaling_seqlen
     ms = []
     for i in range(2 * calls):
         started = time.perf_counter()
@@ -86,8 +93,17 @@ def time_kernel_here(library: Path, shape: KernelShape, calls: int) -> float:
 def time_kernel(library: Path, shape: KernelShape, workdir: Path) -> float:
     """time_kernel_here in a fresh subprocess (its own op library); returns its median ms."""
     out = workdir / "kernel.json"
-    command = [sys.executable, "-m", "kvexport.bench.kernel", "--library", str(library), "--shape",
-               json.dumps(dataclasses.asdict(shape)), "--json", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "kvexport.bench.kernel",
+        "--library",
+        str(library),
+        "--shape",
+        json.dumps(dataclasses.asdict(shape)),
+        "--json",
+        str(out),
+    ]
     result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -109,20 +125,35 @@ def kernel_builds(libraries: dict[str, Path], shape: KernelShape, warmup: int, r
     builds = {}
     for name, library in libraries.items():
         isa = library_isa(library)
-        builds[name] = {"march": isa["march"], "multiversion": isa["multiversion"], "ms": summary(samples[name]),
-                        "over_native": summary([a / b for a, b in zip(samples[name], samples["native"])])}
-        log.info("attention kernel, %s build (-march=%s%s): %.2f ms, x%.2f of native", name, isa["march"],
-                 f", clones {'/'.join(isa['multiversion'])}" if isa["multiversion"] else "",
-                 builds[name]["ms"]["median"], builds[name]["over_native"]["median"])
-    return {"cached_events": shape.cached_events, "new_events": NEW_EVENTS, "candidates": CANDIDATES,
-            "calls_per_sample": CALLS_PER_SAMPLE, "torch_threads": torch.get_num_threads(), "builds": builds}
+        builds[name] = {
+            "march": isa["march"],
+            "multiversion": isa["multiversion"],
+            "ms": summary(samples[name]),
+            "over_native": summary([a / b for a, b in zip(samples[name], samples["native"])]),
+        }
+        log.info(
+            "attention kernel, %s build (-march=%s%s): %.2f ms, x%.2f of native",
+            name,
+            isa["march"],
+            f", clones {'/'.join(isa['multiversion'])}" if isa["multiversion"] else "",
+            builds[name]["ms"]["median"],
+            builds[name]["over_native"]["median"],
+        )
+    return {
+        "cached_events": shape.cached_events,
+        "new_events": NEW_EVENTS,
+        "candidates": CANDIDATES,
+        "calls_per_sample": CALLS_PER_SAMPLE,
+        "torch_threads": torch.get_num_threads(),
+        "builds": builds,
+    }
 
 
 def _main() -> None:
     parser = argparse.ArgumentParser(description="Times the attention kernel of one op library build.")
     parser.add_argument("--library", type=Path, required=True)
     parser.add_argument("--shape", type=json.loads, required=True, help="KernelShape as JSON")
-    parser.add_argument("--json", type=Path, required=True, help="where to write {\"ms\": median}")
+    parser.add_argument("--json", type=Path, required=True, help='where to write {"ms": median}')
     args = parser.parse_args()
     ms = time_kernel_here(args.library, KernelShape(**args.shape), CALLS_PER_SAMPLE)
     args.json.write_text(json.dumps({"ms": ms}))

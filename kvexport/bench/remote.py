@@ -56,17 +56,35 @@ class RedisServer:
         if binary is None:
             raise UserError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory), "--logfile", str(self.directory / "redis.log"), *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+                "--logfile",
+                str(self.directory / "redis.log"),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
                 return self
             time.sleep(0.05)
         self.stop()
-        raise UserError(f"redis-server did not listen on 127.0.0.1:{self.port} within {timeout_s:.0f} s; "
-                        f"see {self.directory / 'redis.log'}")
+        raise UserError(
+            f"redis-server did not listen on 127.0.0.1:{self.port} within {timeout_s:.0f} s; "
+            f"see {self.directory / 'redis.log'}"
+        )
 
     def stop(self) -> None:
         if self.process is not None:
@@ -120,9 +138,14 @@ def hit_vs_recompute(artifact: Artifact, url: str, lengths: list[int], warmup: i
                     for name, value in zip(samples, (recompute, remote, device, reads)):
                         samples[name].append(value)
             rows.append(_hit_row(length, samples))
-            log.info("remote hit L=%d: recompute %.1f ms, remote hit %.2f ms (x%.1f), device hit %.2f ms", length,
-                     rows[-1]["recompute_ms"]["median"], rows[-1]["remote_hit_ms"]["median"],
-                     rows[-1]["remote_speedup"]["median"], rows[-1]["device_hit_ms"]["median"])
+            log.info(
+                "remote hit L=%d: recompute %.1f ms, remote hit %.2f ms (x%.1f), device hit %.2f ms",
+                length,
+                rows[-1]["recompute_ms"]["median"],
+                rows[-1]["remote_hit_ms"]["median"],
+                rows[-1]["remote_speedup"]["median"],
+                rows[-1]["device_hit_ms"]["median"],
+            )
     return rows
 
 
@@ -135,12 +158,20 @@ def _hit_row(length: int, samples: dict[str, list]) -> dict:
     read_ms = summary([s["remote_read_us"] / 1e3 for s in reads])
     entry_bytes = reads[0]["remote_bytes_in"]
     recompute, remote, device = samples["recompute"], samples["remote"], samples["device"]
-    return {"cached_events": length, "new_events": NEW_EVENTS, "cached_tokens": reads[0]["hit_tokens"],
-            "entry_bytes": entry_bytes, "recompute_ms": summary(recompute), "remote_hit_ms": summary(remote),
-            "device_hit_ms": summary(device), "remote_speedup": summary([f / m for f, m in zip(recompute, remote)]),
-            "remote_over_device": summary([m / d for m, d in zip(remote, device)]), "read_ms": read_ms,
-            "read_gb_per_s": round(entry_bytes / (read_ms["median"] * 1e6), 3),
-            "remote_hit_gb_per_s": round(entry_bytes / (summary(remote)["median"] * 1e6), 3)}
+    return {
+        "cached_events": length,
+        "new_events": NEW_EVENTS,
+        "cached_tokens": reads[0]["hit_tokens"],
+        "entry_bytes": entry_bytes,
+        "recompute_ms": summary(recompute),
+        "remote_hit_ms": summary(remote),
+        "device_hit_ms": summary(device),
+        "remote_speedup": summary([f / m for f, m in zip(recompute, remote)]),
+        "remote_over_device": summary([m / d for m, d in zip(remote, device)]),
+        "read_ms": read_ms,
+        "read_gb_per_s": round(entry_bytes / (read_ms["median"] * 1e6), 3),
+        "remote_hit_gb_per_s": round(entry_bytes / (summary(remote)["median"] * 1e6), 3),
+    }
 
 
 def write_behind_cost(artifact: Artifact, url: str, lengths: list[int], warmup: int, repeats: int) -> list[dict]:

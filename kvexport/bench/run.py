@@ -22,8 +22,7 @@ CHEAP_REPEATS = 25
 PORTABLE_FMV = f"{kernel.PORTABLE_ISA}+fmv"  # the portable build with its multiversioned kernel loop
 
 
-def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
-                   checkpoint: Path | None = None) -> dict:
+def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int, checkpoint: Path | None = None) -> dict:
     """target: a config (built here, cold and warm) or a built artifact directory (no build timing)."""
     with tempfile.TemporaryDirectory(prefix="kvexport-bench-") as tmp:
         workdir = Path(tmp)
@@ -39,8 +38,10 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         config = artifact.config
         too_long = [n for n in lengths if n + suite.NEW_EVENTS > config.model.max_history_length]
         if too_long:
-            raise UserError(f"--lengths {too_long[0]} + {suite.NEW_EVENTS} new events exceed "
-                            f"model.max_history_length ({config.model.max_history_length})")
+            raise UserError(
+                f"--lengths {too_long[0]} + {suite.NEW_EVENTS} new events exceed "
+                f"model.max_history_length ({config.model.max_history_length})"
+            )
         runner = Package(artifact)
         model = eager_model_for(artifact, checkpoint).to(runner.device)
         on_cpu = runner.device.type == "cpu"
@@ -48,14 +49,18 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         cache_rows = suite.cache_benefit(runner, lengths, batch_sizes, warmup, repeats)
         eager_lengths = [n for n in lengths if n <= EAGER_MAX_LENGTH] or lengths[:1]
         # Requests of a millisecond or two: more repetitions cost little and steady the medians.
-        eager_rows = suite.package_vs_eager(runner, model, eager_lengths, batch_sizes, warmup + 2,
-                                            max(repeats, CHEAP_REPEATS))
+        eager_rows = suite.package_vs_eager(
+            runner, model, eager_lengths, batch_sizes, warmup + 2, max(repeats, CHEAP_REPEATS)
+        )
         cpp = suite.cpp_vs_python(runner, max(repeats, 3), workdir)
         memory = suite.cache_memory(runner)
         # CPU contention and the CPU kernel's builds are about CPU packages.
         contended = contention.contention(runner, max(lengths), warmup, repeats) if on_cpu else None
-    kernel_rows = (kernel.kernel_builds(kernel_libraries(), kernel.KernelShape.of(config, max(lengths)), warmup,
-                                        repeats) if on_cpu else None)
+    kernel_rows = (
+        kernel.kernel_builds(kernel_libraries(), kernel.KernelShape.of(config, max(lengths)), warmup, repeats)
+        if on_cpu
+        else None
+    )
     headline_cache = next(r for r in cache_rows if r["batch_size"] == 1 and r["cached_events"] == max(lengths))
     headline_eager = next(r for r in eager_rows if r["batch_size"] == 1 and r["cached_events"] == eager_lengths[0])
     return {
@@ -67,15 +72,22 @@ def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int,
         "bytes_per_cached_token": memory["bytes_per_cached_token"],
         "contention_cached_slowdown": contended["other_sessions"]["cached_slowdown"]["median"] if contended else None,
         "contention_full_slowdown": contended["other_sessions"]["full_slowdown"]["median"] if contended else None,
-        "portable_kernel_over_native": (kernel_rows["builds"][PORTABLE_FMV]["over_native"]["median"]
-                                        if kernel_rows else None),
-        "portable_kernel_no_fmv_over_native": (kernel_rows["builds"][kernel.PORTABLE_ISA]["over_native"]["median"]
-                                               if kernel_rows else None),
+        "portable_kernel_over_native": (
+            kernel_rows["builds"][PORTABLE_FMV]["over_native"]["median"] if kernel_rows else None
+        ),
+        "portable_kernel_no_fmv_over_native": (
+            kernel_rows["builds"][kernel.PORTABLE_ISA]["over_native"]["median"] if kernel_rows else None
+        ),
         "config": config.name,
         "device": str(runner.device),
         "machine": suite.machine(),
-        "settings": {"warmup": warmup, "repeats": repeats, "lengths": lengths, "new_events": suite.NEW_EVENTS,
-                     "candidates": suite.CANDIDATES},
+        "settings": {
+            "warmup": warmup,
+            "repeats": repeats,
+            "lengths": lengths,
+            "new_events": suite.NEW_EVENTS,
+            "candidates": suite.CANDIDATES,
+        },
         "cache_benefit": cache_rows,
         "package_vs_eager": eager_rows,
         "cpp_vs_python": cpp,
@@ -109,8 +121,12 @@ def plot(results: dict, path: Path) -> None:
         rows = [r for r in results["cache_benefit"] if r["batch_size"] == batch_size]
         lengths = [r["cached_events"] for r in rows]
         ax.plot(lengths, [r["full_ms"]["median"] for r in rows], "o-", label=f"full recompute, batch {batch_size}")
-        ax.plot(lengths, [r["cached_ms"]["median"] for r in rows], "s--",
-                label=f"cached ({suite.NEW_EVENTS} new events), batch {batch_size}")
+        ax.plot(
+            lengths,
+            [r["cached_ms"]["median"] for r in rows],
+            "s--",
+            label=f"cached ({suite.NEW_EVENTS} new events), batch {batch_size}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("cached history events L")

@@ -48,11 +48,17 @@ def machine() -> dict:
     """Where the numbers were taken: CPU, cores, versions, and what the op library was built for."""
     from kvexport.native.isa import library_isa
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "op_library_march": library_isa()["march"],
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "op_library_march": library_isa()["march"],
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def _cpu_model() -> str:
@@ -72,17 +78,27 @@ class SweepRequests:
     identical shapes and work for every repetition, without re-priming the cache.
     """
 
-    def __init__(self, config: Config, cached_events: int, batch_size: int, first_user: int,
-                 new_events: int = NEW_EVENTS, candidates: int = CANDIDATES):
+    def __init__(
+        self,
+        config: Config,
+        cached_events: int,
+        batch_size: int,
+        first_user: int,
+        new_events: int = NEW_EVENTS,
+        candidates: int = CANDIDATES,
+    ):
         m = config.model
         g = torch.Generator().manual_seed(cached_events * 31 + batch_size)
         n = cached_events + new_events
         self.vocab, self.new_events = m.item_vocab_size, new_events
         self.users = [
-            UserRequest(first_user + b, torch.randint(0, m.item_vocab_size, (n,), generator=g),
-                        torch.randint(0, m.action_vocab_size, (n,), generator=g),
-                        random_context(m, g),
-                        torch.randint(0, m.item_vocab_size, (candidates,), generator=g))
+            UserRequest(
+                first_user + b,
+                torch.randint(0, m.item_vocab_size, (n,), generator=g),
+                torch.randint(0, m.action_vocab_size, (n,), generator=g),
+                random_context(m, g),
+                torch.randint(0, m.item_vocab_size, (candidates,), generator=g),
+            )
             for b in range(batch_size)
         ]
 
@@ -90,16 +106,18 @@ class SweepRequests:
         users = []
         for u in self.users:
             items = u.item_ids.clone()
-            items[-self.new_events:] = (items[-self.new_events:] + r) % self.vocab
+            items[-self.new_events :] = (items[-self.new_events :] + r) % self.vocab
             users.append(UserRequest(u.user_id, items, u.action_ids, u.context_ids, u.candidate_ids))
         return Batch.concat(users)
 
 
-def cache_benefit(runner: Package, lengths: list[int], batch_sizes: list[int], warmup: int,
-                  repeats: int) -> list[dict]:
+def cache_benefit(runner: Package, lengths: list[int], batch_sizes: list[int], warmup: int, repeats: int) -> list[dict]:
     """Package latency: cached path (NEW_EVENTS new) vs full recompute (empty cache), same shapes."""
-    return [_cache_benefit_row(runner, length, batch_size, warmup, repeats)
-            for batch_size in batch_sizes for length in lengths]
+    return [
+        _cache_benefit_row(runner, length, batch_size, warmup, repeats)
+        for batch_size in batch_sizes
+        for length in lengths
+    ]
 
 
 def _cache_benefit_row(runner: Package, length: int, batch_size: int, warmup: int, repeats: int) -> dict:
@@ -113,25 +131,49 @@ def _cache_benefit_row(runner: Package, length: int, batch_size: int, warmup: in
         return timed_ms(runner.run, check_batch(requests.variant(2 * r + 1), runner.config))
 
     result = paired(full, cached, warmup, repeats)
-    log.info("cache benefit L=%d B=%d: full %.1f ms, cached %.2f ms, x%.1f", length, batch_size,
-             result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
-    return {"cached_events": length, "new_events": NEW_EVENTS, "candidates": CANDIDATES, "batch_size": batch_size,
-            "full_ms": result["a_ms"], "cached_ms": result["b_ms"], "speedup": result["ratio"]}
+    log.info(
+        "cache benefit L=%d B=%d: full %.1f ms, cached %.2f ms, x%.1f",
+        length,
+        batch_size,
+        result["a_ms"]["median"],
+        result["b_ms"]["median"],
+        result["ratio"]["median"],
+    )
+    return {
+        "cached_events": length,
+        "new_events": NEW_EVENTS,
+        "candidates": CANDIDATES,
+        "batch_size": batch_size,
+        "full_ms": result["a_ms"],
+        "cached_ms": result["b_ms"],
+        "speedup": result["ratio"],
+    }
 
 
-def package_vs_eager(runner: Package, model: HSTURanker, lengths: list[int], batch_sizes: list[int],
-                     warmup: int, repeats: int) -> list[dict]:
+def package_vs_eager(
+    runner: Package, model: HSTURanker, lengths: list[int], batch_sizes: list[int], warmup: int, repeats: int
+) -> list[dict]:
     """Cached request through the package vs the eager model's cached path (each its own runtime)."""
     eager = KVCacheManager(runner.config, runtime_name=f"{runner.config.name}@bench-eager", device=runner.device)
     try:
-        return [_package_vs_eager_row(runner, model, eager, batch_size, cached_events, warmup, repeats)
-                for batch_size in batch_sizes for cached_events in lengths]
+        return [
+            _package_vs_eager_row(runner, model, eager, batch_size, cached_events, warmup, repeats)
+            for batch_size in batch_sizes
+            for cached_events in lengths
+        ]
     finally:
         eager.close()
 
 
-def _package_vs_eager_row(runner: Package, model: HSTURanker, eager: KVCacheManager, batch_size: int,
-                          cached_events: int, warmup: int, repeats: int) -> dict:
+def _package_vs_eager_row(
+    runner: Package,
+    model: HSTURanker,
+    eager: KVCacheManager,
+    batch_size: int,
+    cached_events: int,
+    warmup: int,
+    repeats: int,
+) -> dict:
     requests = SweepRequests(runner.config, cached_events, batch_size, first_user=10_000)
     eager.reset()
     kv.reset_runtime(runner.artifact.runtime_name)
@@ -147,10 +189,22 @@ def _package_vs_eager_row(runner: Package, model: HSTURanker, eager: KVCacheMana
         return timed_ms(runner.run, check_batch(requests.variant(r + 1), runner.config))
 
     result = paired(eager_ms, package_ms, warmup, repeats)
-    log.info("package vs eager L=%d B=%d: eager %.2f ms, package %.2f ms, x%.2f", cached_events,
-             batch_size, result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
-    return {"batch_size": batch_size, "cached_events": cached_events, "new_events": NEW_EVENTS,
-            "eager_ms": result["a_ms"], "package_ms": result["b_ms"], "speedup": result["ratio"]}
+    log.info(
+        "package vs eager L=%d B=%d: eager %.2f ms, package %.2f ms, x%.2f",
+        cached_events,
+        batch_size,
+        result["a_ms"]["median"],
+        result["b_ms"]["median"],
+        result["ratio"]["median"],
+    )
+    return {
+        "batch_size": batch_size,
+        "cached_events": cached_events,
+        "new_events": NEW_EVENTS,
+        "eager_ms": result["a_ms"],
+        "package_ms": result["b_ms"],
+        "speedup": result["ratio"],
+    }
 
 
 def cpp_vs_python(runner: Package, repeats: int, workdir: Path) -> dict:
@@ -162,8 +216,10 @@ def cpp_vs_python(runner: Package, repeats: int, workdir: Path) -> dict:
     """
     artifact = runner.artifact
     timed = [i for i, s in enumerate(artifact.trace_steps) if "expect_error" not in s]
-    batches = {i: check_batch(load_trace_step(artifact.root / artifact.trace_steps[i]["file"])[0], runner.config)
-               for i in timed}
+    batches = {
+        i: check_batch(load_trace_step(artifact.root / artifact.trace_steps[i]["file"])[0], runner.config)
+        for i in timed
+    }
     report_path = workdir / "replay.json"
 
     def python_pass(_: int) -> float:
@@ -181,10 +237,19 @@ def cpp_vs_python(runner: Package, repeats: int, workdir: Path) -> dict:
         return sum(steps[i]["latency_p50_ms"] for i in timed)
 
     result = paired(cpp_pass, python_pass, warmup=1, repeats=repeats)
-    log.info("C++ vs Python: %.2f ms vs %.2f ms per trace, ratio %.3f (median of pairs)",
-             result["a_ms"]["median"], result["b_ms"]["median"], result["ratio"]["median"])
-    return {"steps": len(timed), "repeats": repeats, "cpp_ms_per_trace": result["a_ms"],
-            "python_ms_per_trace": result["b_ms"], "ratio": result["ratio"]}
+    log.info(
+        "C++ vs Python: %.2f ms vs %.2f ms per trace, ratio %.3f (median of pairs)",
+        result["a_ms"]["median"],
+        result["b_ms"]["median"],
+        result["ratio"]["median"],
+    )
+    return {
+        "steps": len(timed),
+        "repeats": repeats,
+        "cpp_ms_per_trace": result["a_ms"],
+        "python_ms_per_trace": result["b_ms"],
+        "ratio": result["ratio"],
+    }
 
 
 def build_cost(config_path: Path, workdir: Path) -> tuple[dict, Path]:
@@ -222,8 +287,9 @@ def cache_memory(runner: Package) -> dict:
         "bytes_per_cached_token": per_token,
         "bytes_per_page": per_token * kc.page_size,
         "bytes_per_user_at_max_history": max_user_pages * kc.page_size * per_token,
-        "bytes_per_user_after_trace": (stats["device_pages_used"] * kc.page_size * per_token
-                                       // max(1, stats["device_users"])),
+        "bytes_per_user_after_trace": (
+            stats["device_pages_used"] * kc.page_size * per_token // max(1, stats["device_users"])
+        ),
         "device_tier_bytes": kc.device_pages * kc.page_size * per_token,
         "device_occupancy": round(stats["device_pages_used"] / kc.device_pages, 4),
         "host_occupancy": round(stats["host_pages_used"] / kc.host_pages, 4) if kc.host_pages else 0.0,

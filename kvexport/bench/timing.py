@@ -29,12 +29,18 @@ def summary(samples: list[float]) -> dict[str, float]:
     """Median, 99th percentile (nearest rank) and spread (min, max) of a list of samples."""
     ranked = sorted(samples)
     p99 = ranked[min(len(ranked) - 1, max(0, -(-99 * len(ranked) // 100) - 1))]
-    return {"median": round(statistics.median(samples), 4), "p99": round(p99, 4), "min": round(min(samples), 4),
-            "max": round(max(samples), 4), "n": len(samples)}
+    return {
+        "median": round(statistics.median(samples), 4),
+        "p99": round(p99, 4),
+        "min": round(min(samples), 4),
+        "max": round(max(samples), 4),
+        "n": len(samples),
+    }
 
 
-def paired(measure_a: Callable[[int], float], measure_b: Callable[[int], float], warmup: int,
-           repeats: int) -> dict[str, dict[str, float]]:
+def paired(
+    measure_a: Callable[[int], float], measure_b: Callable[[int], float], warmup: int, repeats: int
+) -> dict[str, dict[str, float]]:
     """Runs a then b `warmup + repeats` times (each returns milliseconds for repetition i).
 
     Returns the summaries of a, b and of the pairwise ratio a / b over the timed repetitions.

@@ -214,8 +214,7 @@ class ArtifactDirectory(click.ParamType):
         path = Path(value)
         if path.is_file():
             command = f"kvexport {ctx.info_name}" if ctx else "this command"
-            raise _BadValue(f"{path} is a file; {command} takes the artifact directory "
-                            "(the one holding manifest.json)")
+            raise _BadValue(f"{path} is a file; {command} takes the artifact directory (the one holding manifest.json)")
         return path
 
 
@@ -254,17 +253,29 @@ class Route(click.ParamType):
 def remote_options(func):
     """--remote URL, --remote-password-file FILE and --remote-write POLICY: the shared remote KV tier
     (kvexport.load(remote=...))."""
-    func = click.option("--remote-password-file", type=click.Path(path_type=Path), metavar="FILE",
-                        help="The remote tier's password, read from FILE (a mounted secret) rather than given "
-                             "in the URL, where the machine's process list would show it.")(func)
-    func = click.option("--remote-write", type=RemoteWritePolicy(), default=DEFAULT_WRITE_POLICY, show_default=True,
-                        help="When users are written to the remote tier: on_evict (when the host tier lets "
-                             "them go) or after_batch (also after every request).")(func)
-    return click.option("--remote", metavar="URL",
-                        help="Share user caches through a remote KV tier: a Redis/Valkey server at "
-                             "redis://[[user]:password@]host[:port][/db] (unreachable: runs without it, with a "
-                             "warning; a refused password: an error). Give the password with "
-                             "--remote-password-file rather than in the URL.")(func)
+    func = click.option(
+        "--remote-password-file",
+        type=click.Path(path_type=Path),
+        metavar="FILE",
+        help="The remote tier's password, read from FILE (a mounted secret) rather than given "
+        "in the URL, where the machine's process list would show it.",
+    )(func)
+    func = click.option(
+        "--remote-write",
+        type=RemoteWritePolicy(),
+        default=DEFAULT_WRITE_POLICY,
+        show_default=True,
+        help="When users are written to the remote tier: on_evict (when the host tier lets "
+        "them go) or after_batch (also after every request).",
+    )(func)
+    return click.option(
+        "--remote",
+        metavar="URL",
+        help="Share user caches through a remote KV tier: a Redis/Valkey server at "
+        "redis://[[user]:password@]host[:port][/db] (unreachable: runs without it, with a "
+        "warning; a refused password: an error). Give the password with "
+        "--remote-password-file rather than in the URL.",
+    )(func)
 
 
 def _remote_url(remote: str | None, password_file: Path | None) -> str | None:
@@ -280,18 +291,25 @@ def threads_option(func):
     """--threads N: each Triton model instance's intra-op CPU threads."""
     from kvexport.serving.repository import DEFAULT_THREADS
 
-    return click.option("--threads", type=click.IntRange(min=1), default=DEFAULT_THREADS, show_default=True,
-                        help="Intra-op CPU threads of each model instance (torch.set_num_threads); keep "
-                             "instances x threads within the cores the server may use.")(func)
+    return click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=DEFAULT_THREADS,
+        show_default=True,
+        help="Intra-op CPU threads of each model instance (torch.set_num_threads); keep "
+        "instances x threads within the cores the server may use.",
+    )(func)
 
 
 config_argument = click.argument("config", type=click.Path(path_type=Path))
 artifact_argument = click.argument("out", type=ArtifactDirectory())
 json_option = click.option("--json", "json_path", type=WritablePath(), help="Also write the report as JSON.")
-atol_option = click.option("--atol", type=Tolerance(),
-                           help="Override the manifest's absolute tolerance (finite, >= 0).")
-rtol_option = click.option("--rtol", type=Tolerance(),
-                           help="Override the manifest's relative tolerance (finite, >= 0).")
+atol_option = click.option(
+    "--atol", type=Tolerance(), help="Override the manifest's absolute tolerance (finite, >= 0)."
+)
+rtol_option = click.option(
+    "--rtol", type=Tolerance(), help="Override the manifest's relative tolerance (finite, >= 0)."
+)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -375,10 +393,19 @@ class IdsFile(click.ParamType):
 
 
 # import-checkpoint's options that only one trainer reads, and those it needs.
-TRAINER_FLAGS = {"nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features",
-                            "--iteration"),
-                 "meta": ("--num-heads", "--max-history-length", "--max-candidates", "--items", "--batch",
-                          "--context-ids", "--history-positions", "--history-time")}
+TRAINER_FLAGS = {
+    "nvidia": ("--trainer-config", "--table-rows", "--action-table", "--no-contextual-features", "--iteration"),
+    "meta": (
+        "--num-heads",
+        "--max-history-length",
+        "--max-candidates",
+        "--items",
+        "--batch",
+        "--context-ids",
+        "--history-positions",
+        "--history-time",
+    ),
+}
 REQUIRED_FLAGS = {"nvidia": ("--trainer-config",), "meta": ("--num-heads", "--max-history-length", "--max-candidates")}
 
 
@@ -394,51 +421,112 @@ def _check_trainer_flags(trainer: str, given: dict[str, object]) -> None:
 
 @main.command("import-checkpoint")
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--from", "trainer", type=click.Choice(["nvidia", "meta"]), required=True,
-              help="The trainer that wrote SOURCE: NVIDIA recsys-examples (examples/hstu ranking) or Meta "
-                   "generative-recommenders (DLRMv3 DlrmHSTU).")
+@click.option(
+    "--from",
+    "trainer",
+    type=click.Choice(["nvidia", "meta"]),
+    required=True,
+    help="The trainer that wrote SOURCE: NVIDIA recsys-examples (examples/hstu ranking) or Meta "
+    "generative-recommenders (DLRMv3 DlrmHSTU).",
+)
 @click.option("-o", "--output", type=WritablePath(), required=True, help="kvexport checkpoint to write.")
-@click.option("--config-out", type=WritablePath(),
-              help="kvexport config to write (default: OUTPUT with the suffix .yaml).")
-@click.option("--trainer-config", type=click.Path(path_type=Path),
-              help="nvidia: the trainer's gin file (NetworkArgs, DatasetArgs, RankingArgs bindings); required.")
-@click.option("--table-rows", type=TableRows(), multiple=True,
-              help="nvidia: rows of a data-parallel table (repeatable); the checkpoint does not hold them.")
+@click.option(
+    "--config-out", type=WritablePath(), help="kvexport config to write (default: OUTPUT with the suffix .yaml)."
+)
+@click.option(
+    "--trainer-config",
+    type=click.Path(path_type=Path),
+    help="nvidia: the trainer's gin file (NetworkArgs, DatasetArgs, RankingArgs bindings); required.",
+)
+@click.option(
+    "--table-rows",
+    type=TableRows(),
+    multiple=True,
+    help="nvidia: rows of a data-parallel table (repeatable); the checkpoint does not hold them.",
+)
 @click.option("--item-table", default="video_id", show_default=True, help="The item feature's table.")
 @click.option("--action-table", help="nvidia: the action feature's table (default: action_weights).")
-@click.option("--contextual-features", "contextual", metavar="NAME,...", default="",
-              help="The contextual features' tables in token order (the trainer's preprocessor order).")
-@click.option("--no-contextual-features", "skip_contextual", is_flag=True,
-              help="nvidia: leave the contextual features' tables out (recsys-examples' disable_contextual_features).")
+@click.option(
+    "--contextual-features",
+    "contextual",
+    metavar="NAME,...",
+    default="",
+    help="The contextual features' tables in token order (the trainer's preprocessor order).",
+)
+@click.option(
+    "--no-contextual-features",
+    "skip_contextual",
+    is_flag=True,
+    help="nvidia: leave the contextual features' tables out (recsys-examples' disable_contextual_features).",
+)
 @click.option("--iteration", type=click.IntRange(min=0), help="nvidia: which iter<N> of SOURCE (default: the newest).")
 @click.option("--num-heads", type=click.IntRange(min=1), help="meta: attention heads (hstu_num_heads); required.")
-@click.option("--max-history-length", type=click.IntRange(min=1),
-              help="meta: the most history events a request carries; required.")
-@click.option("--max-candidates", type=click.IntRange(min=1), help="meta: the most candidates a request carries; "
-                                                                   "required.")
-@click.option("--items", "items_file", type=click.Path(path_type=Path),
-              help="meta: a text file of the item ids served, one per line; only their rows are read "
-                   "(default: the whole item table, ids as rows).")
-@click.option("--batch", "batch_index", type=click.IntRange(min=0),
-              help="meta: which <batch> directory of SOURCE (default: the newest).")
-@click.option("--context-ids", "context_ids", type=IdsFile(), multiple=True,
-              help="meta: FEATURE=FILE, a text file of the ids of contextual feature FEATURE served, one per "
-                   "line (repeatable); only their rows are read (default: the feature's whole table).")
-@click.option("--history-positions", type=click.Choice(["from_max", "from_start"]),
-              help="meta: where history events sit in DlrmHSTU's position table, which counts back from the "
-                   "newest event (no cache can follow that): counted back from --max-history-length events "
-                   "(the default) or from the oldest event (docs/checkpoint.md).")
-@click.option("--history-time", type=click.Choice(["zero", "none"]),
-              help="meta: the time row history events read in place of their age's bucket, which no cache can "
-                   "follow: row 0, an event that just happened (the default), or none (docs/checkpoint.md).")
+@click.option(
+    "--max-history-length",
+    type=click.IntRange(min=1),
+    help="meta: the most history events a request carries; required.",
+)
+@click.option(
+    "--max-candidates", type=click.IntRange(min=1), help="meta: the most candidates a request carries; required."
+)
+@click.option(
+    "--items",
+    "items_file",
+    type=click.Path(path_type=Path),
+    help="meta: a text file of the item ids served, one per line; only their rows are read "
+    "(default: the whole item table, ids as rows).",
+)
+@click.option(
+    "--batch",
+    "batch_index",
+    type=click.IntRange(min=0),
+    help="meta: which <batch> directory of SOURCE (default: the newest).",
+)
+@click.option(
+    "--context-ids",
+    "context_ids",
+    type=IdsFile(),
+    multiple=True,
+    help="meta: FEATURE=FILE, a text file of the ids of contextual feature FEATURE served, one per "
+    "line (repeatable); only their rows are read (default: the feature's whole table).",
+)
+@click.option(
+    "--history-positions",
+    type=click.Choice(["from_max", "from_start"]),
+    help="meta: where history events sit in DlrmHSTU's position table, which counts back from the "
+    "newest event (no cache can follow that): counted back from --max-history-length events "
+    "(the default) or from the oldest event (docs/checkpoint.md).",
+)
+@click.option(
+    "--history-time",
+    type=click.Choice(["zero", "none"]),
+    help="meta: the time row history events read in place of their age's bucket, which no cache can "
+    "follow: row 0, an event that just happened (the default), or none (docs/checkpoint.md).",
+)
 @click.option("--name", help="The model's name in the config (default: the output's stem).")
 @_handle_errors
-def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path | None, trainer_config: Path | None,
-                      table_rows: tuple[tuple[str, int], ...], item_table: str, action_table: str | None,
-                      contextual: str, skip_contextual: bool, iteration: int | None, num_heads: int | None,
-                      max_history_length: int | None, max_candidates: int | None, items_file: Path | None,
-                      batch_index: int | None, context_ids: tuple[tuple[str, Path], ...],
-                      history_positions: str | None, history_time: str | None, name: str | None) -> None:
+def import_checkpoint(
+    source: Path,
+    trainer: str,
+    output: Path,
+    config_out: Path | None,
+    trainer_config: Path | None,
+    table_rows: tuple[tuple[str, int], ...],
+    item_table: str,
+    action_table: str | None,
+    contextual: str,
+    skip_contextual: bool,
+    iteration: int | None,
+    num_heads: int | None,
+    max_history_length: int | None,
+    max_candidates: int | None,
+    items_file: Path | None,
+    batch_index: int | None,
+    context_ids: tuple[tuple[str, Path], ...],
+    history_positions: str | None,
+    history_time: str | None,
+    name: str | None,
+) -> None:
     """Import a trainer's checkpoint directory SOURCE as a kvexport checkpoint and config.
 
     Every tensor is mapped by name and shape and checked; what the checkpoint lacks comes from
@@ -452,61 +540,125 @@ def import_checkpoint(source: Path, trainer: str, output: Path, config_out: Path
 
     config_out = config_out or output.with_suffix(".yaml")
     features = tuple(f.strip() for f in contextual.split(",") if f.strip())
-    given = {"--trainer-config": trainer_config, "--table-rows": table_rows or None, "--action-table": action_table,
-             "--no-contextual-features": skip_contextual or None, "--iteration": iteration,
-             "--num-heads": num_heads, "--max-history-length": max_history_length,
-             "--max-candidates": max_candidates, "--items": items_file, "--batch": batch_index,
-             "--context-ids": context_ids or None, "--history-positions": history_positions,
-             "--history-time": history_time}
+    given = {
+        "--trainer-config": trainer_config,
+        "--table-rows": table_rows or None,
+        "--action-table": action_table,
+        "--no-contextual-features": skip_contextual or None,
+        "--iteration": iteration,
+        "--num-heads": num_heads,
+        "--max-history-length": max_history_length,
+        "--max-candidates": max_candidates,
+        "--items": items_file,
+        "--batch": batch_index,
+        "--context-ids": context_ids or None,
+        "--history-positions": history_positions,
+        "--history-time": history_time,
+    }
     _check_trainer_flags(trainer, given)
     if trainer == "nvidia":
-        options = ImportOptions(item_table=item_table, action_table=action_table or "action_weights",
-                                table_rows=dict(table_rows),
-                                contextual_features=features, skip_contextual=skip_contextual, iteration=iteration)
+        options = ImportOptions(
+            item_table=item_table,
+            action_table=action_table or "action_weights",
+            table_rows=dict(table_rows),
+            contextual_features=features,
+            skip_contextual=skip_contextual,
+            iteration=iteration,
+        )
     else:
         check_context_ids((feature for feature, _ in context_ids), features)  # before any file is read
-        options = MetaOptions(num_heads=num_heads, max_history_length=max_history_length,
-                              max_num_candidates=max_candidates, item_table=item_table,
-                              contextual_features=features,
-                              items=None if items_file is None else read_ids(items_file), batch=batch_index,
-                              context_ids={feature: read_ids(path) for feature, path in context_ids},
-                              history_time=history_time or "zero",
-                              history_positions=history_positions or "from_max")
+        options = MetaOptions(
+            num_heads=num_heads,
+            max_history_length=max_history_length,
+            max_num_candidates=max_candidates,
+            item_table=item_table,
+            contextual_features=features,
+            items=None if items_file is None else read_ids(items_file),
+            batch=batch_index,
+            context_ids={feature: read_ids(path) for feature, path in context_ids},
+            history_time=history_time or "zero",
+            history_positions=history_positions or "from_max",
+        )
     imported = run_import(trainer, source, options, output, config_out, name or output.stem, trainer_config)
     for note in imported.notes:
         click.echo(note)
-    click.echo(f"wrote {output} and {config_out} ({trainer}; "
-               f"{sum(t.numel() for t in imported.state_dict.values())} values)")
+    click.echo(
+        f"wrote {output} and {config_out} ({trainer}; {sum(t.numel() for t in imported.state_dict.values())} values)"
+    )
 
 
 @main.command("triton-repo")
 @click.argument("out", type=ArtifactDirectory())
-@click.option("-o", "--output", "repo", type=click.Path(path_type=Path), required=True,
-              help="Model repository to write (a new or empty directory).")
+@click.option(
+    "-o",
+    "--output",
+    "repo",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Model repository to write (a new or empty directory).",
+)
 @click.option("--name", help="The Triton model's name (default: the artifact's config name).")
-@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Cache shards per GPU (or on the host, for a CPU package): each one model instance with its "
-                   "own cache. With more than one shard in all, a routing model named after the artifact sends "
-                   "every request to the shard its user id hashes to, so a user's requests meet their cache.")
-@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
-              help="GPUs a CUDA package's shards spread over (shard i on GPU i mod N).")
-@click.option("--routing/--no-routing", default=True, show_default=True,
-              help="Route each user to one shard (off: one model of K instances per GPU, Triton handing each "
-                   "request to whichever instance is free: no router hop, but a returning user finds their "
-                   "cache about 1/K of the time).")
-@click.option("--python-path", "python_path", multiple=True, type=click.Path(path_type=Path),
-              help="A site directory for the Python backend's interpreter (repeatable): where torch and "
-                   "kvexport are installed, when that is not the interpreter's own site-packages.")
-@click.option("--this-python", is_flag=True,
-              help="Add this Python's site-packages to --python-path (serving from this virtual environment).")
-@click.option("--batching/--no-batching", default=True, show_default=True,
-              help="Triton's dynamic batcher merges concurrent users (off: one user per model execution).")
+@click.option(
+    "--instances",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Cache shards per GPU (or on the host, for a CPU package): each one model instance with its "
+    "own cache. With more than one shard in all, a routing model named after the artifact sends "
+    "every request to the shard its user id hashes to, so a user's requests meet their cache.",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="GPUs a CUDA package's shards spread over (shard i on GPU i mod N).",
+)
+@click.option(
+    "--routing/--no-routing",
+    default=True,
+    show_default=True,
+    help="Route each user to one shard (off: one model of K instances per GPU, Triton handing each "
+    "request to whichever instance is free: no router hop, but a returning user finds their "
+    "cache about 1/K of the time).",
+)
+@click.option(
+    "--python-path",
+    "python_path",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="A site directory for the Python backend's interpreter (repeatable): where torch and "
+    "kvexport are installed, when that is not the interpreter's own site-packages.",
+)
+@click.option(
+    "--this-python",
+    is_flag=True,
+    help="Add this Python's site-packages to --python-path (serving from this virtual environment).",
+)
+@click.option(
+    "--batching/--no-batching",
+    default=True,
+    show_default=True,
+    help="Triton's dynamic batcher merges concurrent users (off: one user per model execution).",
+)
 @threads_option
 @remote_options
 @_handle_errors
-def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: int, routing: bool,
-                python_path: tuple[Path, ...], this_python: bool, batching: bool, threads: int, remote: str | None, remote_write: str,
-                remote_password_file: Path | None) -> None:
+def triton_repo(
+    out: Path,
+    repo: Path,
+    name: str | None,
+    instances: int,
+    gpus: int,
+    routing: bool,
+    python_path: tuple[Path, ...],
+    this_python: bool,
+    batching: bool,
+    threads: int,
+    remote: str | None,
+    remote_write: str,
+    remote_password_file: Path | None,
+) -> None:
     """Write a Triton model repository serving the artifact OUT (Python backend, dynamic batching).
 
     Serve it with `tritonserver --model-repository REPO` where torch and kvexport are importable;
@@ -521,14 +673,20 @@ def triton_repo(out: Path, repo: Path, name: str | None, instances: int, gpus: i
         raise UserError("--remote-password-file needs --remote URL")
     paths = [str(p.resolve()) for p in python_path] + (tritonserver.site_packages() if this_python else [])
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
-    model = write_repository(out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus,
-                             routing=routing)
+    model = write_repository(
+        out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus, routing=routing
+    )
     if not paths and sys.prefix != sys.base_prefix:
-        click.echo("warning: this Python is a virtual environment and neither --this-python nor --python-path was "
-                   "given: the Python backend's interpreter finds torch and kvexport only in its own "
-                   "site-packages", err=True)
-    click.echo(f"wrote {model}; serve it with {repo / 'tritonserver'} [tritonserver options] (the serve extra's "
-               f"tritonserver), or tritonserver --model-repository {repo} where torch and kvexport import")
+        click.echo(
+            "warning: this Python is a virtual environment and neither --this-python nor --python-path was "
+            "given: the Python backend's interpreter finds torch and kvexport only in its own "
+            "site-packages",
+            err=True,
+        )
+    click.echo(
+        f"wrote {model}; serve it with {repo / 'tritonserver'} [tritonserver options] (the serve extra's "
+        f"tritonserver), or tritonserver --model-repository {repo} where torch and kvexport import"
+    )
 
 
 @main.command()
@@ -557,18 +715,26 @@ def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> 
 
 @main.command()
 @config_argument
-@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True,
-              help="Artifact directory to create.")
+@click.option(
+    "-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="Artifact directory to create."
+)
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]),
-              help="Device the package runs on (default: the config's serving.device).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    help="Device the package runs on (default: the config's serving.device).",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--step-program/--no-step-program", default=None,
-              help="Also compile step.pt2, the request's device part that kvexport's hosts replay as CUDA "
-                   "graphs (default: for CUDA packages only).")
+@click.option(
+    "--step-program/--no-step-program",
+    default=None,
+    help="Also compile step.pt2, the request's device part that kvexport's hosts replay as CUDA "
+    "graphs (default: for CUDA packages only).",
+)
 @_handle_errors
-def build(config: Path, out: Path, checkpoint: Path | None, device: str | None, force: bool,
-          step_program: bool | None) -> None:
+def build(
+    config: Path, out: Path, checkpoint: Path | None, device: str | None, force: bool, step_program: bool | None
+) -> None:
     """Export CONFIG's KV-cached model to OUT/ (model.pt2, lib/, trace/, manifest.json)."""
     from kvexport.export.build import build_artifact
 
@@ -596,15 +762,31 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
 
 @main.command()
 @artifact_argument
-@click.option("--requests", "requests_path", type=click.Path(path_type=Path), required=True,
-              help="torch.save'd list of request batches (dicts of int64 tensors).")
-@click.option("--output", "output_path", type=WritablePath(), required=True,
-              help="File to write each batch's status, logits and row users to (format above).")
+@click.option(
+    "--requests",
+    "requests_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="torch.save'd list of request batches (dicts of int64 tensors).",
+)
+@click.option(
+    "--output",
+    "output_path",
+    type=WritablePath(),
+    required=True,
+    help="File to write each batch's status, logits and row users to (format above).",
+)
 @remote_options
 @_handle_errors
 @_aoti_errors_filtered
-def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, remote_write: str,
-        remote_password_file: Path | None) -> None:
+def run(
+    out: Path,
+    requests_path: Path,
+    output_path: Path,
+    remote: str | None,
+    remote_write: str,
+    remote_password_file: Path | None,
+) -> None:
     """Score a request file through OUT's package, in order (the cache carries across batches).
 
     Every batch is validated before any runs (a malformed one: nothing runs, no output). A batch the
@@ -622,13 +804,16 @@ def run(out: Path, requests_path: Path, output_path: Path, remote: str | None, r
     """
     from kvexport.commands.request_file import OK, score_request_file
 
-    results = score_request_file(out, requests_path, output_path, remote=_remote_url(remote, remote_password_file),
-                                 remote_write=remote_write)
+    results = score_request_file(
+        out, requests_path, output_path, remote=_remote_url(remote, remote_password_file), remote_write=remote_write
+    )
     failed = [index for index, result in enumerate(results) if result["status"] != OK]
     click.echo(f"scored {len(results) - len(failed)}/{len(results)} batches -> {output_path}")
     if failed:
-        raise UserError(f"batch {failed[0]}: {results[failed[0]]['status']} ({len(failed)} of {len(results)} "
-                        f"batches refused; each batch's status is in {output_path})")
+        raise UserError(
+            f"batch {failed[0]}: {results[failed[0]]['status']} ({len(failed)} of {len(results)} "
+            f"batches refused; each batch's status is in {output_path})"
+        )
 
 
 @main.command()
@@ -666,6 +851,7 @@ def inspect(target: Path, as_json: bool) -> None:
 def _format_signature(signature: dict) -> str:
     """One line per input and for the output: name, dtype, shape and (packages since inputs stay on
     the host) device."""
+
     def line(label: str, spec: dict) -> str:
         shape = ", ".join(str(d) for d in spec["shape"])
         device = f" on {spec['device']}" if "device" in spec else ""
@@ -677,6 +863,7 @@ def _format_signature(signature: dict) -> str:
 
 def _format_serving_signature(serving: dict) -> str:
     """`kvexport serve`'s Triton model: one user per request (each tensor a batch of one)."""
+
     def line(label: str, spec: dict) -> str:
         shape = ", ".join(str(d) for d in spec["shape"])
         return f"{label:>20}{':' if label else ' '} {spec['name']:<16} {spec['datatype']:<8} [{shape}]"
@@ -688,23 +875,41 @@ def _format_serving_signature(serving: dict) -> str:
 
 @main.command()
 @artifact_argument
-@click.option("--address", default="0.0.0.0", show_default=True,
-              help="Address the HTTP, gRPC and metrics ports listen on.")
-@click.option("--http-port", type=PORT, default=8000, show_default=True,
-              help="Triton's HTTP/REST port (KServe v2).")
-@click.option("--grpc-port", type=PORT, default=8001, show_default=True,
-              help="Triton's gRPC port (KServe v2).")
-@click.option("--metrics-port", type=PORT, default=8002, show_default=True,
-              help="Triton's Prometheus metrics port: its own metrics and kvexport's cache and batch counters.")
-@click.option("--batching/--no-batching", default=True, show_default=True,
-              help="Merge concurrent users into one package call (--no-batching: one request per call, "
-                   "to measure what batching brings).")
+@click.option(
+    "--address", default="0.0.0.0", show_default=True, help="Address the HTTP, gRPC and metrics ports listen on."
+)
+@click.option("--http-port", type=PORT, default=8000, show_default=True, help="Triton's HTTP/REST port (KServe v2).")
+@click.option("--grpc-port", type=PORT, default=8001, show_default=True, help="Triton's gRPC port (KServe v2).")
+@click.option(
+    "--metrics-port",
+    type=PORT,
+    default=8002,
+    show_default=True,
+    help="Triton's Prometheus metrics port: its own metrics and kvexport's cache and batch counters.",
+)
+@click.option(
+    "--batching/--no-batching",
+    default=True,
+    show_default=True,
+    help="Merge concurrent users into one package call (--no-batching: one request per call, "
+    "to measure what batching brings).",
+)
 @threads_option
 @remote_options
 @_handle_errors
 @_aoti_errors_filtered
-def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port: int, batching: bool,
-          threads: int, remote: str | None, remote_write: str, remote_password_file: Path | None) -> None:
+def serve(
+    out: Path,
+    address: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    batching: bool,
+    threads: int,
+    remote: str | None,
+    remote_write: str,
+    remote_password_file: Path | None,
+) -> None:
     """Serve OUT through a Triton Inference Server (needs the serve extra: pip install 'kvexport[serve]').
 
     \b
@@ -726,78 +931,157 @@ def serve(out: Path, address: str, http_port: int, grpc_port: int, metrics_port:
     remote = _remote_url(remote, remote_password_file)
 
     def ready(server) -> None:
-        click.echo(f"serving {server.model_name} from {out} (batches of up to {server.max_batch_size} users, "
-                   f"{server.package_batch_size} a package call): "
-                   f"http {address}:{http_port}, "
-                   f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}")
+        click.echo(
+            f"serving {server.model_name} from {out} (batches of up to {server.max_batch_size} users, "
+            f"{server.package_batch_size} a package call): "
+            f"http {address}:{http_port}, "
+            f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}"
+        )
 
-    run_server(out, ready, address=address, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-               batching=batching, threads=threads, remote=remote, remote_write=remote_write)
+    run_server(
+        out,
+        ready,
+        address=address,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        batching=batching,
+        threads=threads,
+        remote=remote,
+        remote_write=remote_write,
+    )
     click.echo("stopped")
 
 
 @main.command()
 @artifact_argument
 @json_option
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Replay the trace N times (from an empty cache each time) for latency percentiles.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Threads replaying the trace concurrently through one loaded package.")
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Replay the trace N times (from an empty cache each time) for latency percentiles.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Threads replaying the trace concurrently through one loaded package.",
+)
 @atol_option
 @rtol_option
 @remote_options
-@click.option("--route", type=click.Choice(["model", "step", "graphs"]), default="model", show_default=True,
-              help="model: model.pt2 runs each whole request (as plain hosts do); step: the harness plans each "
-                   "request and runs step.pt2; graphs: step.pt2 replayed as CUDA graphs (GPU artifacts).")
+@click.option(
+    "--route",
+    type=click.Choice(["model", "step", "graphs"]),
+    default="model",
+    show_default=True,
+    help="model: model.pt2 runs each whole request (as plain hosts do); step: the harness plans each "
+    "request and runs step.pt2; graphs: step.pt2 replayed as CUDA graphs (GPU artifacts).",
+)
 @_handle_errors
-def replay(out: Path, json_path: Path | None, repeat: int, threads: int, atol: float | None,
-           rtol: float | None, remote: str | None, remote_write: str, remote_password_file: Path | None,
-           route: str) -> None:
+def replay(
+    out: Path,
+    json_path: Path | None,
+    repeat: int,
+    threads: int,
+    atol: float | None,
+    rtol: float | None,
+    remote: str | None,
+    remote_write: str,
+    remote_password_file: Path | None,
+    route: str,
+) -> None:
     """Replay OUT's trace with the bundled C++ harness (no Python); exit codes as verify."""
     from kvexport.trace.replay import run_replay
 
     if remote_password_file is not None:
         _remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
-    sys.exit(run_replay(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
-                        remote_password_file=remote_password_file, route=route))
+    sys.exit(
+        run_replay(
+            out,
+            json_path,
+            repeat,
+            threads,
+            atol,
+            rtol,
+            remote=remote,
+            remote_write=remote_write,
+            remote_password_file=remote_password_file,
+            route=route,
+        )
+    )
 
 
 @main.command()
 @artifact_argument
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=300, show_default=True,
-              help="Requests to send.")
-@click.option("--users", "num_users", type=click.IntRange(min=1), default=40, show_default=True,
-              help="Distinct users in the population.")
+@click.option(
+    "--requests", "num_requests", type=click.IntRange(min=1), default=300, show_default=True, help="Requests to send."
+)
+@click.option(
+    "--users",
+    "num_users",
+    type=click.IntRange(min=1),
+    default=40,
+    show_default=True,
+    help="Distinct users in the population.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
-@click.option("--checkpoint", type=click.Path(path_type=Path),
-              help="The checkpoint OUT was built from (needed when it was built from one).")
+@click.option(
+    "--checkpoint",
+    type=click.Path(path_type=Path),
+    help="The checkpoint OUT was built from (needed when it was built from one).",
+)
 @click.option("--json", "json_path", type=WritablePath(), help="Also write the result as JSON.")
 @remote_options
-@click.option("--route", type=Route(), default="0/1", show_default=True,
-              help="Score only the requests a seeded router sends to process I of N: N soaks with one seed "
-                   "and one --remote soak a fleet, each user's requests landing on any of them.")
+@click.option(
+    "--route",
+    type=Route(),
+    default="0/1",
+    show_default=True,
+    help="Score only the requests a seeded router sends to process I of N: N soaks with one seed "
+    "and one --remote soak a fleet, each user's requests landing on any of them.",
+)
 @_handle_errors
 @_aoti_errors_filtered
-def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None,
-         json_path: Path | None, remote: str | None, remote_write: str, remote_password_file: Path | None,
-         route: tuple[int, int]) -> None:
+def soak(
+    out: Path,
+    num_requests: int,
+    num_users: int,
+    seed: int,
+    checkpoint: Path | None,
+    json_path: Path | None,
+    remote: str | None,
+    remote_write: str,
+    remote_password_file: Path | None,
+    route: tuple[int, int],
+) -> None:
     """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
     from kvexport.trace.soak import soak as run_soak
 
     remote = _remote_url(remote, remote_password_file)
-    report = run_soak(out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write,
-                      route=route)
+    report = run_soak(
+        out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write, route=route
+    )
     counters = ", ".join(f"{k} {v}" for k, v in report.counters.items())
-    click.echo(f"requests {report.requests} (route {report.route} of {num_requests}), users {report.users}, "
-               f"seed {report.seed}, {report.seconds:.1f} s")
+    click.echo(
+        f"requests {report.requests} (route {report.route} of {num_requests}), users {report.users}, "
+        f"seed {report.seed}, {report.seconds:.1f} s"
+    )
     click.echo(f"counters: {counters}")
     click.echo(f"workload: {', '.join(f'{k} {v}' for k, v in sorted(report.workload.items()))}")
     if remote and report.remote_hit_ratio is not None:
         from kvexport.ops.wrappers import redact_url
 
-        click.echo(f"remote: hit ratio {report.remote_hit_ratio:.3f} ({report.counters['remote_hits']} users served "
-                   f"from {redact_url(remote)}, {report.counters['remote_hit_tokens']} tokens)")
-    verdict = "PASS" if report.passed else f"FAIL ({report.mismatches} mismatches, first at request {report.first_mismatch})"
+        click.echo(
+            f"remote: hit ratio {report.remote_hit_ratio:.3f} ({report.counters['remote_hits']} users served "
+            f"from {redact_url(remote)}, {report.counters['remote_hit_tokens']} tokens)"
+        )
+    verdict = (
+        "PASS" if report.passed else f"FAIL ({report.mismatches} mismatches, first at request {report.first_mismatch})"
+    )
     click.echo(f"worst abs error {report.worst_abs:.3e}; verdict: {verdict}")
     if json_path:
         _write_json(json_path, report.to_json())
@@ -818,22 +1102,39 @@ def _lengths(ctx, param, value: str) -> list[int]:
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--json", "json_path", type=WritablePath(), help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=WritablePath(), help="Write latency vs history as PNG.")
-@click.option("--lengths", default="64,256,1024,4096", show_default=True, callback=_lengths,
-              help="Cached history events L to sweep.")
+@click.option(
+    "--lengths",
+    default="64,256,1024,4096",
+    show_default=True,
+    callback=_lengths,
+    help="Cached history events L to sweep.",
+)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed repetitions.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repetitions.")
-@click.option("--checkpoint", type=click.Path(path_type=Path),
-              help="The checkpoint an artifact TARGET was built from.")
+@click.option("--checkpoint", type=click.Path(path_type=Path), help="The checkpoint an artifact TARGET was built from.")
 @_handle_errors
 @_aoti_errors_filtered
-def bench(target: Path, json_path: Path | None, plot_path: Path | None, lengths: list[int], warmup: int,
-          repeats: int, checkpoint: Path | None) -> None:
+def bench(
+    target: Path,
+    json_path: Path | None,
+    plot_path: Path | None,
+    lengths: list[int],
+    warmup: int,
+    repeats: int,
+    checkpoint: Path | None,
+) -> None:
     """Benchmark TARGET (a config, built here cold and warm, or a built artifact)."""
     from kvexport.bench.run import plot, run_benchmarks
 
     results = run_benchmarks(target, lengths, warmup, repeats, checkpoint)
-    for key in ("cache_speedup", "package_speedup_vs_eager", "cpp_over_python_latency", "build_seconds_cold",
-                "build_seconds_warm", "bytes_per_cached_token"):
+    for key in (
+        "cache_speedup",
+        "package_speedup_vs_eager",
+        "cpp_over_python_latency",
+        "build_seconds_cold",
+        "build_seconds_warm",
+        "bytes_per_cached_token",
+    ):
         click.echo(f"{key:>26}: {results[key]}")
     if json_path:
         _write_json(json_path, results)

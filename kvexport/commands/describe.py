@@ -49,16 +49,20 @@ def describe(target: Path) -> dict:
         "aoti": {k: v for k, v in metadata.items() if k.startswith("AOTI_")},
     }
     if manifest is not None:
-        info.update({
-            "dims": manifest["dims"],
-            "versions": manifest["versions"],
-            "tolerance": manifest["tolerance"],
-            "trace_steps": len(manifest["trace"]["steps"]),
-            "step_program": manifest.get("step_program"),
-            "timings_seconds": manifest.get("timings_seconds", {}),
-            "artifact_bytes": sum((target / rel).stat().st_size for rel in manifest["files"]
-                                  if (target / rel).is_file()) + (target / MANIFEST).stat().st_size,
-        })
+        info.update(
+            {
+                "dims": manifest["dims"],
+                "versions": manifest["versions"],
+                "tolerance": manifest["tolerance"],
+                "trace_steps": len(manifest["trace"]["steps"]),
+                "step_program": manifest.get("step_program"),
+                "timings_seconds": manifest.get("timings_seconds", {}),
+                "artifact_bytes": sum(
+                    (target / rel).stat().st_size for rel in manifest["files"] if (target / rel).is_file()
+                )
+                + (target / MANIFEST).stat().st_size,
+            }
+        )
     if not metadata.get("kvexport.version"):
         raise UserError(f"{package} was not built by kvexport (no kvexport metadata); see {PACKAGE}")
     return info

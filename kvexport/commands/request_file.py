@@ -42,8 +42,14 @@ def _score_batch(package, batch: Batch, index: int) -> dict:
     return {"status": OK, "logits": logits, "user_ids": rows}
 
 
-def score_request_file(out: Path, requests_path: Path, output_path: Path, *, remote: str | None = None,
-                       remote_write: str = DEFAULT_WRITE_POLICY) -> list[dict]:
+def score_request_file(
+    out: Path,
+    requests_path: Path,
+    output_path: Path,
+    *,
+    remote: str | None = None,
+    remote_write: str = DEFAULT_WRITE_POLICY,
+) -> list[dict]:
     """Scores every batch in order and writes one entry per batch to output_path (see `kvexport run --help`).
 
     Every batch is validated before any runs; a batch the package refuses gets its error as status

@@ -68,33 +68,58 @@ def versions() -> dict[str, str]:
                 return importlib.metadata.version(name)
         return "absent"
 
-    return {"kvexport": __version__, "torch": torch.__version__,
-            "fbgemm_gpu": installed("fbgemm-gpu-cpu", "fbgemm-gpu")}
+    return {
+        "kvexport": __version__,
+        "torch": torch.__version__,
+        "fbgemm_gpu": installed("fbgemm-gpu-cpu", "fbgemm-gpu"),
+    }
 
 
 def signature(config: Config, device: str) -> dict:
     """Inputs and output with dtype, shape and device: a request is on the host whatever the
     package's device; the logits come back on the package's device."""
     m, b = config.model, "B"
-    shapes = {"user_ids": [b], "history_lengths": [b], "item_ids": ["sum(history_lengths)"],
-              "action_ids": ["sum(history_lengths)"], "context_ids": [b, m.context_width],
-              "num_candidates": [b], "candidate_ids": ["sum(num_candidates)"]}
-    return {"inputs": [{"name": n, "dtype": "int64", "shape": shapes[n], "device": "cpu"} for n in SIGNATURE],
-            "output": {"name": "logits", "dtype": "float32", "shape": ["sum(num_candidates)", m.num_tasks],
-                       "device": torch.device(device).type}}
+    shapes = {
+        "user_ids": [b],
+        "history_lengths": [b],
+        "item_ids": ["sum(history_lengths)"],
+        "action_ids": ["sum(history_lengths)"],
+        "context_ids": [b, m.context_width],
+        "num_candidates": [b],
+        "candidate_ids": ["sum(num_candidates)"],
+    }
+    return {
+        "inputs": [{"name": n, "dtype": "int64", "shape": shapes[n], "device": "cpu"} for n in SIGNATURE],
+        "output": {
+            "name": "logits",
+            "dtype": "float32",
+            "shape": ["sum(num_candidates)", m.num_tasks],
+            "device": torch.device(device).type,
+        },
+    }
 
 
 def dims(config: Config) -> dict[str, int | str]:
     """The limits a request must keep, as the manifest and `kvexport inspect` show them; item_ids and
     context_ids say whether those ids are table rows or the trainer's keys (docs/design.md §1.2)."""
     m = config.model
-    return {"max_batch_size": config.serving.max_batch_size, "max_history_length": m.max_history_length,
-            "max_num_candidates": m.max_num_candidates, "num_contextual_features": m.num_contextual_features,
-            "context_vocab_size": m.context_vocab_size, "context_ids": m.context_ids,
-            "item_vocab_size": m.item_vocab_size,
-            "item_ids": m.item_ids, "action_vocab_size": m.action_vocab_size, "num_tasks": m.num_tasks,
-            **({"head": m.head, "query_time_periods": [list(p) for p in m.query_time_periods]}
-               if m.head == "item_tower" else {})}
+    return {
+        "max_batch_size": config.serving.max_batch_size,
+        "max_history_length": m.max_history_length,
+        "max_num_candidates": m.max_num_candidates,
+        "num_contextual_features": m.num_contextual_features,
+        "context_vocab_size": m.context_vocab_size,
+        "context_ids": m.context_ids,
+        "item_vocab_size": m.item_vocab_size,
+        "item_ids": m.item_ids,
+        "action_vocab_size": m.action_vocab_size,
+        "num_tasks": m.num_tasks,
+        **(
+            {"head": m.head, "query_time_periods": [list(p) for p in m.query_time_periods]}
+            if m.head == "item_tower"
+            else {}
+        ),
+    }
 
 
 class _Stages:
@@ -149,9 +174,11 @@ def _check_device(device: str, source: str) -> None:
         if not torch.cuda.is_available():
             raise UserError(f"device cuda (from {source}): no CUDA device is visible to torch")
         if not library.has_kernels_for("cuda"):
-            raise UserError(f"device cuda (from {source}): the op library was built without CUDA kernels "
-                            f"(its torch {torch.__version__} has no CUDA, or nvcc was missing); rebuild it with "
-                            "`python -m kvexport.native` where both are present")
+            raise UserError(
+                f"device cuda (from {source}): the op library was built without CUDA kernels "
+                f"(its torch {torch.__version__} has no CUDA, or nvcc was missing); rebuild it with "
+                "`python -m kvexport.native` where both are present"
+            )
 
 
 def _weights(checkpoint: Path | None) -> dict[str, str | int]:
@@ -173,28 +200,37 @@ def runtime_name_for(config: Config, model: torch.nn.Module) -> str:
     return f"{config.name}-{digest.hexdigest()[:12]}"
 
 
-def _compile_step_program(model: torch.nn.Module, config: Config, runtime_name: str, device: str, staging: Path,
-                          inductor_configs: dict[str, object]) -> dict[str, object]:
+def _compile_step_program(
+    model: torch.nn.Module,
+    config: Config,
+    runtime_name: str,
+    device: str,
+    staging: Path,
+    inductor_configs: dict[str, object],
+) -> dict[str, object]:
     """Exports and compiles the step program (docs/design.md 3.9) to staging/step.pt2; returns
     its manifest entry."""
     program = export_step(StepProgram(model, runtime_name), config, device)
     ops = graph_custom_ops(program)
     # What a host needs to plan requests for it (kvexport/host/step_runner.py, the C++ harness).
-    metadata = {"kvexport.version": __version__, "kvexport.program": "step",
-                "kvexport.runtime_name": runtime_name, "kvexport.device": device,
-                "kvexport.runtime_config": config.runtime_json(),
-                "kvexport.request_limits": config.request_limits_json(),
-                "kvexport.max_prefix_length": str(config.model.max_prefix_length),
-                "kvexport.max_graph_rows": str(step_runner.MAX_GRAPH_ROWS),
-                "kvexport.max_graphs": str(step_runner.MAX_GRAPHS)}
+    metadata = {
+        "kvexport.version": __version__,
+        "kvexport.program": "step",
+        "kvexport.runtime_name": runtime_name,
+        "kvexport.device": device,
+        "kvexport.runtime_config": config.runtime_json(),
+        "kvexport.request_limits": config.request_limits_json(),
+        "kvexport.max_prefix_length": str(config.model.max_prefix_length),
+        "kvexport.max_graph_rows": str(step_runner.MAX_GRAPH_ROWS),
+        "kvexport.max_graphs": str(step_runner.MAX_GRAPHS),
+    }
     package = compile_package(program, staging / artifact.STEP_PACKAGE, metadata, inductor_configs)
     package_ops = check_package_ops(package, ops)
     check_shared_objects(package)
     return {"package": artifact.STEP_PACKAGE, "package_ops": dict(sorted(package_ops.items()))}
 
 
-def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str,
-                    step_program: bool) -> None:
+def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, device: str, step_program: bool) -> None:
     cpu_isa = config.serving.cpu_isa
     package_configs = isa.inductor_configs(cpu_isa)  # refuses a baseline this torch cannot honour
     stages = _Stages(total=(6 if cpu_isa == NATIVE_ISA else 7) + step_program)
@@ -240,8 +276,10 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         check_shared_objects(package)
     step = None
     if step_program:
-        with stages.stage("step program", "torch.export and AOTInductor compile of the request's device part "
-                                          "(step.pt2, replayed as CUDA graphs)"):
+        with stages.stage(
+            "step program",
+            "torch.export and AOTInductor compile of the request's device part (step.pt2, replayed as CUDA graphs)",
+        ):
             step = _compile_step_program(model, config, runtime_name, device, staging, package_configs)
     with stages.stage("manifest", "op library copy, sha256 of every file"):
         (staging / artifact.LIB_DIR).mkdir()
@@ -287,14 +325,21 @@ def _replace_directory(staging: Path, output: Path, force: bool) -> None:
         if backup.exists():
             rename_no_replace(backup, output)
         if isinstance(exc, FileExistsError):
-            raise UserError(f"{output} appeared during the build and was left as it is "
-                            "(use --force to replace it)") from exc
+            raise UserError(
+                f"{output} appeared during the build and was left as it is (use --force to replace it)"
+            ) from exc
         raise
     shutil.rmtree(backup, ignore_errors=True)
 
 
-def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = None, device: str | None = None,
-                   force: bool = False, step_program: bool | None = None) -> Path:
+def build_artifact(
+    config_path: Path,
+    output: Path,
+    checkpoint: Path | None = None,
+    device: str | None = None,
+    force: bool = False,
+    step_program: bool | None = None,
+) -> Path:
     """Runs every stage into a staging directory and renames it to `output` on success.
 
     device defaults to the config's serving.device; step_program (step.pt2) to whether it is cuda.
@@ -307,8 +352,13 @@ def build_artifact(config_path: Path, output: Path, checkpoint: Path | None = No
     started = time.perf_counter()
     try:
         with _prepare_output(output, force) as staging:
-            _write_artifact(config, staging, checkpoint, device,
-                            torch.device(device).type == "cuda" if step_program is None else step_program)
+            _write_artifact(
+                config,
+                staging,
+                checkpoint,
+                device,
+                torch.device(device).type == "cuda" if step_program is None else step_program,
+            )
             _replace_directory(staging, output, force)
     except OSError as exc:  # disk full, permissions: the user's environment
         raise UserError(f"cannot write {output}: {exc.strerror or exc}") from exc

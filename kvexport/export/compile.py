@@ -30,14 +30,18 @@ def required_libraries(ops: Counter[str]) -> list[str]:
     return sorted({LIBRARIES[name.split("::")[0]] for name in ops})
 
 
-def compile_package(ep: ExportedProgram, path: Path, metadata: dict[str, str],
-                    inductor_configs: dict[str, object] | None = None) -> Path:
+def compile_package(
+    ep: ExportedProgram, path: Path, metadata: dict[str, str], inductor_configs: dict[str, object] | None = None
+) -> Path:
     """aoti_compile_and_package with string metadata (read back by get_metadata in Python and C++),
     further inductor settings (kvexport.native.isa.inductor_configs) and the C++ compiler kvexport.native.toolchain
     chose (the one that built the op library)."""
     library.load()  # effects must be declared before compile too
-    configs = {**(inductor_configs or {}), **toolchain.inductor_configs(toolchain.select_compiler()),
-               "aot_inductor.metadata": metadata}
+    configs = {
+        **(inductor_configs or {}),
+        **toolchain.inductor_configs(toolchain.select_compiler()),
+        "aot_inductor.metadata": metadata,
+    }
     return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=configs))
 
 

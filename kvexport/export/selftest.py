@@ -45,7 +45,5 @@ def check_package(root: Path) -> None:
             fail("after a refused request the package's next output differs from the recorded one")
 
 
-
-
 if __name__ == "__main__":
     main(sys.argv[1:], check_package)

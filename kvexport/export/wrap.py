@@ -25,11 +25,26 @@ class _RuntimeProgram(nn.Module):
 class CachedRanker(_RuntimeProgram):
     """Plain tensors in (the batch signature), logits out, through the named cache runtime."""
 
-    def forward(self, user_ids: torch.Tensor, history_lengths: torch.Tensor, item_ids: torch.Tensor,
-                action_ids: torch.Tensor, context_ids: torch.Tensor, num_candidates: torch.Tensor,
-                candidate_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.cached_logits(self.runtime_name, user_ids, history_lengths, item_ids, action_ids,
-                                        context_ids, num_candidates, candidate_ids)
+    def forward(
+        self,
+        user_ids: torch.Tensor,
+        history_lengths: torch.Tensor,
+        item_ids: torch.Tensor,
+        action_ids: torch.Tensor,
+        context_ids: torch.Tensor,
+        num_candidates: torch.Tensor,
+        candidate_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.model.cached_logits(
+            self.runtime_name,
+            user_ids,
+            history_lengths,
+            item_ids,
+            action_ids,
+            context_ids,
+            num_candidates,
+            candidate_ids,
+        )
 
 
 def dynamic_shapes(config: Config) -> dict[str, dict[int, Dim]]:
@@ -54,26 +69,35 @@ def export_cached(module: CachedRanker, config: Config) -> ExportedProgram:
     library.load()  # effects must be declared before tracing
     with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
         example = example_batch(config).tensors()
-        return torch.export.export(module.eval(), example,
-                                   dynamic_shapes=dynamic_shapes(config), strict=False)
+        return torch.export.export(module.eval(), example, dynamic_shapes=dynamic_shapes(config), strict=False)
 
 
 class StepProgram(_RuntimeProgram):
     """The device part of a cached request as a program of its own (docs/design.md 3.9):
     begin_step's inputs and plan in (StepInputs, then StepPlan), logits of every candidate row out."""
 
-    def forward(self, candidate_ids: torch.Tensor, candidate_positions: torch.Tensor, new_ids: torch.Tensor,
-                new_positions: torch.Tensor, page_table: torch.Tensor, row_user: torch.Tensor,
-                row_keys: torch.Tensor, row_candidate: torch.Tensor, write_slots: torch.Tensor,
-                value_slots: torch.Tensor, row_order: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        candidate_ids: torch.Tensor,
+        candidate_positions: torch.Tensor,
+        new_ids: torch.Tensor,
+        new_positions: torch.Tensor,
+        page_table: torch.Tensor,
+        row_user: torch.Tensor,
+        row_keys: torch.Tensor,
+        row_candidate: torch.Tensor,
+        write_slots: torch.Tensor,
+        value_slots: torch.Tensor,
+        row_order: torch.Tensor,
+        tiles: torch.Tensor,
+    ) -> torch.Tensor:
         inputs = kv.StepInputs(candidate_ids, candidate_positions, new_ids, new_positions)
         plan = kv.StepPlan(page_table, row_user, row_keys, row_candidate, write_slots, value_slots, row_order, tiles)
         return self.model.step_logits(self.runtime_name, inputs, plan)
 
 
 # A step program's example for export: sizes distinct from each other (no two dimensions unify).
-_STEP_EXAMPLE = kv.StepLayout(candidate_rows=16, prefix_rows=24, users=2, pages_per_user=0, tiles=5,
-                              real_candidates=16)
+_STEP_EXAMPLE = kv.StepLayout(candidate_rows=16, prefix_rows=24, users=2, pages_per_user=0, tiles=5, real_candidates=16)
 
 
 def step_dynamic_shapes(config: Config) -> tuple[dict[int, Dim], ...]:
@@ -85,8 +109,20 @@ def step_dynamic_shapes(config: Config) -> tuple[dict[int, Dim], ...]:
     rows = Dim("rows", min=32, max=candidate_rows.max + prefix_rows.max)
     users = Dim("users", min=1, max=2 * max_batch)
     tiles = Dim("tiles", min=2, max=rows.max + users.max)
-    return ({0: candidate_rows}, {0: candidate_rows}, {0: prefix_rows}, {0: prefix_rows},
-            {0: users}, {0: rows}, {0: rows}, {0: rows}, {0: prefix_rows}, {0: prefix_rows}, {0: rows}, {0: tiles})
+    return (
+        {0: candidate_rows},
+        {0: candidate_rows},
+        {0: prefix_rows},
+        {0: prefix_rows},
+        {0: users},
+        {0: rows},
+        {0: rows},
+        {0: rows},
+        {0: prefix_rows},
+        {0: prefix_rows},
+        {0: rows},
+        {0: tiles},
+    )
 
 
 def step_example(config: Config, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -100,5 +136,6 @@ def export_step(module: StepProgram, config: Config, device: torch.device | str 
     """torch.export of the step program: one program for every bucket."""
     library.load()
     with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        return torch.export.export(module.eval(), step_example(config, device),
-                                   dynamic_shapes=step_dynamic_shapes(config), strict=False)
+        return torch.export.export(
+            module.eval(), step_example(config, device), dynamic_shapes=step_dynamic_shapes(config), strict=False
+        )

@@ -53,8 +53,10 @@ def _load_shipped_library(artifact: Artifact) -> None:
         raise UserError(f"artifact {artifact.root} is incomplete: {LIB_DIR}/{OPS_LIBRARY_NAME} is missing")
     loaded = library.load(shipped)
     if sha256_of(shipped) != _loaded_library_digest(loaded):
-        raise UserError(f"{shipped} differs from the op library loaded here ({loaded}); rebuild the artifact "
-                        "with this kvexport, or check it with `kvexport replay`, which uses the shipped one")
+        raise UserError(
+            f"{shipped} differs from the op library loaded here ({loaded}); rebuild the artifact "
+            "with this kvexport, or check it with `kvexport replay`, which uses the shipped one"
+        )
 
 
 def package_device(artifact: Artifact) -> torch.device:
@@ -87,9 +89,17 @@ class Package:
     open keeps scoring correctly and starts from an empty cache).
     """
 
-    def __init__(self, artifact: Artifact, device: torch.device | str | None = None, *,
-                 check_files: bool = False, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
-                 step_program: bool = True, cuda_graphs: bool = True):
+    def __init__(
+        self,
+        artifact: Artifact,
+        device: torch.device | str | None = None,
+        *,
+        check_files: bool = False,
+        remote: str | None = None,
+        remote_write: str = DEFAULT_WRITE_POLICY,
+        step_program: bool = True,
+        cuda_graphs: bool = True,
+    ):
         self.artifact = artifact
         self._device = _resolve_device(artifact, device)
         check_write_policy(remote_write)
@@ -119,8 +129,10 @@ class Package:
             except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
                 raise UserError(f"cannot load {artifact.step_package}: {first_line(exc)}") from exc
             if self._step.runtime_name != artifact.runtime_name:
-                raise UserError(f"{artifact.step_package} is not this artifact's step program (its runtime is "
-                                f"{self._step.runtime_name}, the package's {artifact.runtime_name})")
+                raise UserError(
+                    f"{artifact.step_package} is not this artifact's step program (its runtime is "
+                    f"{self._step.runtime_name}, the package's {artifact.runtime_name})"
+                )
         self._remote = _attach_remote(artifact.runtime_name, remote, remote_write) if remote is not None else None
         self._state = threading.Condition()
         self._in_flight = 0
@@ -226,14 +238,18 @@ class Package:
             if not requests:
                 raise RequestError("score_users got no requests")
             if len(requests) > self.max_batch_size:
-                raise RequestError(f"score_users got {len(requests)} requests; the package takes at most "
-                                   f"{self.max_batch_size} users per request (max_batch_size)")
+                raise RequestError(
+                    f"score_users got {len(requests)} requests; the package takes at most "
+                    f"{self.max_batch_size} users per request (max_batch_size)"
+                )
             users = [check_user_request(raw, self.config, i) for i, raw in enumerate(requests)]
             first: dict[int, int] = {}
             for i, user in enumerate(users):
                 if user.user_id in first:
-                    raise RequestError(f"requests {first[user.user_id]} and {i} are both user {user.user_id}; "
-                                       "each user may appear once per request")
+                    raise RequestError(
+                        f"requests {first[user.user_id]} and {i} are both user {user.user_id}; "
+                        "each user may appear once per request"
+                    )
                 first[user.user_id] = i
             logits = self._run(Batch.concat(users))
             return list(logits.split([len(u.candidate_ids) for u in users]))
@@ -271,8 +287,7 @@ class Package:
             self._closed = True
             self._state.wait_for(lambda: self._in_flight == 0)
         if self._remote is not None and not kv.flush_remote(self.runtime_name, FLUSH_TIMEOUT_MS):
-            log.warning("remote tier %s: writes still queued after %d ms were dropped", self._remote,
-                        FLUSH_TIMEOUT_MS)
+            log.warning("remote tier %s: writes still queued after %d ms were dropped", self._remote, FLUSH_TIMEOUT_MS)
         kv.drop_runtime(self.runtime_name)
         self._compiled = self._step = None
 
@@ -361,9 +376,16 @@ class _InFlight:
                 p._state.notify_all()
 
 
-def load(out: str | Path | Artifact, device: torch.device | str | None = None, *,
-         check_files: bool = True, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
-         step_program: bool = True, cuda_graphs: bool = True) -> Package:
+def load(
+    out: str | Path | Artifact,
+    device: torch.device | str | None = None,
+    *,
+    check_files: bool = True,
+    remote: str | None = None,
+    remote_write: str = DEFAULT_WRITE_POLICY,
+    step_program: bool = True,
+    cuda_graphs: bool = True,
+) -> Package:
     """Loads a built artifact directory (`kvexport build -o OUT`) into this process.
 
     device: None runs the package on the device it was built for (the manifest's, e.g. "cuda");
@@ -391,5 +413,12 @@ def load(out: str | Path | Artifact, device: torch.device | str | None = None, *
     Loading empties the cache runtime of any other copy of the same package in this process.
     """
     artifact = out if isinstance(out, Artifact) else open_artifact(out)
-    return Package(artifact, device, check_files=check_files, remote=remote, remote_write=remote_write,
-                   step_program=step_program, cuda_graphs=cuda_graphs)
+    return Package(
+        artifact,
+        device,
+        check_files=check_files,
+        remote=remote,
+        remote_write=remote_write,
+        step_program=step_program,
+        cuda_graphs=cuda_graphs,
+    )

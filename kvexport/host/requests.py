@@ -76,8 +76,10 @@ _INT64 = torch.iinfo(torch.int64)
 def _check_user_id(value: object, where: str) -> int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise RequestError(f"{where}user_id must be an int or a one-element integer tensor, got a tensor "
-                               f"of dtype {str(value.dtype).replace('torch.', '')} and shape {list(value.shape)}")
+            raise RequestError(
+                f"{where}user_id must be an int or a one-element integer tensor, got a tensor "
+                f"of dtype {str(value.dtype).replace('torch.', '')} and shape {list(value.shape)}"
+            )
         value = int(value.item())
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{where}user_id must be an int, got {type(value).__name__}")
@@ -106,8 +108,10 @@ def check_user_request(raw: object, config, index: int) -> UserRequest:
     user_id = _check_user_id(raw["user_id"], where)
     t = {name: _check_tensor(name, raw[name], 1, where) for name in USER_REQUEST_FIELDS[1:]}
     if len(t["item_ids"]) != len(t["action_ids"]):
-        raise RequestError(f"{where}item_ids has {len(t['item_ids'])} events but action_ids has "
-                           f"{len(t['action_ids'])}; each event is one item and one action")
+        raise RequestError(
+            f"{where}item_ids has {len(t['item_ids'])} events but action_ids has "
+            f"{len(t['action_ids'])}; each event is one item and one action"
+        )
     width = config.model.context_width
     if len(t["context_ids"]) != width:
         what = " (its contextual features, then the query time)" if config.model.head == "item_tower" else ""

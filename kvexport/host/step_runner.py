@@ -69,9 +69,19 @@ class StepRunner:
     def run(self, batch: Batch) -> torch.Tensor:
         """Scores a checked batch: float32 logits [sum(num_candidates), num_tasks] on the device."""
         user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-            self.runtime_name, self._limits, *batch.tensors())
-        staged, layout = kv.begin_step(self.runtime_name, self._runtime_config, user_ids, token_ids, token_lengths,
-                                       num_candidates, candidate_ids, self._placement, self._max_prefix_length)
+            self.runtime_name, self._limits, *batch.tensors()
+        )
+        staged, layout = kv.begin_step(
+            self.runtime_name,
+            self._runtime_config,
+            user_ids,
+            token_ids,
+            token_lengths,
+            num_candidates,
+            candidate_ids,
+            self._placement,
+            self._max_prefix_length,
+        )
         try:
             if self._graphs_on:
                 logits = self._run_on_stream(staged, layout)
@@ -120,8 +130,11 @@ class StepRunner:
                 captured = self._program(*inputs, *plan)
         except RuntimeError as exc:
             self._graphs_on = False
-            log.warning("%s: capturing a CUDA graph failed (%s); the step program runs without graphs",
-                        self.runtime_name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning(
+                "%s: capturing a CUDA graph failed (%s); the step program runs without graphs",
+                self.runtime_name,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
             return
         if len(self._buckets) == MAX_GRAPHS:
             self._buckets.popitem(last=False)

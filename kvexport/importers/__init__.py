@@ -18,9 +18,9 @@ class CheckpointImportError(UserError):
 class Imported:
     """What `kvexport import-checkpoint` writes."""
 
-    config: dict[str, Any]           # a kvexport config file's mapping
+    config: dict[str, Any]  # a kvexport config file's mapping
     state_dict: dict[str, torch.Tensor]
-    notes: list[str]                 # one line each: what was derived and from where
+    notes: list[str]  # one line each: what was derived and from where
 
 
 def deployment_sections(longest_prefix: int, max_history: int, max_candidates: int) -> dict[str, dict]:
@@ -31,7 +31,12 @@ def deployment_sections(longest_prefix: int, max_history: int, max_candidates: i
     return {
         "kv_cache": {"page_size": 32, "device_pages": 8 * pages, "host_pages": 32 * pages},
         "serving": {"max_batch_size": 8, "device": "cpu"},
-        "trace": {"seed": 0, "num_users": 8, "min_history_length": min(16, max_history),
-                  "max_trace_history_length": min(256, max_history), "max_new_events": min(8, max_history),
-                  "num_candidates": min(16, max_candidates)},
+        "trace": {
+            "seed": 0,
+            "num_users": 8,
+            "min_history_length": min(16, max_history),
+            "max_trace_history_length": min(256, max_history),
+            "max_new_events": min(8, max_history),
+            "num_candidates": min(16, max_candidates),
+        },
     }

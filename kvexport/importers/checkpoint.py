@@ -17,8 +17,15 @@ from kvexport.model.checkpoint import check_state_dict
 from kvexport.model.hstu import HSTURanker
 
 
-def import_checkpoint(trainer: str, source: Path, options: ImportOptions | MetaOptions, output: Path,
-                      config_out: Path, name: str, trainer_config: Path | None = None) -> Imported:
+def import_checkpoint(
+    trainer: str,
+    source: Path,
+    options: ImportOptions | MetaOptions,
+    output: Path,
+    config_out: Path,
+    name: str,
+    trainer_config: Path | None = None,
+) -> Imported:
     """Imports `trainer`'s ("nvidia" or "meta") checkpoint directory `source` with its options
     (nvidia: ImportOptions and the trainer's gin file `trainer_config`; meta: MetaOptions).
 
@@ -38,8 +45,9 @@ def import_checkpoint(trainer: str, source: Path, options: ImportOptions | MetaO
         check_state_dict(imported.state_dict, HSTURanker(config), output)
     write_atomically(output, lambda tmp: torch.save(imported.state_dict, tmp), "checkpoint")
     try:
-        write_atomically(config_out, lambda tmp: tmp.write_text(yaml.safe_dump(imported.config, sort_keys=False)),
-                         "config")
+        write_atomically(
+            config_out, lambda tmp: tmp.write_text(yaml.safe_dump(imported.config, sort_keys=False)), "config"
+        )
     except BaseException:
         output.unlink(missing_ok=True)
         raise

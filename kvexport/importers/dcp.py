@@ -33,11 +33,20 @@ _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # The records of a .metadata pickle, each a stand-in that keeps its state (_Record.field).
 _RECORD_NAMES = {
     (_METADATA_MODULE, name): type(name, (_Record,), {"__module__": __name__})
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 }
 _RECORD_NAMES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = type(
-    "_StorageInfo", (_Record,), {"__module__": __name__})
+    "_StorageInfo", (_Record,), {"__module__": __name__}
+)
 _LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
 
 
@@ -150,8 +159,13 @@ def _entries(directory: Path) -> tuple[dict, dict]:
     storage = _field(metadata, "storage_data", str(directory))
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise UserError(f"{directory / METADATA_FILE} is unreadable: its entries are not tables")
-    where = {(_field(index, "fqn", str(directory)), tuple(_field(index, "offset", str(directory), optional=True) or ())): info
-             for index, info in storage.items()}
+    where = {
+        (
+            _field(index, "fqn", str(directory)),
+            tuple(_field(index, "offset", str(directory), optional=True) or ()),
+        ): info
+        for index, info in storage.items()
+    }
     return entries, where
 
 
@@ -186,8 +200,11 @@ def read_tensors(directory: Path, keys: Iterable[str] | None = None) -> dict[str
     or overlap.
     """
     entries, where = _entries(directory)
-    wanted = ([key for key, entry in entries.items() if type(entry).__name__ == "TensorStorageMetadata"]
-              if keys is None else list(keys))
+    wanted = (
+        [key for key, entry in entries.items() if type(entry).__name__ == "TensorStorageMetadata"]
+        if keys is None
+        else list(keys)
+    )
     return {key: _read_tensor(directory, key, _tensor_entry(directory, entries, key), where) for key in wanted}
 
 
@@ -198,8 +215,10 @@ def _layout_of(directory: Path, key: str, entry: Any, where: dict):
     try:
         size = tuple(int(n) for n in _field(entry, "size", key))
         dtype = _properties(_field(entry, "properties", key), key)
-        chunks = [(tuple(int(o) for o in _field(c, "offsets", key)), tuple(int(n) for n in _field(c, "sizes", key)))
-                  for c in _field(entry, "chunks", key)]
+        chunks = [
+            (tuple(int(o) for o in _field(c, "offsets", key)), tuple(int(n) for n in _field(c, "sizes", key)))
+            for c in _field(entry, "chunks", key)
+        ]
     except UserError:
         raise
     except (TypeError, ValueError) as exc:
@@ -207,9 +226,20 @@ def _layout_of(directory: Path, key: str, entry: Any, where: dict):
     problem = tiling_problem(size, chunks, "chunk")
     if problem:
         raise UserError(f"{directory}: {key}: {problem}")
-    return size, dtype, [(offsets, lengths, _chunk_place(directory, key, where.get((key, offsets)), offsets,
-                                                         torch.Size(lengths).numel() * dtype.itemsize))
-                         for offsets, lengths in chunks]
+    return (
+        size,
+        dtype,
+        [
+            (
+                offsets,
+                lengths,
+                _chunk_place(
+                    directory, key, where.get((key, offsets)), offsets, torch.Size(lengths).numel() * dtype.itemsize
+                ),
+            )
+            for offsets, lengths in chunks
+        ],
+    )
 
 
 def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Tensor:
@@ -217,11 +247,17 @@ def _read_tensor(directory: Path, key: str, entry: Any, where: dict) -> torch.Te
     whole = None
     for offsets, lengths, place in chunks:
         chunk = _read_chunk(key, *place)
-        if (tuple(chunk.shape) != lengths or chunk.dtype != dtype or chunk.layout != torch.strided or
-                chunk.untyped_storage().nbytes() < chunk.numel() * chunk.element_size()):
-            raise UserError(f"{directory}: {key}: its chunk at {list(offsets)} holds {chunk.dtype} "
-                            f"{list(chunk.shape)} in {chunk.untyped_storage().nbytes()} bytes, the metadata says "
-                            f"{dtype} {list(lengths)}")
+        if (
+            tuple(chunk.shape) != lengths
+            or chunk.dtype != dtype
+            or chunk.layout != torch.strided
+            or chunk.untyped_storage().nbytes() < chunk.numel() * chunk.element_size()
+        ):
+            raise UserError(
+                f"{directory}: {key}: its chunk at {list(offsets)} holds {chunk.dtype} "
+                f"{list(chunk.shape)} in {chunk.untyped_storage().nbytes()} bytes, the metadata says "
+                f"{dtype} {list(lengths)}"
+            )
         if len(chunks) == 1:  # the chunk is the tensor: no second copy
             return chunk.detach().contiguous()
         if whole is None:
@@ -260,17 +296,32 @@ def read_rows(directory: Path, key: str, rows: torch.Tensor) -> torch.Tensor:
     return got if bool((inverse[1:] > inverse[:-1]).all()) else got[inverse]
 
 
-def _read_chunk_rows(key: str, path: Path, offset: int, length: int, offsets: tuple[int, int],
-                     lengths: tuple[int, int], dtype: torch.dtype, rows: torch.Tensor, out: torch.Tensor) -> None:
+def _read_chunk_rows(
+    key: str,
+    path: Path,
+    offset: int,
+    length: int,
+    offsets: tuple[int, int],
+    lengths: tuple[int, int],
+    dtype: torch.dtype,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """Reads rows (ascending, inside the chunk) of a chunk at `offsets` into out's columns of the chunk."""
     with open(path, "rb") as file:
         view = _FileView(file, offset, length)
         start, described = _storage_of(key, path, view)
-        if (tuple(described.shape) != lengths or described.dtype != dtype or described.layout != torch.strided
-                or described.stride(1) != 1):
-            raise UserError(f"{path}: the chunk of {key} at {list(offsets)} holds {described.dtype} "
-                            f"{list(described.shape)} with strides {list(described.stride())}; the metadata says "
-                            f"{dtype} {list(lengths)} stored row by row")
+        if (
+            tuple(described.shape) != lengths
+            or described.dtype != dtype
+            or described.layout != torch.strided
+            or described.stride(1) != 1
+        ):
+            raise UserError(
+                f"{path}: the chunk of {key} at {list(offsets)} holds {described.dtype} "
+                f"{list(described.shape)} with strides {list(described.stride())}; the metadata says "
+                f"{dtype} {list(lengths)} stored row by row"
+            )
         itemsize, (row_stride, _) = dtype.itemsize, described.stride()
         end = described.storage_offset() + (lengths[0] - 1) * row_stride + lengths[1]
         storage_bytes = described.untyped_storage().nbytes()
@@ -288,7 +339,7 @@ def _read_chunk_rows(key: str, path: Path, offset: int, length: int, offsets: tu
             if contiguous:  # consecutive rows: one read
                 while i + run < len(local) and local[i + run] == local[i] + run:
                     run += 1
-            target = out_bytes[i:i + run] if contiguous else out_bytes[i, columns]
+            target = out_bytes[i : i + run] if contiguous else out_bytes[i, columns]
             _read_exactly(file, base + local[i] * row_stride * itemsize, memoryview(target).cast("B"), key, path)
             i += run
 
@@ -303,16 +354,30 @@ def _storage_of(key: str, path: Path, view: _FileView) -> tuple[int, torch.Tenso
         named = _storage_key(small["data.pkl"])
         view.seek(0)
         described = torch.load(io.BufferedReader(view), map_location="meta", weights_only=True)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, pickle.UnpicklingError, RuntimeError, EOFError, OSError,
-            NotImplementedError, ValueError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        OSError,
+        NotImplementedError,
+        ValueError,
+    ) as exc:
         raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc) or type(exc).__name__}") from None
     if not isinstance(described, torch.Tensor):
         raise UserError(f"{path}: the chunk of {key} is a {type(described).__name__}, not a tensor")
     order = small["byteorder"]
-    if (len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or order not in (None, b"little")
-            or storages[0].filename.rsplit("/", 1)[1] != named):
-        raise UserError(f"{path}: the chunk of {key} is not one uncompressed little-endian storage that its tensor "
-                        "names; kvexport reads rows only from those")
+    if (
+        len(storages) != 1
+        or storages[0].compress_type != zipfile.ZIP_STORED
+        or order not in (None, b"little")
+        or storages[0].filename.rsplit("/", 1)[1] != named
+    ):
+        raise UserError(
+            f"{path}: the chunk of {key} is not one uncompressed little-endian storage that its tensor "
+            "names; kvexport reads rows only from those"
+        )
     info = storages[0]
     view.seek(info.header_offset)
     header = view.read(30)
@@ -345,9 +410,12 @@ def _storage_key(data_pkl: bytes | None) -> str | None:
     ids = [i for i, (op, _, _) in enumerate(ops) if op.name == "BINPERSID"]
     if len(ids) != 1:
         return None
-    marks = [i for i, (op, _, _) in enumerate(ops[:ids[0]]) if op.name == "MARK"]
-    strings = [arg for op, arg, _ in ops[marks[-1] + 1 if marks else 0:ids[0]]
-               if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8")]
+    marks = [i for i, (op, _, _) in enumerate(ops[: ids[0]]) if op.name == "MARK"]
+    strings = [
+        arg
+        for op, arg, _ in ops[marks[-1] + 1 if marks else 0 : ids[0]]
+        if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8")
+    ]
     return strings[1] if len(strings) >= 2 and strings[0] == "storage" else None
 
 
@@ -367,29 +435,36 @@ def _chunk_place(directory: Path, key: str, info: Any, offsets: tuple[int, ...],
         raise UserError(f"{directory}: {key}: no data file holds its chunk at {list(offsets)}")
     transforms = _field(info, "transform_descriptors", key, optional=True)
     if transforms:
-        raise UserError(f"{directory}: {key} is stored through {list(transforms)} (compressed or transformed), "
-                        "which kvexport does not read")
+        raise UserError(
+            f"{directory}: {key} is stored through {list(transforms)} (compressed or transformed), "
+            "which kvexport does not read"
+        )
     relative = str(_field(info, "relative_path", key))
     try:
         offset, length = int(_field(info, "offset", key)), int(_field(info, "length", key))
     except (TypeError, ValueError):
-        raise UserError(f"{directory}: {key}: its chunk at {list(offsets)} has no offset and length in a file") from None
+        raise UserError(
+            f"{directory}: {key}: its chunk at {list(offsets)} has no offset and length in a file"
+        ) from None
     path = directory / relative
     if not path.resolve().is_relative_to(directory.resolve()):
         raise UserError(f"{directory}: {key}: its data file {relative!r} lies outside the checkpoint")
     if not path.is_file():
         raise UserError(f"{directory}: the data file {relative} of {key} is missing")
     if offset < 0 or length < nbytes or path.stat().st_size < offset + length:
-        raise UserError(f"{path} is shorter than the chunk of {key} it should hold ({nbytes} bytes of values in "
-                        f"{length} bytes at {offset})")
+        raise UserError(
+            f"{path} is shorter than the chunk of {key} it should hold ({nbytes} bytes of values in "
+            f"{length} bytes at {offset})"
+        )
     return path, offset, length
 
 
 def _read_chunk(key: str, path: Path, offset: int, length: int) -> torch.Tensor:
     try:
         with open(path, "rb") as file:
-            chunk = torch.load(io.BufferedReader(_FileView(file, offset, length)), map_location="cpu",
-                               weights_only=True)
+            chunk = torch.load(
+                io.BufferedReader(_FileView(file, offset, length)), map_location="cpu", weights_only=True
+            )
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, MemoryError) as exc:
         raise UserError(f"{path}: the chunk of {key} is unreadable: {first_line(exc) or type(exc).__name__}") from None
     if not isinstance(chunk, torch.Tensor):

@@ -62,8 +62,10 @@ def tensor(dense: dict[str, Any], key: str, shape: tuple[int, ...] | None = None
         _refuse(f"checkpoint lacks {key}")
     value = dense[key]
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-        _refuse(f"{key} is {type(value).__name__ if not isinstance(value, torch.Tensor) else value.dtype}, "
-                "not a floating-point tensor")
+        _refuse(
+            f"{key} is {type(value).__name__ if not isinstance(value, torch.Tensor) else value.dtype}, "
+            "not a floating-point tensor"
+        )
     if shape is not None and tuple(value.shape) != shape:
         _refuse(f"{key} has shape {list(value.shape)}, expected {list(shape)}")
     return value.float()
@@ -152,8 +154,10 @@ def context_rows(dense: dict[str, Any], feature: int, rows: torch.Tensor) -> tor
     an id the table lacks reads a zero row: the token DlrmHSTU makes of a missing feature)."""
     weights = tensor(dense, CONTEXT_WEIGHTS)
     if weights.dim() != 3 or not 0 <= feature < weights.shape[0] or rows.shape[1] != weights.shape[1]:
-        _refuse(f"{CONTEXT_WEIGHTS} has shape {list(weights.shape)}: no map of {rows.shape[1]} values for "
-                f"contextual feature {feature}")
+        _refuse(
+            f"{CONTEXT_WEIGHTS} has shape {list(weights.shape)}: no map of {rows.shape[1]} values for "
+            f"contextual feature {feature}"
+        )
     return rows.float() @ weights[feature]
 
 
@@ -176,8 +180,10 @@ def layer_state(dense: dict[str, Any], index: int, num_heads: int) -> dict[str, 
     hidden = uvqk.shape[0]
     value_width = tensor(dense, p + "_output_norm_weight").shape[0]  # dv H
     if uvqk.shape[1] != 4 * value_width:
-        _refuse(f"{p}_uvqk_weight has shape {list(uvqk.shape)}: q/k heads of another width than u/v's "
-                f"({value_width} values), which kvexport's cache cannot hold")
+        _refuse(
+            f"{p}_uvqk_weight has shape {list(uvqk.shape)}: q/k heads of another width than u/v's "
+            f"({value_width} values), which kvexport's cache cannot hold"
+        )
     if value_width % num_heads:
         _refuse(f"{p}_output_norm_weight has {value_width} values, not a multiple of {num_heads} heads")
     return {
@@ -192,8 +198,13 @@ def layer_state(dense: dict[str, Any], index: int, num_heads: int) -> dict[str, 
     }
 
 
-def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
-                  history_time_row: int | None = 0, history_positions: str = "from_max") -> torch.Tensor:
+def position_rows(
+    dense: dict[str, Any],
+    num_contextual: int,
+    max_history: int,
+    history_time_row: int | None = 0,
+    history_positions: str = "from_max",
+) -> torch.Tensor:
     """kvexport's position table [C + M + 1, D] for event_tokens combined and candidate_position
     shared_row, under the per-user rules of docs/checkpoint.md (*Approximated*):
     - contextual token c: DlrmHSTU's position row c plus its last time row (a contextual token's
@@ -210,8 +221,10 @@ def position_rows(dense: dict[str, Any], num_contextual: int, max_history: int,
     if positions.dim() != 2 or times.dim() != 2 or positions.shape[1] != times.shape[1]:
         _refuse(f"{POSITIONS} {list(positions.shape)} and {TIMES} {list(times.shape)} are not tables of one width")
     if num_contextual >= positions.shape[0] or times.shape[0] == 0:
-        _refuse(f"{POSITIONS} has {positions.shape[0]} rows and {TIMES} {times.shape[0]}: no position past the "
-                f"{num_contextual} contextual features, or no time row")
+        _refuse(
+            f"{POSITIONS} has {positions.shape[0]} rows and {TIMES} {times.shape[0]}: no position past the "
+            f"{num_contextual} contextual features, or no time row"
+        )
     if history_time_row is not None and not 0 <= history_time_row < times.shape[0]:
         _refuse(f"time row {history_time_row} is not one of {TIMES}'s {times.shape[0]} rows")
     if history_positions not in HISTORY_POSITIONS:
@@ -251,8 +264,10 @@ def query_time_periods(dense: dict[str, Any]) -> list[list[int]]:
         _refuse(f"{PERIOD_UNITS} {list(units.shape)} and {UNITS_PER_PERIOD} {list(cycles.shape)} disagree")
     periods = [[float(u), float(n)] for u, n in zip(units[0].tolist(), cycles[0].tolist())]
     if not periods or any(not (v.is_integer() and 0 < v < 1 << 24) for pair in periods for v in pair):
-        _refuse(f"{PERIOD_UNITS} {units[0].tolist()} and {UNITS_PER_PERIOD} {cycles[0].tolist()}: kvexport's head "
-                "reads whole positive periods below 2^24")
+        _refuse(
+            f"{PERIOD_UNITS} {units[0].tolist()} and {UNITS_PER_PERIOD} {cycles[0].tolist()}: kvexport's head "
+            "reads whole positive periods below 2^24"
+        )
     return [[int(u), int(n)] for u, n in periods]
 
 
@@ -267,7 +282,7 @@ def time_rows(dense: dict[str, Any], hidden: int) -> torch.Tensor:
     codes = torch.arange(math.prod(cycles))
     features = []
     for p, units in enumerate(cycles):
-        index = codes // math.prod(cycles[p + 1:]) % units
+        index = codes // math.prod(cycles[p + 1 :]) % units
         angle = index.float() / torch.tensor(float(units)) * 2 * 3.14
         features += [angle.cos(), angle.sin()]
     return F.linear(torch.stack(features, dim=1), combiner[:, hidden:], bias)
@@ -318,8 +333,8 @@ HISTORY_POSITIONS = ("from_max", "from_start")
 
 @dataclasses.dataclass(frozen=True)
 class MetaOptions:
-    num_heads: int                      # not in the checkpoint: DLRMv3's config (hstu_num_heads)
-    max_history_length: int             # the longest history served (kvexport's positions count from it)
+    num_heads: int  # not in the checkpoint: DLRMv3's config (hstu_num_heads)
+    max_history_length: int  # the longest history served (kvexport's positions count from it)
     max_num_candidates: int
     item_table: str = "video_id"
     contextual_features: tuple[str, ...] = ()  # tables in the trainer's contextual feature order
@@ -330,7 +345,7 @@ class MetaOptions:
     history_positions: str = "from_max"
     # Each named contextual feature's served ids: only their rows are read (the others: every row).
     context_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    batch: int | None = None             # the <batch> directory (default: the newest)
+    batch: int | None = None  # the <batch> directory (default: the newest)
 
 
 def checkpoint_directory(source: Path, batch: int | None) -> Path:
@@ -351,8 +366,13 @@ def checkpoint_directory(source: Path, batch: int | None) -> Path:
 SparseReader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
 
 
-def _table(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader, name: str,
-           rows: torch.Tensor | None = None) -> torch.Tensor:
+def _table(
+    dense: _Reads,
+    sizes: dict[str, tuple[int, ...]],
+    read_sparse: SparseReader,
+    name: str,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Table `name`'s rows (all, or `rows`), from sparse/ (model-parallel) or dense_dict (data-parallel)."""
     sparse, local = SPARSE_TABLE.format(name), TABLE.format(name)
     if sparse in sizes:
@@ -382,16 +402,27 @@ def import_meta(source: Path, options: MetaOptions, name: str) -> Imported:
     def read_sparse(key: str, rows: torch.Tensor | None) -> torch.Tensor:
         started = time.perf_counter()
         table = dcp.read_tensors(sparse, [key])[key] if rows is None else dcp.read_rows(sparse, key, rows)
-        log.info("read %s: %d x %d %s in %.1f s", key, table.shape[0], table.shape[1],
-                 str(table.dtype).removeprefix("torch."), time.perf_counter() - started)
+        log.info(
+            "read %s: %d x %d %s in %.1f s",
+            key,
+            table.shape[0],
+            table.shape[1],
+            str(table.dtype).removeprefix("torch."),
+            time.perf_counter() - started,
+        )
         return table
 
     imported = fold(dense, sizes, read_sparse, options, name)
     return Imported(imported.config, imported.state_dict, [f"read {directory}", *imported.notes])
 
 
-def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader,
-         options: MetaOptions, name: str) -> Imported:
+def fold(
+    dense_dict: dict[str, Any],
+    sizes: dict[str, tuple[int, ...]],
+    read_sparse: SparseReader,
+    options: MetaOptions,
+    name: str,
+) -> Imported:
     """import_meta on a checkpoint's dense_dict and its sparse/ tables (their sizes by key, and a
     reader of their rows)."""
     dense = _Reads(dense_dict)
@@ -404,37 +435,61 @@ def fold(dense_dict: dict[str, Any], sizes: dict[str, tuple[int, ...]], read_spa
     out, hidden, head_dim = _layers(dense, options)
     out["action_embedding.weight"] = action_rows(dense)
     num_context = len(options.contextual_features)
-    out["position_embedding.weight"] = position_rows(dense, num_context, options.max_history_length,
-                                                     HISTORY_TIMES[options.history_time], options.history_positions)
+    out["position_embedding.weight"] = position_rows(
+        dense, num_context, options.max_history_length, HISTORY_TIMES[options.history_time], options.history_positions
+    )
     out.update(_context_tables(dense, sizes, read_sparse, options, hidden, notes))
     items, item_ids = _item_tables(dense, sizes, read_sparse, options, hidden, notes)
     out.update(items)
     unread = sorted(key for key in dense if key not in dense.read)
     if unread:
-        raise RuntimeError(f"kvexport bug: the Meta import declares {unread[0]} among the keys it reads but never "
-                           "read it (meta_dlrmv3.read_keys)")
+        raise RuntimeError(
+            f"kvexport bug: the Meta import declares {unread[0]} among the keys it reads but never "
+            "read it (meta_dlrmv3.read_keys)"
+        )
     scaling = num_context + options.max_history_length + options.max_num_candidates
-    positions = (f"positions counted back from {options.max_history_length} events"
-                 if options.history_positions == "from_max" else "positions counted from the oldest event")
+    positions = (
+        f"positions counted back from {options.max_history_length} events"
+        if options.history_positions == "from_max"
+        else "positions counted from the oldest event"
+    )
     times = "every history event at time row 0" if options.history_time == "zero" else "no history time row"
-    notes.append(f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
-                 f"{scaling} (C + max history + max candidates), {positions}, {times} (docs/checkpoint.md)")
+    notes.append(
+        f"per-user rules (DlrmHSTU's batch-dependent ones cannot be cached): attention normaliser "
+        f"{scaling} (C + max history + max candidates), {positions}, {times} (docs/checkpoint.md)"
+    )
     model = {
-        "num_layers": num_layers(dense), "hidden_size": hidden, "num_heads": options.num_heads, "head_dim": head_dim,
-        "num_contextual_features": num_context, "max_history_length": options.max_history_length,
-        "max_num_candidates": options.max_num_candidates, "scaling_seqlen": scaling,
-        "num_tasks": out["head.mlp.2.weight"].shape[0], "dtype": "float32",
+        "num_layers": num_layers(dense),
+        "hidden_size": hidden,
+        "num_heads": options.num_heads,
+        "head_dim": head_dim,
+        "num_contextual_features": num_context,
+        "max_history_length": options.max_history_length,
+        "max_num_candidates": options.max_num_candidates,
+        "scaling_seqlen": scaling,
+        "num_tasks": out["head.mlp.2.weight"].shape[0],
+        "dtype": "float32",
         "context_vocab_size": out["context_embedding.weight"].shape[0],
         "item_vocab_size": out["item_embedding.weight"].shape[0],
         "action_vocab_size": out["action_embedding.weight"].shape[0],
-        "mlp_hidden_size": out["head.mlp.0.weight"].shape[0], "layer_norm_eps": LAYER_EPS,
-        "silu_on": "u", "layer_output": "concat", "item_ids": item_ids,
-        "context_ids": "keys" if num_context else "rows", "event_tokens": "combined",
-        "candidate_position": "shared_row", "head": "item_tower", "query_time_periods": query_time_periods(dense),
+        "mlp_hidden_size": out["head.mlp.0.weight"].shape[0],
+        "layer_norm_eps": LAYER_EPS,
+        "silu_on": "u",
+        "layer_output": "concat",
+        "item_ids": item_ids,
+        "context_ids": "keys" if num_context else "rows",
+        "event_tokens": "combined",
+        "candidate_position": "shared_row",
+        "head": "item_tower",
+        "query_time_periods": query_time_periods(dense),
     }
-    config = {"name": name, "model": model, **deployment_sections(num_context + options.max_history_length,
-                                                                   options.max_history_length,
-                                                                   options.max_num_candidates)}
+    config = {
+        "name": name,
+        "model": model,
+        **deployment_sections(
+            num_context + options.max_history_length, options.max_history_length, options.max_num_candidates
+        ),
+    }
     return Imported(config, out, notes)
 
 
@@ -446,18 +501,30 @@ def _layers(dense: _Reads, options: MetaOptions) -> tuple[dict[str, torch.Tensor
     hidden = positions.shape[1]
     if num_layers(dense) == 0:
         _refuse(f"checkpoint has no STU layer ({STU}0._uvqk_weight)")
-    out = {f"layers.{i}.{key}": value
-           for i in range(num_layers(dense)) for key, value in layer_state(dense, i, options.num_heads).items()}
+    out = {
+        f"layers.{i}.{key}": value
+        for i in range(num_layers(dense))
+        for key, value in layer_state(dense, i, options.num_heads).items()
+    }
     head_dim = out["layers.0.attention_norm.weight"].shape[0] // options.num_heads
     if hidden != options.num_heads * head_dim:
-        _refuse(f"model width {hidden} is not {options.num_heads} heads x {head_dim} values: kvexport's layers "
-                "need them equal")
+        _refuse(
+            f"model width {hidden} is not {options.num_heads} heads x {head_dim} values: kvexport's layers "
+            "need them equal"
+        )
     return out, hidden, head_dim
 
 
 # The tensors of each STU layer.
-LAYER_TENSORS = ("_uvqk_weight", "_uvqk_beta", "_input_norm_weight", "_input_norm_bias", "_output_weight",
-                 "_output_norm_weight", "_output_norm_bias")
+LAYER_TENSORS = (
+    "_uvqk_weight",
+    "_uvqk_beta",
+    "_input_norm_weight",
+    "_input_norm_bias",
+    "_output_weight",
+    "_output_norm_weight",
+    "_output_norm_bias",
+)
 
 
 def _module_keys(prefix: str, num_modules: int) -> list[str]:
@@ -470,16 +537,37 @@ def read_keys(dense: dict[str, Any], sizes: dict[str, tuple[int, ...]], options:
     is unused): the STU layers, positions and times, the input side, the postprocessor and head, and
     each named table that sparse/ does not hold."""
     layers = [f"{STU}{index}.{name}" for index in range(num_layers(dense)) for name in LAYER_TENSORS]
-    local_tables = [TABLE.format(name) for name in (options.item_table, *options.contextual_features)
-                    if SPARSE_TABLE.format(name) not in sizes]
-    return [*layers, POSITIONS, TIMES, ACTION_WEIGHTS, ACTION_ROWS, TARGET_ROW, CONTEXT_WEIGHTS, CONTEXT_BIAS,
-            *_module_keys(CONTENT_MLP, 4), *_module_keys(ACTION_MLP, 4), *_module_keys(TOWER_MLP, 4),
-            PERIOD_UNITS, UNITS_PER_PERIOD, COMBINER + "weight", COMBINER + "bias", POST + "_layer_norm.weight",
-            POST + "_layer_norm.bias", *_module_keys(PREDICTION, 3), *local_tables]
+    local_tables = [
+        TABLE.format(name)
+        for name in (options.item_table, *options.contextual_features)
+        if SPARSE_TABLE.format(name) not in sizes
+    ]
+    return [
+        *layers,
+        POSITIONS,
+        TIMES,
+        ACTION_WEIGHTS,
+        ACTION_ROWS,
+        TARGET_ROW,
+        CONTEXT_WEIGHTS,
+        CONTEXT_BIAS,
+        *_module_keys(CONTENT_MLP, 4),
+        *_module_keys(ACTION_MLP, 4),
+        *_module_keys(TOWER_MLP, 4),
+        PERIOD_UNITS,
+        UNITS_PER_PERIOD,
+        COMBINER + "weight",
+        COMBINER + "bias",
+        POST + "_layer_norm.weight",
+        POST + "_layer_norm.bias",
+        *_module_keys(PREDICTION, 3),
+        *local_tables,
+    ]
 
 
-def _refuse_missing_or_unknown_keys(dense: dict[str, Any], sizes: dict[str, tuple[int, ...]],
-                                    options: MetaOptions) -> None:
+def _refuse_missing_or_unknown_keys(
+    dense: dict[str, Any], sizes: dict[str, tuple[int, ...]], options: MetaOptions
+) -> None:
     """dense_dict's key set against read_keys: the first key missing, else the first one the import
     would never read, refused by name."""
     expected = read_keys(dense, sizes, options)
@@ -488,8 +576,10 @@ def _refuse_missing_or_unknown_keys(dense: dict[str, Any], sizes: dict[str, tupl
         if key in dense:
             continue
         if key in local_tables:
-            _refuse(f"table {local_tables[key]}: neither {SPARSE_TABLE.format(local_tables[key])} in sparse/ nor "
-                    f"{key} in dense_dict")
+            _refuse(
+                f"table {local_tables[key]}: neither {SPARSE_TABLE.format(local_tables[key])} in sparse/ nor "
+                f"{key} in dense_dict"
+            )
         if key == ACTION_WEIGHTS:
             _refuse(f"checkpoint lacks {key} (a DlrmHSTU without actions, which kvexport does not import)")
         _refuse(f"checkpoint lacks {key}")
@@ -504,21 +594,27 @@ def _refuse_unmapped_inputs(dense: _Reads, sizes: dict[str, tuple[int, ...]], op
     sparse/ table that is neither the item table nor a contextual feature: refused by name."""
     extra = dense.get(ADDITIONAL_MLP + "0.weight")
     if isinstance(extra, torch.Tensor) and extra.dim() == 2 and extra.shape[1]:
-        _refuse(f"{ADDITIONAL_MLP}0.weight reads {extra.shape[1]} values of extra per-event features, "
-                "which kvexport's requests do not carry")
+        _refuse(
+            f"{ADDITIONAL_MLP}0.weight reads {extra.shape[1]} values of extra per-event features, "
+            "which kvexport's requests do not carry"
+        )
     dense.read.update(key for key in dense if key.startswith(ADDITIONAL_MLP))  # built even without features
     context_weights = tensor(dense, CONTEXT_WEIGHTS)
     num_context = len(options.contextual_features)
     if context_weights.dim() != 3 or context_weights.shape[0] != num_context:
-        _refuse(f"{CONTEXT_WEIGHTS} maps {context_weights.shape[0] if context_weights.dim() == 3 else '?'} "
-                f"contextual features; {num_context} named (--contextual-features, in the trainer's order)")
+        _refuse(
+            f"{CONTEXT_WEIGHTS} maps {context_weights.shape[0] if context_weights.dim() == 3 else '?'} "
+            f"contextual features; {num_context} named (--contextual-features, in the trainer's order)"
+        )
     if num_context > MAX_KEYED_CONTEXT_FEATURES:
         _refuse(f"{num_context} contextual features: kvexport keys at most {MAX_KEYED_CONTEXT_FEATURES}")
     named = {SPARSE_TABLE.format(t) for t in (options.item_table, *options.contextual_features)}
     others = sorted(key for key in sizes if key not in named)
     if others:
-        _refuse(f"sparse/ holds {others[0]}, neither the item table ({options.item_table}) nor a contextual "
-                "feature named (--contextual-features, in the trainer's order)")
+        _refuse(
+            f"sparse/ holds {others[0]}, neither the item table ({options.item_table}) nor a contextual "
+            "feature named (--contextual-features, in the trainer's order)"
+        )
     check_context_ids(options.context_ids, options.contextual_features)
 
 
@@ -529,8 +625,10 @@ def check_context_ids(names: Iterable[str], contextual_features: tuple[str, ...]
         if name in seen:
             _refuse(f"--context-ids names {name} twice")
         if name not in contextual_features:
-            _refuse(f"--context-ids names {name}, not one of the contextual features "
-                    f"({', '.join(contextual_features) or 'none'})")
+            _refuse(
+                f"--context-ids names {name}, not one of the contextual features "
+                f"({', '.join(contextual_features) or 'none'})"
+            )
         seen.add(name)
 
 
@@ -539,8 +637,14 @@ def _served(ids: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(sorted(set(ids)), dtype=torch.int64)
 
 
-def _context_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader,
-                    options: MetaOptions, hidden: int, notes: list[str]) -> dict[str, torch.Tensor]:
+def _context_tables(
+    dense: _Reads,
+    sizes: dict[str, tuple[int, ...]],
+    read_sparse: SparseReader,
+    options: MetaOptions,
+    hidden: int,
+    notes: list[str],
+) -> dict[str, torch.Tensor]:
     """context_embedding (each feature's rows through its map, all rows or its --context-ids', then a
     zero row) and context_keys."""
     rows, keys = [], []
@@ -548,11 +652,13 @@ def _context_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_spars
         if table_name in options.context_ids:
             ids = _served(options.context_ids[table_name])
             if int(ids[-1]) >= MAX_CONTEXT_KEY:
-                _refuse(f"contextual feature {table_name}: id {int(ids[-1])} is past kvexport's context keys "
-                        "(below 2^56)")
+                _refuse(
+                    f"contextual feature {table_name}: id {int(ids[-1])} is past kvexport's context keys (below 2^56)"
+                )
             table = _table(dense, sizes, read_sparse, table_name, ids)
-            notes.append(f"contextual feature {table_name}: {ids.numel()} served ids read; any other id is a "
-                         "missing feature")
+            notes.append(
+                f"contextual feature {table_name}: {ids.numel()} served ids read; any other id is a missing feature"
+            )
         else:
             table = _table(dense, sizes, read_sparse, table_name)
             ids = torch.arange(table.shape[0])
@@ -565,8 +671,14 @@ def _context_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_spars
     return out
 
 
-def _item_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: SparseReader,
-                 options: MetaOptions, hidden: int, notes: list[str]) -> tuple[dict[str, torch.Tensor], str]:
+def _item_tables(
+    dense: _Reads,
+    sizes: dict[str, tuple[int, ...]],
+    read_sparse: SparseReader,
+    options: MetaOptions,
+    hidden: int,
+    notes: list[str],
+) -> tuple[dict[str, torch.Tensor], str]:
     """item_embedding, the head (its tower table over the same rows) and, with --items, item_keys;
     and model.item_ids."""
     if options.items is None:
@@ -575,8 +687,10 @@ def _item_tables(dense: _Reads, sizes: dict[str, tuple[int, ...]], read_sparse: 
     else:
         served = _served(options.items)
         source = _table(dense, sizes, read_sparse, options.item_table, served)
-        notes.append(f"item table {options.item_table}: {served.numel()} served ids read; any other id reads a "
-                     "zero item row and a zero tower row")
+        notes.append(
+            f"item table {options.item_table}: {served.numel()} served ids read; any other id reads a "
+            "zero item row and a zero tower row"
+        )
     started = time.perf_counter()
     out = {"item_embedding.weight": item_rows(dense, source), **head_state(dense, hidden, source)}
     log.info("folded %d items' content and tower MLPs in %.1f s", source.shape[0], time.perf_counter() - started)

@@ -52,8 +52,10 @@ def _dump_files(directory: Path, table: str) -> dict[tuple[str, int], Path]:
     for kind in ("keys", "values"):
         for rank in range(world):
             if (kind, rank) not in found:
-                raise UserError(f"dynamic table {table}: {table}_emb_{kind}.rank_{rank}.world_size_{world} is missing "
-                                f"from {directory}")
+                raise UserError(
+                    f"dynamic table {table}: {table}_emb_{kind}.rank_{rank}.world_size_{world} is missing "
+                    f"from {directory}"
+                )
     return found
 
 
@@ -75,14 +77,21 @@ def read_dynamic_table(directory: Path, table: str, dim: int, spare_rows: int = 
             raise UserError(f"{keys_file}: {key_bytes} bytes is not a whole number of int64 keys")
         num_keys = key_bytes // 8
         if value_bytes != num_keys * dim * 4:
-            raise UserError(f"{values_file}: {value_bytes} bytes, but {num_keys} keys of {dim} float32 values need "
-                            f"{num_keys * dim * 4}")
-        keys = (torch.frombuffer(bytearray(keys_file.read_bytes()), dtype=torch.int64) if num_keys  # little-endian
-                else torch.empty(0, dtype=torch.int64))
+            raise UserError(
+                f"{values_file}: {value_bytes} bytes, but {num_keys} keys of {dim} float32 values need "
+                f"{num_keys * dim * 4}"
+            )
+        keys = (
+            torch.frombuffer(bytearray(keys_file.read_bytes()), dtype=torch.int64)
+            if num_keys  # little-endian
+            else torch.empty(0, dtype=torch.int64)
+        )
         misplaced = keys[keys % world != rank]
         if misplaced.numel():
-            raise UserError(f"{keys_file}: key {int(misplaced[0])} belongs to rank {int(misplaced[0] % world)} of "
-                            f"{world} (round-robin placement), not {rank}")
+            raise UserError(
+                f"{keys_file}: key {int(misplaced[0])} belongs to rank {int(misplaced[0] % world)} of "
+                f"{world} (round-robin placement), not {rank}"
+            )
         keys_parts.append(keys)
     keys = torch.cat(keys_parts)
     order = torch.argsort(keys, stable=True)
@@ -93,10 +102,10 @@ def read_dynamic_table(directory: Path, table: str, dim: int, spare_rows: int = 
     destination = torch.empty_like(order)  # the sorted row each dumped row goes to
     destination[order] = torch.arange(order.numel())
     values = torch.empty(keys.numel() + spare_rows, dim, dtype=torch.float32)
-    values[keys.numel():] = 0
+    values[keys.numel() :] = 0
     start = 0
     for rank, part in enumerate(keys_parts):
-        _scatter_rows(files[("values", rank)], len(part), dim, destination[start:start + len(part)], values)
+        _scatter_rows(files[("values", rank)], len(part), dim, destination[start : start + len(part)], values)
         start += len(part)
     return DynamicTable(sorted_keys, values)
 
@@ -107,7 +116,7 @@ def _scatter_rows(path: Path, num_rows: int, dim: int, destination: torch.Tensor
         for first in range(0, num_rows, _CHUNK_ROWS):
             count = min(_CHUNK_ROWS, num_rows - first)
             rows = torch.frombuffer(bytearray(data.read(count * dim * 4)), dtype=torch.float32).reshape(count, dim)
-            values[destination[first:first + count]] = rows
+            values[destination[first : first + count]] = rows
 
 
 def read_gin(path: Path) -> dict[str, object]:

@@ -49,15 +49,22 @@ GIN_DEFAULTS = {
     "RankingArgs.prediction_head_act_type": "relu",
     "RankingArgs.prediction_head_bias": True,
 }
-GIN_REQUIRED = ("NetworkArgs.num_layers", "NetworkArgs.num_attention_heads", "NetworkArgs.hidden_size",
-                "NetworkArgs.kv_channels", "DatasetArgs.max_history_seqlen", "DatasetArgs.max_num_candidates",
-                "RankingArgs.prediction_head_arch", "RankingArgs.num_tasks")
+GIN_REQUIRED = (
+    "NetworkArgs.num_layers",
+    "NetworkArgs.num_attention_heads",
+    "NetworkArgs.hidden_size",
+    "NetworkArgs.kv_channels",
+    "DatasetArgs.max_history_seqlen",
+    "DatasetArgs.max_num_candidates",
+    "RankingArgs.prediction_head_arch",
+    "RankingArgs.num_tasks",
+)
 DTYPES = ("bfloat16", "float16", "float32")  # NetworkArgs.dtype_str values kvexport's config takes
 
 
 @dataclasses.dataclass(frozen=True)
 class ImportOptions:
-    item_table: str = "video_id"      # the dynamic (or data-parallel) table of the item feature
+    item_table: str = "video_id"  # the dynamic (or data-parallel) table of the item feature
     action_table: str = "action_weights"
     table_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows of each data-parallel table
     # The trainer's contextual features in token order (recsys-examples' dataset preprocessor's
@@ -66,7 +73,7 @@ class ImportOptions:
     # Import without the trainer's contextual features (their tables are left out), as recsys-examples'
     # own inference runs with disable_contextual_features; without either option such tables are refused.
     skip_contextual: bool = False
-    iteration: int | None = None      # the iter<N> directory (default: the newest)
+    iteration: int | None = None  # the iter<N> directory (default: the newest)
 
 
 def _refuse(message: str) -> None:
@@ -91,7 +98,9 @@ def iteration_directory(source: Path, iteration: int | None) -> Path:
 
 
 def _rank_files(directory: Path) -> list[Path]:
-    files = {int(m.group(1)): p for p in directory.glob("model.*.pth") if (m := re.fullmatch(r"model\.(\d+)\.pth", p.name))}
+    files = {
+        int(m.group(1)): p for p in directory.glob("model.*.pth") if (m := re.fullmatch(r"model\.(\d+)\.pth", p.name))
+    }
     if 0 not in files:
         _refuse(f"{directory}: no model.0.pth (the trainer writes model.<rank>.pth for each rank)")
     missing = [r for r in range(max(files) + 1) if r not in files]
@@ -143,7 +152,9 @@ def _tensor(state: dict[str, Any], key: str, shape: tuple[int, ...]) -> torch.Te
         _refuse(f"checkpoint lacks {key}")
     value = state[key]
     if not isinstance(value, torch.Tensor) or value.is_meta:
-        _refuse(f"{key} holds no values ({type(value).__name__}{' on meta' if isinstance(value, torch.Tensor) else ''})")
+        _refuse(
+            f"{key} holds no values ({type(value).__name__}{' on meta' if isinstance(value, torch.Tensor) else ''})"
+        )
     if tuple(value.shape) != shape:
         _refuse(f"{key} has shape {list(value.shape)}, the trainer config implies {list(shape)}")
     if not value.dtype.is_floating_point:
@@ -161,19 +172,23 @@ def _flat_tables(state: dict[str, Any], dim: int, table_rows: dict[str, int]) ->
             _refuse(f"{key} holds no values")
         unknown = [n for n in names if n not in table_rows]
         if unknown:
-            _refuse(f"{key}: the rows of data-parallel table {unknown[0]} are not in the checkpoint; "
-                    f"give them (--table-rows {unknown[0]}=N, as the trainer's embedding config says)")
+            _refuse(
+                f"{key}: the rows of data-parallel table {unknown[0]} are not in the checkpoint; "
+                f"give them (--table-rows {unknown[0]}=N, as the trainer's embedding config says)"
+            )
         if flat.numel() % dim:
             _refuse(f"{key}: {flat.numel()} values are not rows of {dim}")
         rows = flat.reshape(-1, dim)
         total = sum(table_rows[n] for n in names)
         if rows.shape[0] != total:
-            _refuse(f"{key}: {rows.shape[0]} rows, but the tables' rows given sum to {total} "
-                    f"({', '.join(f'{n}={table_rows[n]}' for n in names)})")
+            _refuse(
+                f"{key}: {rows.shape[0]} rows, but the tables' rows given sum to {total} "
+                f"({', '.join(f'{n}={table_rows[n]}' for n in names)})"
+            )
         first = 0
         for name in names:
             # A copy: a view would make torch.save write the whole flat parameter once per table.
-            tables[name] = rows[first:first + table_rows[name]].to(torch.float32, copy=True)
+            tables[name] = rows[first : first + table_rows[name]].to(torch.float32, copy=True)
             first += table_rows[name]
     return tables
 
@@ -195,7 +210,7 @@ class Network:
     num_heads: int
     hidden: int
     head_dim: int
-    head_arch: list[int]         # RankingArgs.prediction_head_arch: [hidden units, num_tasks]
+    head_arch: list[int]  # RankingArgs.prediction_head_arch: [hidden units, num_tasks]
     activation: str
     head_bias: bool
     dtype: str
@@ -205,7 +220,7 @@ class Network:
     num_context: int
     num_position_buckets: int
     scaling: int
-    scaling_from: str            # how scaling was found, for the notes
+    scaling_from: str  # how scaling was found, for the notes
 
     @property
     def num_tasks(self) -> int:
@@ -222,13 +237,17 @@ def read_network(trainer_config: Path, options: ImportOptions) -> Network:
     layers, heads = gin["NetworkArgs.num_layers"], gin["NetworkArgs.num_attention_heads"]
     hidden, head_dim = gin["NetworkArgs.hidden_size"], gin["NetworkArgs.kv_channels"]
     if hidden != heads * head_dim:
-        _refuse(f"NetworkArgs.hidden_size ({hidden}) is not num_attention_heads ({heads}) * kv_channels "
-                f"({head_dim}): kvexport's layers need them equal")
+        _refuse(
+            f"NetworkArgs.hidden_size ({hidden}) is not num_attention_heads ({heads}) * kv_channels "
+            f"({head_dim}): kvexport's layers need them equal"
+        )
     arch = list(gin["RankingArgs.prediction_head_arch"])
     tasks = gin["RankingArgs.num_tasks"]
     if len(arch) != 2 or arch[-1] != tasks:
-        _refuse(f"RankingArgs.prediction_head_arch {arch}: kvexport's head is one hidden layer, then "
-                f"num_tasks ({tasks}) logits")
+        _refuse(
+            f"RankingArgs.prediction_head_arch {arch}: kvexport's head is one hidden layer, then "
+            f"num_tasks ({tasks}) logits"
+        )
     activation = gin["RankingArgs.prediction_head_act_type"]
     if activation not in ("relu", "silu"):
         _refuse(f"RankingArgs.prediction_head_act_type {activation!r}: kvexport's head has relu or silu")
@@ -237,8 +256,9 @@ def read_network(trainer_config: Path, options: ImportOptions) -> Network:
         _refuse(f"NetworkArgs.dtype_str {dtype!r} is not one of {', '.join(DTYPES)}")
     max_history, max_candidates = gin["DatasetArgs.max_history_seqlen"], gin["DatasetArgs.max_num_candidates"]
     if options.contextual_features and options.skip_contextual:
-        _refuse("contextual features given and left out at once: choose --contextual-features or "
-                "--no-contextual-features")
+        _refuse(
+            "contextual features given and left out at once: choose --contextual-features or --no-contextual-features"
+        )
     num_context = len(options.contextual_features)
     if num_context > MAX_KEYED_CONTEXT_FEATURES:
         _refuse(f"{num_context} contextual features: kvexport keys at most {MAX_KEYED_CONTEXT_FEATURES}")
@@ -246,16 +266,34 @@ def read_network(trainer_config: Path, options: ImportOptions) -> Network:
     scaling = gin["NetworkArgs.scaling_seqlen"]
     if scaling == -1:
         scaling = 2 * (max_history + max_candidates) + num_context
-        derived = (f"2 * (max_history_seqlen {max_history} + max_num_candidates {max_candidates}) + "
-                   f"{num_context} contextual features")
+        derived = (
+            f"2 * (max_history_seqlen {max_history} + max_num_candidates {max_candidates}) + "
+            f"{num_context} contextual features"
+        )
     elif isinstance(scaling, int) and not isinstance(scaling, bool) and scaling > 0:
         derived = "NetworkArgs.scaling_seqlen"
     else:
-        _refuse(f"trainer config {trainer_config}: NetworkArgs.scaling_seqlen = {scaling!r} is neither -1 nor a "
-                "positive integer")
-    return Network(layers, heads, hidden, head_dim, arch, activation, bool(gin["RankingArgs.prediction_head_bias"]),
-                   dtype, float(gin["NetworkArgs.norm_epsilon"]), max_history, max_candidates, num_context,
-                   gin["NetworkArgs.num_position_buckets"], scaling, derived)
+        _refuse(
+            f"trainer config {trainer_config}: NetworkArgs.scaling_seqlen = {scaling!r} is neither -1 nor a "
+            "positive integer"
+        )
+    return Network(
+        layers,
+        heads,
+        hidden,
+        head_dim,
+        arch,
+        activation,
+        bool(gin["RankingArgs.prediction_head_bias"]),
+        dtype,
+        float(gin["NetworkArgs.norm_epsilon"]),
+        max_history,
+        max_candidates,
+        num_context,
+        gin["NetworkArgs.num_position_buckets"],
+        scaling,
+        derived,
+    )
 
 
 def read_keys(state: dict[str, Any], net: Network) -> list[str]:
@@ -300,10 +338,15 @@ class _Fold:
 def fold_layers(fold: _Fold, net: Network) -> None:
     """The STU layers (NVIDIA's output projection has no bias: a zero one)."""
     hidden = net.hidden
-    shapes = {"_linear_uvqk_weight": (hidden, 4 * hidden), "_linear_uvqk_bias": (4 * hidden,),
-              "_input_layernorm_weight": (hidden,), "_input_layernorm_bias": (hidden,),
-              "_output_layernorm_weight": (hidden,), "_output_layernorm_bias": (hidden,),
-              "_linear_proj_weight": (hidden, hidden)}
+    shapes = {
+        "_linear_uvqk_weight": (hidden, 4 * hidden),
+        "_linear_uvqk_bias": (4 * hidden,),
+        "_input_layernorm_weight": (hidden,),
+        "_input_layernorm_bias": (hidden,),
+        "_output_layernorm_weight": (hidden,),
+        "_output_layernorm_bias": (hidden,),
+        "_linear_proj_weight": (hidden, hidden),
+    }
     for i in range(net.num_layers):
         for theirs, (ours, transposed) in LAYER_TENSORS.items():
             value = fold.take(f"{LAYER_PREFIX}{i}.{theirs}", shapes[theirs])
@@ -324,8 +367,9 @@ def fold_head(fold: _Fold, net: Network) -> None:
     """The prediction MLP (zero biases when the trainer has none)."""
     for index, shape in ((0, (net.head_arch[0], net.hidden)), (2, (net.num_tasks, net.head_arch[0]))):
         fold.out[f"head.{index}.weight"] = fold.take(f"{HEAD}{index}.weight", shape)
-        fold.out[f"head.{index}.bias"] = (fold.take(f"{HEAD}{index}.bias", (shape[0],)) if net.head_bias
-                                          else torch.zeros(shape[0]))
+        fold.out[f"head.{index}.bias"] = (
+            fold.take(f"{HEAD}{index}.bias", (shape[0],)) if net.head_bias else torch.zeros(shape[0])
+        )
 
 
 def fold_tables(fold: _Fold, net: Network, options: ImportOptions, directory: Path) -> str:
@@ -334,8 +378,9 @@ def fold_tables(fold: _Fold, net: Network, options: ImportOptions, directory: Pa
     flat = _flat_tables(fold.state, net.hidden, options.table_rows)
     fold.used.update(k for k in fold.state if FLAT_TABLES.fullmatch(k))
     if options.action_table not in flat:
-        _refuse(f"action table {options.action_table} is not among the data-parallel tables "
-                f"({', '.join(flat) or 'none'})")
+        _refuse(
+            f"action table {options.action_table} is not among the data-parallel tables ({', '.join(flat) or 'none'})"
+        )
     fold.out["action_embedding.weight"] = flat.pop(options.action_table)
     dumps = directory / "dynamicemb_module"
     dynamic = _dynamic_tables(dumps)
@@ -344,22 +389,27 @@ def fold_tables(fold: _Fold, net: Network, options: ImportOptions, directory: Pa
     others = [n for n in [*flat, *dynamic] if n != options.item_table]
     absent = [n for n in options.contextual_features if n not in others]
     if absent:
-        _refuse(f"contextual feature {absent[0]}: no data-parallel or dynamic table of that name "
-                f"(tables: {', '.join(others) or 'none'})")
+        _refuse(
+            f"contextual feature {absent[0]}: no data-parallel or dynamic table of that name "
+            f"(tables: {', '.join(others) or 'none'})"
+        )
     unused = [n for n in others if n not in options.contextual_features]
     if unused and not options.skip_contextual:
-        _refuse(f"table {unused[0]} is neither the item nor the action table nor a contextual feature given: "
-                "name the contextual features in token order (--contextual-features a,b,...), or import "
-                "without them as recsys-examples' inference runs with disable_contextual_features "
-                "(--no-contextual-features)")
+        _refuse(
+            f"table {unused[0]} is neither the item nor the action table nor a contextual feature given: "
+            "name the contextual features in token order (--contextual-features a,b,...), or import "
+            "without them as recsys-examples' inference runs with disable_contextual_features "
+            "(--no-contextual-features)"
+        )
     if unused:
         fold.notes.append(f"left out (no contextual features): tables {', '.join(unused)}")
     _fold_context(fold, net, options, flat, dynamic)
     return _fold_items(fold, net, options, flat, dynamic)
 
 
-def _fold_context(fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor],
-                  dynamic: dict[str, Path]) -> None:
+def _fold_context(
+    fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor], dynamic: dict[str, Path]
+) -> None:
     context_rows, context_keys = [], []
     for feature, table_name in enumerate(options.contextual_features):
         if table_name in flat:
@@ -383,8 +433,9 @@ def _fold_context(fold: _Fold, net: Network, options: ImportOptions, flat: dict[
         fold.out["context_embedding.weight"] = torch.zeros(1, net.hidden)
 
 
-def _fold_items(fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor],
-                dynamic: dict[str, Path]) -> str:
+def _fold_items(
+    fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor], dynamic: dict[str, Path]
+) -> str:
     if options.item_table in flat:
         fold.out["item_embedding.weight"] = flat.pop(options.item_table)
         return "rows"
@@ -393,12 +444,14 @@ def _fold_items(fold: _Fold, net: Network, options: ImportOptions, flat: dict[st
     # missing key: read in place as the table's spare row (the table is the import's bulk).
     table = read_dynamic_table(holder, options.item_table, net.hidden, spare_rows=1)
     if table.keys.numel() and int(table.keys[0]) < 0:
-        _refuse(f"item table {options.item_table} holds a negative key ({int(table.keys[0])}); kvexport "
-                "takes keys >= 0")
+        _refuse(
+            f"item table {options.item_table} holds a negative key ({int(table.keys[0])}); kvexport takes keys >= 0"
+        )
     fold.out["item_embedding.weight"] = table.values
     fold.out["item_keys"] = table.keys
-    fold.notes.append(f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; "
-                      "unknown ids read a zero row")
+    fold.notes.append(
+        f"item table {options.item_table}: {table.keys.numel()} keys from {holder}; unknown ids read a zero row"
+    )
     return "keys"
 
 
@@ -406,15 +459,25 @@ def _config(name: str, net: Network, out: dict[str, torch.Tensor], item_ids: str
     return {
         "name": name,
         "model": {
-            "num_layers": net.num_layers, "hidden_size": net.hidden, "num_heads": net.num_heads,
-            "head_dim": net.head_dim, "num_contextual_features": net.num_context,
-            "max_history_length": net.max_history, "max_num_candidates": net.max_candidates,
-            "scaling_seqlen": net.scaling, "num_tasks": net.num_tasks, "dtype": net.dtype,
+            "num_layers": net.num_layers,
+            "hidden_size": net.hidden,
+            "num_heads": net.num_heads,
+            "head_dim": net.head_dim,
+            "num_contextual_features": net.num_context,
+            "max_history_length": net.max_history,
+            "max_num_candidates": net.max_candidates,
+            "scaling_seqlen": net.scaling,
+            "num_tasks": net.num_tasks,
+            "dtype": net.dtype,
             "context_vocab_size": out["context_embedding.weight"].shape[0],
             "item_vocab_size": out["item_embedding.weight"].shape[0],
-            "action_vocab_size": out["action_embedding.weight"].shape[0], "mlp_hidden_size": net.head_arch[0],
-            "head_activation": net.activation, "layer_norm_eps": net.layer_norm_eps,
-            "silu_on": "uvqk", "layer_output": "gated", "item_ids": item_ids,
+            "action_vocab_size": out["action_embedding.weight"].shape[0],
+            "mlp_hidden_size": net.head_arch[0],
+            "head_activation": net.activation,
+            "layer_norm_eps": net.layer_norm_eps,
+            "silu_on": "uvqk",
+            "layer_output": "gated",
+            "item_ids": item_ids,
             "context_ids": "keys" if net.num_context else "rows",
         },
         **deployment_sections(net.longest_prefix, net.max_history, net.max_candidates),
@@ -436,6 +499,8 @@ def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, na
     item_ids = fold_tables(fold, net, options, directory)
     unread = [key for key in read_keys(fold.state, net) if key not in fold.used]
     if unread:
-        raise RuntimeError(f"kvexport bug: the NVIDIA import declares {unread[0]} among the keys it reads but never "
-                           "read it (nvidia_ranking.read_keys)")
+        raise RuntimeError(
+            f"kvexport bug: the NVIDIA import declares {unread[0]} among the keys it reads but never "
+            "read it (nvidia_ranking.read_keys)"
+        )
     return Imported(_config(name, net, fold.out, item_ids), fold.out, fold.notes)

@@ -71,8 +71,10 @@ def _unknown_stand_ins(path: Path) -> list[tuple[type, str]]:
     restricted unpickler nor STAND_INS knows (read from the pickle's opcodes, without loading it)."""
     with torch.serialization.safe_globals(STAND_INS):
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    return [(type(name.rsplit(".", 1)[-1], (_Unknown,), {"__module__": __name__, "qualified_name": name}), name)
-            for name in names]
+    return [
+        (type(name.rsplit(".", 1)[-1], (_Unknown,), {"__module__": __name__, "qualified_name": name}), name)
+        for name in names
+    ]
 
 
 def _first_unknown(value: Any, where: str) -> tuple[str, str] | None:
@@ -145,8 +147,10 @@ def _convert(value: Any) -> Any:
     """Containers kept, stand-ins of sharded tensors turned into ShardedValue."""
     if isinstance(value, _ShardedTensor):
         local_shards, metadata, *_ = value.sharded_state
-        shards = tuple(LocalShard(tuple(int(o) for o in shard.field("metadata").field("shard_offsets")),
-                                  shard.field("tensor")) for shard in local_shards)
+        shards = tuple(
+            LocalShard(tuple(int(o) for o in shard.field("metadata").field("shard_offsets")), shard.field("tensor"))
+            for shard in local_shards
+        )
         return ShardedValue(tuple(int(s) for s in metadata.field("size")), shards)
     if isinstance(value, dict):
         return {k: _convert(v) for k, v in value.items()}
@@ -173,23 +177,27 @@ def load_trainer_file(path: Path, what: str, part: str | None = None) -> Any:
         raise UserError(f"{what} {path} does not exist") from None
     except pickle.UnpicklingError as exc:
         asked = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        raise UserError(f"{what} {path} is refused: it holds more than tensors, containers and sharded tensors"
-                        f"{f' (it asks for {asked.group(1)})' if asked else ''}") from None
+        raise UserError(
+            f"{what} {path} is refused: it holds more than tensors, containers and sharded tensors"
+            f"{f' (it asks for {asked.group(1)})' if asked else ''}"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise UserError(f"{what} {path} is unreadable: {first_line(exc)}") from None
     if part is not None and isinstance(data, dict) and part in data:
         found = _first_unknown(data[part], part)
         if found:
-            raise UserError(f"{what} {path} is refused: {found[0]} holds a {found[1]}, not a tensor, container or "
-                            "sharded tensor")
+            raise UserError(
+                f"{what} {path} is refused: {found[0]} holds a {found[1]}, not a tensor, container or sharded tensor"
+            )
     return _convert(data)
 
 
 MAX_PIECES = 4096  # shards or chunks of one tensor (a table over thousands of ranks); overlaps are checked pairwise
 
 
-def tiling_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
-                   noun: str) -> str | None:
+def tiling_problem(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], noun: str
+) -> str | None:
     """Why the (offsets, lengths) boxes of a tensor's pieces (`noun`: shard, chunk) do not cover
     `size` exactly once, or None when they do. Checked on the boxes: no mask as large as the table."""
     if any(n < 0 for n in size):
@@ -197,11 +205,14 @@ def tiling_problem(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tup
     if len(boxes) > MAX_PIECES:
         return f"it has {len(boxes)} {noun}s, more than {MAX_PIECES}"
     for offsets, lengths in boxes:
-        if (len(offsets) != len(size) or len(lengths) != len(size) or
-                any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size))):
+        if (
+            len(offsets) != len(size)
+            or len(lengths) != len(size)
+            or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size))
+        ):
             return f"a {noun} at {list(offsets)} of shape {list(lengths)} lies outside its size {list(size)}"
     for i, (a_offsets, a_lengths) in enumerate(boxes):
-        for b_offsets, b_lengths in boxes[i + 1:]:
+        for b_offsets, b_lengths in boxes[i + 1 :]:
             if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(a_offsets, a_lengths, b_offsets, b_lengths)):
                 return f"its {noun}s overlap in its size {list(size)}"
     if sum(torch.Size(lengths).numel() for _, lengths in boxes) != torch.Size(size).numel():

@@ -8,13 +8,13 @@ import torch
 
 # Input order of the exported module and of every recorded request.
 SIGNATURE = (
-    "user_ids",          # [B]
-    "history_lengths",   # [B] events per user
-    "item_ids",          # [sum(history_lengths)]
-    "action_ids",        # [sum(history_lengths)]
-    "context_ids",       # [B, num_contextual_features], then (model.head: item_tower) the query time
-    "num_candidates",    # [B]
-    "candidate_ids",     # [sum(num_candidates)]
+    "user_ids",  # [B]
+    "history_lengths",  # [B] events per user
+    "item_ids",  # [sum(history_lengths)]
+    "action_ids",  # [sum(history_lengths)]
+    "context_ids",  # [B, num_contextual_features], then (model.head: item_tower) the query time
+    "num_candidates",  # [B]
+    "candidate_ids",  # [sum(num_candidates)]
 )
 
 # Query times (seconds since the epoch) of random requests to a model whose head reads one: 2020-09
@@ -50,17 +50,20 @@ class Batch:
         uploaded buffer, starting on a 128-byte boundary. Anything else moves tensor by tensor."""
         device = torch.device(device)
         tensors = self.tensors()
-        if (device.type != "cuda" or not torch.cuda.is_available()
-                or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in tensors)):
+        if (
+            device.type != "cuda"
+            or not torch.cuda.is_available()
+            or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in tensors)
+        ):
             return Batch(*(t.to(device) for t in tensors))
         starts = [0]
         for t in tensors:
             starts.append(starts[-1] + -(-t.numel() // _ALIGN) * _ALIGN)
         staged = torch.empty(starts[-1], dtype=torch.int64, pin_memory=True)
         for t, start in zip(tensors, starts):
-            staged[start:start + t.numel()].copy_(t.reshape(-1))
+            staged[start : start + t.numel()].copy_(t.reshape(-1))
         uploaded = staged.to(device, non_blocking=True)
-        return Batch(*(uploaded[start:start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)))
+        return Batch(*(uploaded[start : start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)))
 
     @property
     def batch_size(self) -> int:
@@ -82,9 +85,16 @@ class Batch:
     def users(self) -> list[UserRequest]:
         """The inverse of concat: each user's request, in order."""
         lengths, counts = self.history_lengths.tolist(), self.num_candidates.tolist()
-        return [UserRequest(int(u), items, actions, context, candidates) for u, items, actions, context, candidates in
-                zip(self.user_ids, self.item_ids.split(lengths), self.action_ids.split(lengths), self.context_ids,
-                    self.candidate_ids.split(counts))]
+        return [
+            UserRequest(int(u), items, actions, context, candidates)
+            for u, items, actions, context, candidates in zip(
+                self.user_ids,
+                self.item_ids.split(lengths),
+                self.action_ids.split(lengths),
+                self.context_ids,
+                self.candidate_ids.split(counts),
+            )
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +118,9 @@ def random_context(model_config, generator: torch.Generator) -> torch.Tensor:
     return context_ids
 
 
-def random_user(model_config, generator: torch.Generator, user_id: int, num_events: int,
-                num_candidates: int) -> UserRequest:
+def random_user(
+    model_config, generator: torch.Generator, user_id: int, num_events: int, num_candidates: int
+) -> UserRequest:
     """A user with random ids inside the config's vocabularies."""
     m = model_config
 
@@ -125,8 +136,9 @@ def random_user(model_config, generator: torch.Generator, user_id: int, num_even
     )
 
 
-def random_batch(model_config, seed: int, history_lengths: list[int], num_candidates: list[int],
-                 first_user_id: int = 0) -> Batch:
+def random_batch(
+    model_config, seed: int, history_lengths: list[int], num_candidates: list[int], first_user_id: int = 0
+) -> Batch:
     """A seeded random batch with the given per-user history and candidate counts."""
     generator = torch.Generator().manual_seed(seed)
     users = [

@@ -41,22 +41,28 @@ def check_state_dict(state_dict: object, model: HSTURanker, path: Path) -> dict[
     keys, limit = state_dict.get("item_keys"), model.config.model.item_id_limit
     if keys is not None and keys.numel() and int(keys[-1]) >= limit:
         # With combined event tokens the action's bits lower the limit: a larger key's row no request reaches.
-        raise CheckpointError(f"checkpoint {path} item_keys holds {int(keys[-1])}, past the item ids this config's "
-                              f"requests may carry (below {limit})")
+        raise CheckpointError(
+            f"checkpoint {path} item_keys holds {int(keys[-1])}, past the item ids this config's "
+            f"requests may carry (below {limit})"
+        )
     return state_dict
 
 
 def _check_keys(keys: torch.Tensor, name: str, path: Path) -> None:
     """A key table (docs/checkpoint.md): int64, each key >= 0, strictly ascending."""
     if keys.dtype != torch.int64:
-        raise CheckpointError(f"checkpoint {path} tensor {name} must be int64, got {str(keys.dtype).replace('torch.', '')}")
+        raise CheckpointError(
+            f"checkpoint {path} tensor {name} must be int64, got {str(keys.dtype).replace('torch.', '')}"
+        )
     if keys.numel() and int(keys.min()) < 0:
         raise CheckpointError(f"checkpoint {path} tensor {name} has a negative key ({int(keys.min())})")
     repeated = (keys[1:] <= keys[:-1]).nonzero()
     if repeated.numel():
         i = int(repeated[0, 0])
-        raise CheckpointError(f"checkpoint {path} tensor {name} must ascend strictly, but key {i + 1} "
-                              f"({int(keys[i + 1])}) follows {int(keys[i])}")
+        raise CheckpointError(
+            f"checkpoint {path} tensor {name} must ascend strictly, but key {i + 1} "
+            f"({int(keys[i + 1])}) follows {int(keys[i])}"
+        )
 
 
 def load_checkpoint(path: str | Path, model: HSTURanker) -> dict[str, torch.Tensor]:

@@ -35,14 +35,19 @@ class PrefixTokens(NamedTuple):
     token's id holds its item and action); a token's kind (context, item, action, event) follows
     from its position."""
 
-    token_ids: torch.Tensor      # [sum(P)]
-    positions: torch.Tensor      # [sum(P)] absolute, from 0 per user
+    token_ids: torch.Tensor  # [sum(P)]
+    positions: torch.Tensor  # [sum(P)] absolute, from 0 per user
     token_lengths: torch.Tensor  # [B] P = C + 2h (pairs) or C + h (combined)
-    token_user: torch.Tensor     # [sum(P)] batch index of each token
+    token_user: torch.Tensor  # [sum(P)] batch index of each token
 
 
-def prefix_tokens(history_lengths: torch.Tensor, item_ids: torch.Tensor, action_ids: torch.Tensor,
-                  context_ids: torch.Tensor, action_bits: int | None = None) -> PrefixTokens:
+def prefix_tokens(
+    history_lengths: torch.Tensor,
+    item_ids: torch.Tensor,
+    action_ids: torch.Tensor,
+    context_ids: torch.Tensor,
+    action_bits: int | None = None,
+) -> PrefixTokens:
     """Lays out each user's context and history as one jagged token sequence: events as item/action
     pairs, or (action_bits given: model.event_tokens combined) one token (item << action_bits) | action
     each."""
@@ -85,9 +90,10 @@ def time_codes(query_times: torch.Tensor, periods: tuple) -> torch.Tensor:
     seconds = query_times.float()
     code = torch.zeros_like(query_times)
     for unit, units in periods:
-        index = torch.remainder(torch.div(seconds, torch.tensor(float(unit), device=seconds.device),
-                                          rounding_mode="floor"),
-                                torch.tensor(float(units), device=seconds.device))
+        index = torch.remainder(
+            torch.div(seconds, torch.tensor(float(unit), device=seconds.device), rounding_mode="floor"),
+            torch.tensor(float(units), device=seconds.device),
+        )
         code = code * units + index.long().clamp(0, units - 1)
     return code
 
@@ -115,8 +121,11 @@ class ItemTowerHead(nn.Module):
         self.time_embedding = nn.Embedding(m.num_time_codes, m.hidden_size)
         self.user_norm = nn.LayerNorm(m.hidden_size, eps=HEAD_EPS)
         self.tower_embedding = nn.Embedding(m.item_vocab_size, m.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(m.hidden_size, m.mlp_hidden_size), SwishLayerNorm(m.mlp_hidden_size),
-                                 nn.Linear(m.mlp_hidden_size, m.num_tasks))
+        self.mlp = nn.Sequential(
+            nn.Linear(m.hidden_size, m.mlp_hidden_size),
+            SwishLayerNorm(m.mlp_hidden_size),
+            nn.Linear(m.mlp_hidden_size, m.num_tasks),
+        )
 
     def forward(self, states: torch.Tensor, item_rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         user = self.user_norm(self.combiner(states) + self.time_embedding(codes))
@@ -135,8 +144,9 @@ class MlpHead(nn.Sequential):
 
     def __init__(self, m: ModelConfig):
         activation = {"silu": nn.SiLU, "relu": nn.ReLU}[m.head_activation]  # config.HEAD_ACTIVATIONS
-        super().__init__(nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(),
-                         nn.Linear(m.mlp_hidden_size, m.num_tasks))
+        super().__init__(
+            nn.Linear(m.hidden_size, m.mlp_hidden_size), activation(), nn.Linear(m.mlp_hidden_size, m.num_tasks)
+        )
 
     def score(self, states: torch.Tensor, candidate_ids: torch.Tensor, model: HSTURanker) -> torch.Tensor:
         """Final states [T, d] -> [T, num_tasks]; the candidate ids play no part."""
@@ -148,8 +158,9 @@ class PairEvents:
 
     action_bits = None  # prefix_tokens' layout of pairs
 
-    def embed(self, model: HSTURanker, token_ids: torch.Tensor, positions: torch.Tensor,
-              is_context: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self, model: HSTURanker, token_ids: torch.Tensor, positions: torch.Tensor, is_context: torch.Tensor
+    ) -> torch.Tensor:
         """History tokens [N] at their positions [N] -> [N, d] (rows of context tokens are zeros)."""
         is_item = ~is_context & ((positions - model.num_contextual_features) % 2 == 0)
         is_action = ~is_context & ~is_item
@@ -165,8 +176,9 @@ class CombinedEvents:
     def __init__(self, action_bits: int):
         self.action_bits = action_bits
 
-    def embed(self, model: HSTURanker, token_ids: torch.Tensor, positions: torch.Tensor,
-              is_context: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self, model: HSTURanker, token_ids: torch.Tensor, positions: torch.Tensor, is_context: torch.Tensor
+    ) -> torch.Tensor:
         event = torch.where(is_context, 0, token_ids)
         item = model.item_embedding(model.item_rows(event >> self.action_bits))
         return item + model.action_embedding(event & ((1 << self.action_bits) - 1))
@@ -252,8 +264,9 @@ def _concat_output(u: torch.Tensor, o: torch.Tensor, gated: torch.Tensor) -> tor
     return torch.cat([u, o, gated], dim=1)
 
 
-def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int,
-                   context_rows: int = 0) -> torch.Tensor:
+def attention_mask(
+    prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor, max_length: int, context_rows: int = 0
+) -> torch.Tensor:
     """[B, L, L] bool: query i may read key j (docs/design.md §1.4).
 
     Causal over the prefix; a candidate reads the whole prefix and itself; padding reads nothing.
@@ -266,14 +279,22 @@ def attention_mask(prefix_lengths: torch.Tensor, sequence_lengths: torch.Tensor,
     return valid & (((j < prefix) & ((j <= i) | (i < context_rows))) | (i == j))
 
 
-def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                     prefix_lengths: torch.Tensor, alpha: float, scaling_seqlen: int,
-                     context_rows: int = 0) -> torch.Tensor:
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    prefix_lengths: torch.Tensor,
+    alpha: float,
+    scaling_seqlen: int,
+    context_rows: int = 0,
+) -> torch.Tensor:
     """HSTU attention over user-major jagged rows [N, H, dh] (each user: prefix, then candidates)."""
     lengths = offsets[1:] - offsets[:-1]
     max_length = int(lengths.max())
-    padded = [jagged.jagged_to_padded(t.flatten(1), offsets, max_length).unflatten(2, t.shape[1:])
-              for t in (q, k, v)]  # each [B, L, H, dh]
+    padded = [
+        jagged.jagged_to_padded(t.flatten(1), offsets, max_length).unflatten(2, t.shape[1:]) for t in (q, k, v)
+    ]  # each [B, L, H, dh]
     qp, kp, vp = (t.transpose(1, 2) for t in padded)  # [B, H, L, dh]
     scores = nn.functional.silu(alpha * qp @ kp.transpose(-1, -2)) / scaling_seqlen  # [B, H, L, L]
     scores = scores * attention_mask(prefix_lengths, lengths, max_length, context_rows).unsqueeze(1)
@@ -318,9 +339,7 @@ class HSTURanker(nn.Module):
             self.register_buffer("item_keys", torch.arange(m.item_vocab_size - 1, dtype=torch.int64) * 3 + 1)
         self.action_embedding = nn.Embedding(m.action_vocab_size, m.hidden_size)
         self.position_embedding = nn.Embedding(m.max_prefix_length + 1, m.hidden_size)
-        self.layers = nn.ModuleList(
-            HSTULayer(m) for _ in range(m.num_layers)
-        )
+        self.layers = nn.ModuleList(HSTULayer(m) for _ in range(m.num_layers))
         self.head = ItemTowerHead(m) if m.head == "item_tower" else MlpHead(m)
 
     def item_rows(self, item_ids: torch.Tensor) -> torch.Tensor:
@@ -341,14 +360,16 @@ class HSTURanker(nn.Module):
     def embed_prefix(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prefix tokens [N] at absolute positions [N] -> [N, d]."""
         is_context = positions < self.num_contextual_features
-        context = self.context_embedding(self.context_rows(torch.where(is_context, token_ids, 0),
-                                                           torch.where(is_context, positions, 0)))
+        context = self.context_embedding(
+            self.context_rows(torch.where(is_context, token_ids, 0), torch.where(is_context, positions, 0))
+        )
         events = self.events.embed(self, token_ids, positions, is_context)
         tokens = torch.where(is_context.unsqueeze(1), context, events)
         return tokens * self.embedding_scale + self.position_embedding(positions)
 
-    def embed_candidates(self, candidate_ids: torch.Tensor, token_lengths: torch.Tensor,
-                         num_candidates: torch.Tensor) -> torch.Tensor:
+    def embed_candidates(
+        self, candidate_ids: torch.Tensor, token_lengths: torch.Tensor, num_candidates: torch.Tensor
+    ) -> torch.Tensor:
         """Candidates [T] -> [T, d]; a user's candidates share position P (its prefix length)."""
         positions = torch.repeat_interleave(token_lengths, num_candidates, output_size=candidate_ids.shape[0])
         return self.embed_candidates_at(candidate_ids, positions)
@@ -369,8 +390,11 @@ class HSTURanker(nn.Module):
     def forward(self, batch: Batch) -> torch.Tensor:
         """Full recompute: every token of every user, no cache."""
         token_ids, positions, token_lengths, _ = prefix_tokens(
-            batch.history_lengths, batch.item_ids, batch.action_ids,
-            batch.context_ids[:, :self.num_contextual_features], self.events.action_bits
+            batch.history_lengths,
+            batch.item_ids,
+            batch.action_ids,
+            batch.context_ids[:, : self.num_contextual_features],
+            self.events.action_bits,
         )
         num_candidates = batch.num_candidates
         candidate_ids = self.candidates.checked(batch)
@@ -385,13 +409,13 @@ class HSTURanker(nn.Module):
                 # Rounded as the cache stores the prefix; a candidate's own k/v are never cached.
                 k = torch.where(is_prefix, self.round_kv(k), k)
                 v = torch.where(is_prefix, self.round_kv(v), v)
-            o = jagged_attention(q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen,
-                                 self.context_rows_see_prefix)
+            o = jagged_attention(
+                q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen, self.context_rows_see_prefix
+            )
             x = layer.finish(x, u, o)
         candidate_rows = torch.empty_like(rows)
         candidate_rows[rows] = torch.arange(rows.shape[0], device=rows.device)
-        return self.score(x[candidate_rows[prefix.shape[0]:]], candidate_ids)
-
+        return self.score(x[candidate_rows[prefix.shape[0] :]], candidate_ids)
 
     def forward_cached(self, batch: Batch, runtime: str | None = None) -> torch.Tensor:
         """KV-cached path through the runtime named `runtime` (default: the config's name).
@@ -406,9 +430,17 @@ class HSTURanker(nn.Module):
             kv.abort_batch(name)
             raise
 
-    def cached_logits(self, runtime: str, user_ids: torch.Tensor, history_lengths: torch.Tensor,
-                      item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,
-                      num_candidates: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+    def cached_logits(
+        self,
+        runtime: str,
+        user_ids: torch.Tensor,
+        history_lengths: torch.Tensor,
+        item_ids: torch.Tensor,
+        action_ids: torch.Tensor,
+        context_ids: torch.Tensor,
+        num_candidates: torch.Tensor,
+        candidate_ids: torch.Tensor,
+    ) -> torch.Tensor:
         """Computes only each user's uncached prefix suffix plus its candidates.
 
         New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
@@ -420,16 +452,26 @@ class HSTURanker(nn.Module):
         """
         placement = self.position_embedding.weight  # the runtime lives on the model's device
         user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-            runtime, self.request_limits, user_ids, history_lengths, item_ids, action_ids, context_ids,
-            num_candidates, candidate_ids)
+            runtime,
+            self.request_limits,
+            user_ids,
+            history_lengths,
+            item_ids,
+            action_ids,
+            context_ids,
+            num_candidates,
+            candidate_ids,
+        )
         # The uncached tokens' index and positions [2, N_new], users in order, positions ascending:
         # the runtime's row order.
-        new = kv.begin_batch(runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates,
-                             placement)
+        new = kv.begin_batch(
+            runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates, placement
+        )
         new_ids, new_positions = token_ids[new[0]], new[1]
         if placement.device.type != "cpu":
             new_ids, new_positions, candidate_ids, token_lengths, num_candidates = kv.upload(
-                runtime, [new_ids, new_positions, candidate_ids, token_lengths, num_candidates], placement)
+                runtime, [new_ids, new_positions, candidate_ids, token_lengths, num_candidates], placement
+            )
         new_tokens = self.embed_prefix(new_ids, new_positions)
         candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
         x = torch.cat([candidates, new_tokens])  # [T + N_new, d]
@@ -441,7 +483,6 @@ class HSTURanker(nn.Module):
         kv.end_batch(runtime, user_ids, logits)
         return logits
 
-
     def step_logits(self, runtime: str, inputs: kv.StepInputs, plan: kv.StepPlan) -> torch.Tensor:
         """The device part of a cached request, planned by begin_step (docs/design.md 3.9): inputs
         and plan on the model's device, padded to a bucket; returns logits [Tp, num_tasks] of every
@@ -451,8 +492,9 @@ class HSTURanker(nn.Module):
         x = torch.cat([candidates, self.embed_prefix(inputs.new_ids, inputs.new_positions)])  # [Tp + Np, d]
         for i, layer in enumerate(self.layers):
             u, v, q, k = layer.project(x)
-            o = kv.paged_attention_step(runtime, i, q, k, v, plan, self.max_prefix_length, self.alpha,
-                                        1.0 / self.scaling_seqlen)
+            o = kv.paged_attention_step(
+                runtime, i, q, k, v, plan, self.max_prefix_length, self.alpha, 1.0 / self.scaling_seqlen
+            )
             x = layer.finish(x, u, o)
         return self.score(x[: inputs.candidate_ids.shape[0]], inputs.candidate_ids)
 

@@ -56,7 +56,7 @@ def _table(data: BinaryIO, offset_at: int, sizes_at: int, entry: str) -> list[tu
     by `entry`; the header gives the table's offset at offset_at and its entry size and count at sizes_at."""
     data.seek(0)
     header = data.read(ELF_HEADER)
-    offset, = struct.unpack_from("<Q", header, offset_at)
+    (offset,) = struct.unpack_from("<Q", header, offset_at)
     entry_size, count = struct.unpack_from("<HH", header, sizes_at)
     data.seek(offset)
     table = data.read(entry_size * count)
@@ -83,8 +83,14 @@ def needed_libraries(data: BinaryIO, name: str) -> list[str]:
     if not needed:
         return []
     # DT_STRTAB is an address: the loadable segment that maps it says where it lies in the file.
-    base = next((offset + strtab - vaddr for kind, _, offset, vaddr, _, file_size in segments
-                 if kind == PT_LOAD and strtab is not None and vaddr <= strtab < vaddr + file_size), None)
+    base = next(
+        (
+            offset + strtab - vaddr
+            for kind, _, offset, vaddr, _, file_size in segments
+            if kind == PT_LOAD and strtab is not None and vaddr <= strtab < vaddr + file_size
+        ),
+        None,
+    )
     if base is None:
         raise UserError(f"{name} is corrupt: its dynamic string table lies outside its loadable segments")
     names = []
@@ -109,7 +115,7 @@ def _runtime_symbols(data: BinaryIO) -> tuple[bool, bool]:
         symbols = data.read(size)
         for at in range(0, len(symbols) - _SYMBOL + 1, _SYMBOL):
             name_at, _, _, section = struct.unpack_from("<IBBH", symbols, at)
-            if strings[name_at:name_at + _LONGEST_ENTRY + 1].split(b"\0", 1)[0] in CXX_RUNTIME_ENTRY_POINTS:
+            if strings[name_at : name_at + _LONGEST_ENTRY + 1].split(b"\0", 1)[0] in CXX_RUNTIME_ENTRY_POINTS:
                 defines |= section != 0
                 references |= section == 0
     return defines, references

@@ -80,12 +80,14 @@ def library_isa(path: Path = OPS_LIBRARY) -> dict:
         raise UserError(f"cannot read op library {path}: {exc.strerror}") from exc
     start = data.find(MARKER)
     if start < 0:
-        raise UserError(f"{path} does not record the CPU it was compiled for; rebuild it "
-                        "(python -m kvexport.native)")
-    text = data[start + len(MARKER):data.index(b"\0", start)].decode()
+        raise UserError(f"{path} does not record the CPU it was compiled for; rebuild it (python -m kvexport.native)")
+    text = data[start + len(MARKER) : data.index(b"\0", start)].decode()
     fields = dict(part.split("=", 1) for part in text.split(";"))
-    return {"march": fields["march"], "cpu_features": _split(fields["features"]),
-            "multiversion": _split(fields["clones"])}
+    return {
+        "march": fields["march"],
+        "cpu_features": _split(fields["features"]),
+        "multiversion": _split(fields["clones"]),
+    }
 
 
 def _split(names: str) -> list[str]:
@@ -117,8 +119,10 @@ def inductor_configs(cpu_isa: str) -> dict[str, object]:
     if not hasattr(config.cpp, "march"):
         import torch
 
-        raise UserError(f"serving.cpu_isa {cpu_isa} needs torch 2.13 or later: torch {torch.__version__} "
-                        "compiles a package's CPU code for the build host only")
+        raise UserError(
+            f"serving.cpu_isa {cpu_isa} needs torch 2.13 or later: torch {torch.__version__} "
+            "compiles a package's CPU code for the build host only"
+        )
     return {"cpp.march": cpu_isa, "cpp.simdlen": BASELINE_SIMD_BITS[cpu_isa]}
 
 
@@ -178,8 +182,9 @@ def check_host(required: dict, flags: frozenset[str] | None = None) -> None:
             continue
         for feature in spec.get("cpu_features", []):
             if not host_has(feature, flags):
-                raise UserError(f"this host lacks {feature} required by {label} "
-                                f"(compiled with -march={spec.get('march', '?')})")
+                raise UserError(
+                    f"this host lacks {feature} required by {label} (compiled with -march={spec.get('march', '?')})"
+                )
     log.debug("host CPU has every feature the artifact requires")
 
 
@@ -202,10 +207,13 @@ def check_device(required: dict, device) -> None:
 
     index = device.index if device.index is not None else 0
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise UserError(f"this is a CUDA package (built on {spec.get('name', '?')}) and this host has no CUDA "
-                        f"device {device}")
+        raise UserError(
+            f"this is a CUDA package (built on {spec.get('name', '?')}) and this host has no CUDA device {device}"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if f"{major}.{minor}" != spec.get("capability"):
-        raise UserError(f"the package's GPU code is compiled for compute capability {spec.get('capability')} "
-                        f"({spec.get('name', '?')}); {device} has {major}.{minor} "
-                        f"({torch.cuda.get_device_name(device)}): build the package on a GPU of this architecture")
+        raise UserError(
+            f"the package's GPU code is compiled for compute capability {spec.get('capability')} "
+            f"({spec.get('name', '?')}); {device} has {major}.{minor} "
+            f"({torch.cuda.get_device_name(device)}): build the package on a GPU of this architecture"
+        )

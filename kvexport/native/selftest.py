@@ -30,17 +30,20 @@ def run_self_test(module: str, target: Path, compiler: str) -> None:
 
     MODULE: this one (an op library) or kvexport.export.selftest (a built package)."""
     try:
-        result = subprocess.run([sys.executable, "-m", module, str(target)],
-                                capture_output=True, text=True, timeout=_TIMEOUT_S)
+        result = subprocess.run(
+            [sys.executable, "-m", module, str(target)], capture_output=True, text=True, timeout=_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         raise SelfTestError(f"self-test of {target} did not finish in {_TIMEOUT_S} s") from None
     if result.returncode == 0:
         return
     if result.returncode < 0:
-        raise SelfTestError(f"self-test of {target}: a refused request killed a fresh process "
-                            f"({signal.Signals(-result.returncode).name}); it was compiled by {compiler}, whose C++ "
-                            "runtime does not work beside torch's: build with a g++ that links libstdc++.so.6 "
-                            "dynamically (set CXX to it)")
+        raise SelfTestError(
+            f"self-test of {target}: a refused request killed a fresh process "
+            f"({signal.Signals(-result.returncode).name}); it was compiled by {compiler}, whose C++ "
+            "runtime does not work beside torch's: build with a g++ that links libstdc++.so.6 "
+            "dynamically (set CXX to it)"
+        )
     lines = result.stderr.strip().splitlines()
     raise SelfTestError(f"self-test of {target}: {lines[-1] if lines else f'exit {result.returncode}'}")
 
@@ -61,8 +64,9 @@ def check_op_library(path: Path) -> None:
     rows = torch.zeros(2, dtype=torch.long)
     expected = f"paged_attention: cache {list(cache.shape)} does not fit q {list(q.shape)}"
     try:
-        torch.ops.kvexport.hstu_paged_attention(q, q, q, cache, torch.zeros(1, 1, dtype=torch.long), rows, rows,
-                                                rows, 1.0, 1.0)
+        torch.ops.kvexport.hstu_paged_attention(
+            q, q, q, cache, torch.zeros(1, 1, dtype=torch.long), rows, rows, rows, 1.0, 1.0
+        )
     except RuntimeError as exc:
         if expected not in str(exc):
             fail(f"the op library's refusal came back garbled: {str(exc).splitlines()[0]!r}, expected {expected!r}")

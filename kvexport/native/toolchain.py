@@ -91,8 +91,12 @@ def probe(compiler: str) -> str | None:
         source, library = Path(work) / "probe.cpp", Path(work) / "libprobe.so"
         source.write_text(_PROBE_SOURCE)
         try:
-            result = subprocess.run([compiler, "-shared", "-fPIC", "-O1", str(source), "-o", str(library)],
-                                    capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+            result = subprocess.run(
+                [compiler, "-shared", "-fPIC", "-O1", str(source), "-o", str(library)],
+                capture_output=True,
+                text=True,
+                timeout=_COMPILE_TIMEOUT_S,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"cannot be run ({type(exc).__name__})"
         if result.returncode != 0 or not library.is_file():
@@ -101,8 +105,10 @@ def probe(compiler: str) -> str | None:
         with library.open("rb") as data:
             elf.check_elf(data, library.stat().st_size, str(library))
             if elf.carries_own_cxx_runtime(data, str(library)):
-                return ("links the C++ runtime statically into shared libraries (they carry their own copy "
-                        f"instead of loading {elf.CXX_RUNTIME})")
+                return (
+                    "links the C++ runtime statically into shared libraries (they carry their own copy "
+                    f"instead of loading {elf.CXX_RUNTIME})"
+                )
         try:
             loaded = ctypes.CDLL(str(library))
         except OSError as exc:
@@ -119,16 +125,23 @@ def _select(tried: tuple[tuple[str, str], ...]) -> Compiler:
         reason = probe(path)
         if reason is None:
             if reasons:
-                log.warning("not using %s: it %s; using %s (%s) instead", reasons[0][0], reasons[0][1], path,
-                            "CXX" if source == "CXX" else "found on PATH")
+                log.warning(
+                    "not using %s: it %s; using %s (%s) instead",
+                    reasons[0][0],
+                    reasons[0][1],
+                    path,
+                    "CXX" if source == "CXX" else "found on PATH",
+                )
             return Compiler(path, source)
         reasons.append((f"{'CXX=' if source == 'CXX' else ''}{path}", reason))
     if not reasons:
         raise ToolchainError("no C++ compiler found: set CXX or put g++ on PATH")
     tried_text = "; ".join(f"{name} {reason}" for name, reason in reasons)
-    raise ToolchainError(f"no usable C++ compiler: {tried_text}. A C++ exception in the op library or a package "
-                         f"would crash the host: install a g++ that links {elf.CXX_RUNTIME} dynamically (a "
-                         "distribution's g++ does) and set CXX to it")
+    raise ToolchainError(
+        f"no usable C++ compiler: {tried_text}. A C++ exception in the op library or a package "
+        f"would crash the host: install a g++ that links {elf.CXX_RUNTIME} dynamically (a "
+        "distribution's g++ does) and set CXX to it"
+    )
 
 
 def select_compiler(environ: Mapping[str, str] | None = None) -> Compiler:
@@ -144,8 +157,9 @@ def runtime_directory(compiler: Compiler) -> str | None:
     which may hold a static libstdc++ only) cannot put a second runtime into what CMake builds.
     """
     try:
-        answer = subprocess.run([compiler.path, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
-                                timeout=_COMPILE_TIMEOUT_S).stdout.strip()
+        answer = subprocess.run(
+            [compiler.path, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return None
     return os.path.dirname(os.path.normpath(answer)) if os.path.isabs(answer) else None

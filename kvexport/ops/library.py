@@ -27,11 +27,32 @@ from kvexport.native.paths import OPS_LIBRARY
 
 NAMESPACE = "kvexport"
 # Every op the library defines (csrc/ops/register.cpp's TORCH_LIBRARY block, in its order).
-OPS = ("check_request", "upload", "begin_batch", "paged_attention", "end_batch", "begin_step", "paged_attention_step",
-       "create_runtime",
-       "abort_batch", "last_error", "stat_names", "runtime_stats", "reset_runtime", "evict_user", "cached_length",
-       "device_users_lru", "read_user_kv", "drop_runtime", "gpu_info", "attach_remote", "flush_remote",
-       "redact_url", "hstu_paged_attention", "fp8_round")
+OPS = (
+    "check_request",
+    "upload",
+    "begin_batch",
+    "paged_attention",
+    "end_batch",
+    "begin_step",
+    "paged_attention_step",
+    "create_runtime",
+    "abort_batch",
+    "last_error",
+    "stat_names",
+    "runtime_stats",
+    "reset_runtime",
+    "evict_user",
+    "cached_length",
+    "device_users_lru",
+    "read_user_kv",
+    "drop_runtime",
+    "gpu_info",
+    "attach_remote",
+    "flush_remote",
+    "redact_url",
+    "hstu_paged_attention",
+    "fp8_round",
+)
 # Ops that read or write runtime state and may appear in an exported graph: the cached model's,
 # and the step program's (begin_step runs on the host, outside it).
 STATEFUL_OPS = ("begin_batch", "paged_attention", "end_batch")
@@ -74,9 +95,11 @@ def load(path: Path = OPS_LIBRARY) -> Path:
         torch.ops.load_library(str(path))
         lacking = [name for name in OPS if not hasattr(getattr(torch.ops, NAMESPACE), name)]
         if lacking:  # before any fake is registered for it
-            raise UserError(f"{path} is an op library of another kvexport version (it lacks "
-                            f"{NAMESPACE}::{lacking[0]}): rebuild the artifact (or the op library: "
-                            "python -m kvexport.native) with this kvexport")
+            raise UserError(
+                f"{path} is an op library of another kvexport version (it lacks "
+                f"{NAMESPACE}::{lacking[0]}): rebuild the artifact (or the op library: "
+                "python -m kvexport.native) with this kvexport"
+            )
         for name, implementation in _fakes.items():
             torch.library.register_fake(f"{NAMESPACE}::{name}")(implementation)
         for name in STATEFUL_OPS + STEP_OPS:

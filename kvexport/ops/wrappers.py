@@ -28,9 +28,17 @@ def _ops():
     return torch.ops.kvexport
 
 
-def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, history_lengths: torch.Tensor,
-                  item_ids: torch.Tensor, action_ids: torch.Tensor, context_ids: torch.Tensor,
-                  num_candidates: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def check_request(
+    runtime: str,
+    limits_json: str,
+    user_ids: torch.Tensor,
+    history_lengths: torch.Tensor,
+    item_ids: torch.Tensor,
+    action_ids: torch.Tensor,
+    context_ids: torch.Tensor,
+    num_candidates: torch.Tensor,
+    candidate_ids: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """Checks a request (host tensors) against the package's limits (Config.request_limits_json)
     inside the op library, and lays out its prefix tokens in the same pass over its events.
 
@@ -43,23 +51,40 @@ def check_request(runtime: str, limits_json: str, user_ids: torch.Tensor, histor
     refused. A refused request raises ValueError and records ("invalid_request", message) for
     last_error(runtime); every request starts by clearing it.
     """
-    return _ops().check_request(runtime, limits_json, user_ids, history_lengths, item_ids, action_ids,
-                                context_ids, num_candidates, candidate_ids)
+    return _ops().check_request(
+        runtime,
+        limits_json,
+        user_ids,
+        history_lengths,
+        item_ids,
+        action_ids,
+        context_ids,
+        num_candidates,
+        candidate_ids,
+    )
 
 
 @library.fake("check_request")
-def _check_request_fake(runtime, limits, user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates,
-                   candidate_ids):
+def _check_request_fake(
+    runtime, limits, user_ids, history_lengths, item_ids, action_ids, context_ids, num_candidates, candidate_ids
+):
     # One batch size for every per-user input, and the jagged sizes the checks guarantee.
     torch._check(history_lengths.shape[0] == user_ids.shape[0], lambda: "history_lengths must match user_ids")
     torch._check(num_candidates.shape[0] == user_ids.shape[0], lambda: "num_candidates must match user_ids")
     torch._check(context_ids.shape[0] == user_ids.shape[0], lambda: "context_ids must match user_ids")
     torch._check(action_ids.shape[0] == item_ids.shape[0], lambda: "action_ids must match item_ids")
     limits = json.loads(limits)  # the token layout's sizes, as kvexport.config derives them
-    num_tokens = context_ids.shape[0] * limits["num_contextual_features"] + limits["tokens_per_event"] * item_ids.shape[0]
+    num_tokens = (
+        context_ids.shape[0] * limits["num_contextual_features"] + limits["tokens_per_event"] * item_ids.shape[0]
+    )
     token_ids = item_ids.new_empty(num_tokens)
-    return (torch.empty_like(user_ids), torch.empty_like(history_lengths), token_ids,
-            torch.empty_like(num_candidates), torch.empty_like(candidate_ids))
+    return (
+        torch.empty_like(user_ids),
+        torch.empty_like(history_lengths),
+        token_ids,
+        torch.empty_like(num_candidates),
+        torch.empty_like(candidate_ids),
+    )
 
 
 def last_error(runtime: str) -> tuple[str, str]:
@@ -77,8 +102,15 @@ def stat_names() -> list[str]:
     return list(_ops().stat_names())
 
 
-def begin_batch(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids: torch.Tensor,
-                token_lengths: torch.Tensor, num_candidates: torch.Tensor, placement: torch.Tensor) -> torch.Tensor:
+def begin_batch(
+    runtime: str,
+    config_json: str,
+    user_ids: torch.Tensor,
+    token_ids: torch.Tensor,
+    token_lengths: torch.Tensor,
+    num_candidates: torch.Tensor,
+    placement: torch.Tensor,
+) -> torch.Tensor:
     """Plans a request: reuses each user's longest cached common prefix, evicts and allocates.
 
     user_ids [B], token_ids [sum(P)] (each user's prefix tokens, jagged), token_lengths [B] (P),
@@ -116,8 +148,9 @@ def _upload_fake(runtime, host, placement):
     return [t.new_empty(t.shape, device=placement.device) for t in host]
 
 
-def paged_attention(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
+def paged_attention(
+    runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: float, inv_scaling_seqlen: float
+) -> torch.Tensor:
     """Stores the layer's new prefix rows of k, v [N, H, dh] in their pages (candidate rows are not
     cached), then HSTU attention of the new rows q over the cached and new k/v -> [N, H, dh].
 
@@ -137,14 +170,14 @@ class StepPlan(NamedTuple):
     """A step program's plan of one batch (docs/design.md 3.9), on the runtime's device: new rows
     are [candidate rows][prefix rows], each part padded to its bucket, the real rows first."""
 
-    page_table: torch.Tensor     # [Bp, pages_per_user] each user's pages
-    row_user: torch.Tensor       # [R] batch index of each row (padding rows: 0)
-    row_keys: torch.Tensor       # [R] cached keys each row reads (padding rows: 0)
+    page_table: torch.Tensor  # [Bp, pages_per_user] each user's pages
+    row_user: torch.Tensor  # [R] batch index of each row (padding rows: 0)
+    row_keys: torch.Tensor  # [R] cached keys each row reads (padding rows: 0)
     row_candidate: torch.Tensor  # [R] 1 for candidate rows
-    write_slots: torch.Tensor    # [Np] cache slot of each prefix row's k (padding rows: a trash page)
-    value_slots: torch.Tensor    # [Np] its v
-    row_order: torch.Tensor      # [R] rows grouped by user (tiles index it), padding rows last
-    tiles: torch.Tensor          # [TT, 3] (user, first index into row_order, rows); empty ones last
+    write_slots: torch.Tensor  # [Np] cache slot of each prefix row's k (padding rows: a trash page)
+    value_slots: torch.Tensor  # [Np] its v
+    row_order: torch.Tensor  # [R] rows grouped by user (tiles index it), padding rows last
+    tiles: torch.Tensor  # [TT, 3] (user, first index into row_order, rows); empty ones last
 
 
 class StepInputs(NamedTuple):
@@ -203,33 +236,62 @@ class StepLayout(NamedTuple):
         return StepInputs(*parts[:4]), StepPlan(*parts[4:])
 
 
-def begin_step(runtime: str, config_json: str, user_ids: torch.Tensor, token_ids: torch.Tensor,
-               token_lengths: torch.Tensor, num_candidates: torch.Tensor, candidate_ids: torch.Tensor,
-               placement: torch.Tensor, max_prefix_length: int) -> tuple[torch.Tensor, StepLayout]:
+def begin_step(
+    runtime: str,
+    config_json: str,
+    user_ids: torch.Tensor,
+    token_ids: torch.Tensor,
+    token_lengths: torch.Tensor,
+    num_candidates: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    placement: torch.Tensor,
+    max_prefix_length: int,
+) -> tuple[torch.Tensor, StepLayout]:
     """begin_batch for a step program: plans the batch (check_request's host tensors, and its
     candidate_ids) and returns, on the host (pinned for a GPU runtime), the step's inputs and plan
     in one int64 buffer padded to a bucket, with its layout (StepLayout.split views it). The host
     uploads the buffer, runs the step program on it, then calls end_batch. Refusals as begin_batch's.
     """
-    staged, layout = _ops().begin_step(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates,
-                                       candidate_ids, placement, max_prefix_length)
+    staged, layout = _ops().begin_step(
+        runtime,
+        config_json,
+        user_ids,
+        token_ids,
+        token_lengths,
+        num_candidates,
+        candidate_ids,
+        placement,
+        max_prefix_length,
+    )
     values = layout.tolist()  # StepLayout's fields, then the alignment of the buffer's parts
     if len(values) != len(StepLayout._fields) + 1 or values[-1] != STEP_ALIGN:
-        raise RuntimeError(f"begin_step's layout is not this version's ({len(values)} values): the op library "
-                           "was built from other kvexport sources")
+        raise RuntimeError(
+            f"begin_step's layout is not this version's ({len(values)} values): the op library "
+            "was built from other kvexport sources"
+        )
     return staged, StepLayout(*values[:-1])
 
 
 @library.fake("begin_step")
-def _begin_step_fake(runtime, config, user_ids, token_ids, token_lengths, num_candidates, candidate_ids, placement,
-                max_prefix_length):
+def _begin_step_fake(
+    runtime, config, user_ids, token_ids, token_lengths, num_candidates, candidate_ids, placement, max_prefix_length
+):
     torch._check(user_ids.dim() == 1, lambda: f"user_ids must be 1-D, got {user_ids.dim()}-D")
     staged = token_ids.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
     return staged, torch.empty(7, dtype=torch.int64)
 
 
-def paged_attention_step(runtime: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         plan: StepPlan, max_keys: int, alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
+def paged_attention_step(
+    runtime: str,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: StepPlan,
+    max_keys: int,
+    alpha: float,
+    inv_scaling_seqlen: float,
+) -> torch.Tensor:
     """paged_attention with the plan as tensors (a step program's): stores the layer's prefix rows
     of k, v [R, H, dh] (the last plan.write_slots rows) in their slots, then attends. max_keys
     bounds every row's keys (the model's max_prefix_length); a CUDA graph of the step replays the
@@ -239,8 +301,24 @@ def paged_attention_step(runtime: str, layer: int, q: torch.Tensor, k: torch.Ten
 
 
 @library.fake("paged_attention_step")
-def _paged_attention_step_fake(runtime, layer, q, k, v, page_table, row_user, row_keys, row_candidate, write_slots,
-                          value_slots, row_order, tiles, max_keys, alpha, inv_scaling_seqlen):
+def _paged_attention_step_fake(
+    runtime,
+    layer,
+    q,
+    k,
+    v,
+    page_table,
+    row_user,
+    row_keys,
+    row_candidate,
+    write_slots,
+    value_slots,
+    row_order,
+    tiles,
+    max_keys,
+    alpha,
+    inv_scaling_seqlen,
+):
     torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
     torch._check(q.shape == k.shape and q.shape == v.shape, lambda: "q, k and v must have one shape")
     # The plan's sizes are the step program's own inputs (rows = candidate rows + prefix rows); the
@@ -277,23 +355,31 @@ def _abort_batch_fake(runtime):
     return None
 
 
-def hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
-                         alpha: float, inv_scaling_seqlen: float) -> torch.Tensor:
+def hstu_paged_attention(
+    q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha: float, inv_scaling_seqlen: float
+) -> torch.Tensor:
     """The kernel behind paged_attention with every input explicit (no runtime state).
 
     cache [pages, 2, page_size, H, dh] in q's dtype, or FP8 pages [pages, page_bytes] of uint8
     (docs/design.md §3.11); page_table [B, max_pages], row_user/row_keys/row_candidate [N].
     """
-    return _ops().hstu_paged_attention(q, k, v, cache, page_table, row_user, row_keys, row_candidate,
-                                       alpha, inv_scaling_seqlen)
+    return _ops().hstu_paged_attention(
+        q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen
+    )
 
 
 @library.fake("hstu_paged_attention")
-def _hstu_paged_attention_fake(q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen):
+def _hstu_paged_attention_fake(
+    q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen
+):
     torch._check(q.dim() == 3, lambda: f"q must be [N, H, dh], got {q.dim()}-D")
-    torch._check(cache.dim() == (2 if cache.dtype == torch.uint8 else 5),
-                 lambda: f"cache must be [pages, 2, page_size, H, dh] or FP8 pages [pages, page_bytes], "
-                         f"got {cache.dim()}-D {cache.dtype}")
+    torch._check(
+        cache.dim() == (2 if cache.dtype == torch.uint8 else 5),
+        lambda: (
+            f"cache must be [pages, 2, page_size, H, dh] or FP8 pages [pages, page_bytes], "
+            f"got {cache.dim()}-D {cache.dtype}"
+        ),
+    )
     torch._check(row_user.shape[0] == q.shape[0], lambda: "row_user must have one entry per row of q")
     return torch.empty_like(q)
 
@@ -443,7 +529,6 @@ def flush_remote(runtime: str, timeout_ms: int) -> bool:
     """Waits up to timeout_ms (without the GIL) for the remote tier's queued writes to reach the
     server; False if some are still queued. True at once when the runtime has no remote tier."""
     return _ops().flush_remote(runtime, timeout_ms)
-
 
 
 @library.fake("flush_remote")

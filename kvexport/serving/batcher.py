@@ -66,18 +66,22 @@ def parse_request(inputs: Mapping[str, np.ndarray]) -> UserRequest:
         if value.dtype != np.int64:
             raise RequestError(f"{name} must be INT64, got {value.dtype}")
         if value.ndim != 2 or value.shape[0] != 1:
-            raise RequestError(f"{name} must have shape [1, n] (one request is one user), "
-                               f"got {list(value.shape)}")
+            raise RequestError(f"{name} must have shape [1, n] (one request is one user), got {list(value.shape)}")
         arrays[name] = value[0]
     if arrays[USER_ID].shape != (1,):
         raise RequestError(f"user_id must hold one id, got shape [1, {len(arrays[USER_ID])}]")
     items, actions = len(arrays[ITEM_IDS]), len(arrays[ACTION_IDS])
     if items != actions:
-        raise RequestError(f"item_ids has {items} events but action_ids has {actions}; "
-                           "each event is one item and one action")
-    user = UserRequest(int(arrays[USER_ID][0]),
-                       *(torch.from_numpy(np.array(arrays[name], copy=True))
-                         for name in (ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)))
+        raise RequestError(
+            f"item_ids has {items} events but action_ids has {actions}; each event is one item and one action"
+        )
+    user = UserRequest(
+        int(arrays[USER_ID][0]),
+        *(
+            torch.from_numpy(np.array(arrays[name], copy=True))
+            for name in (ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)
+        ),
+    )
     return user
 
 
@@ -85,9 +89,9 @@ def parse_request(inputs: Mapping[str, np.ndarray]) -> UserRequest:
 class BatchCounters:
     """What the scorer did since it started (exported as kvexport_* metrics)."""
 
-    batches: int = 0           # package calls that scored a batch
-    batch_users: int = 0       # users scored in those calls (mean batch size = batch_users / batches)
-    split_batches: int = 0     # merged batches the package refused, then scored one user at a time
+    batches: int = 0  # package calls that scored a batch
+    batch_users: int = 0  # users scored in those calls (mean batch size = batch_users / batches)
+    split_batches: int = 0  # merged batches the package refused, then scored one user at a time
     requests_ok: int = 0
     requests_refused: int = 0  # refused by the request check or by the package
 

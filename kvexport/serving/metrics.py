@@ -36,20 +36,38 @@ def samples(model: str, cache: dict[str, int], batches, instance: str = "") -> l
     out: list[Sample] = []
     for stat, value in cache.items():
         if stat.endswith(LEVEL_SUFFIXES):
-            out.append(Sample(f"kvexport_cache_{stat}", "gauge", f"KV cache {stat.replace('_', ' ')} now", label,
-                              value))
+            out.append(
+                Sample(f"kvexport_cache_{stat}", "gauge", f"KV cache {stat.replace('_', ' ')} now", label, value)
+            )
         else:
-            out.append(Sample(f"kvexport_cache_{stat}_total", "counter", f"KV cache {stat.replace('_', ' ')}",
-                              label, value))
+            out.append(
+                Sample(f"kvexport_cache_{stat}_total", "counter", f"KV cache {stat.replace('_', ' ')}", label, value)
+            )
     out += [
-        Sample("kvexport_batches_total", "counter", "Package calls that scored a batch of users", label,
-               batches.batches),
+        Sample(
+            "kvexport_batches_total", "counter", "Package calls that scored a batch of users", label, batches.batches
+        ),
         Sample("kvexport_batch_users_total", "counter", "Users scored in those batches", label, batches.batch_users),
-        Sample("kvexport_split_batches_total", "counter",
-               "Merged batches the package refused, then scored one user at a time", label, batches.split_batches),
-        Sample("kvexport_requests_total", "counter", "Inference requests by result", (*label, ("result", "ok")),
-               batches.requests_ok),
-        Sample("kvexport_requests_total", "counter", "Inference requests by result",
-               (*label, ("result", "refused")), batches.requests_refused),
+        Sample(
+            "kvexport_split_batches_total",
+            "counter",
+            "Merged batches the package refused, then scored one user at a time",
+            label,
+            batches.split_batches,
+        ),
+        Sample(
+            "kvexport_requests_total",
+            "counter",
+            "Inference requests by result",
+            (*label, ("result", "ok")),
+            batches.requests_ok,
+        ),
+        Sample(
+            "kvexport_requests_total",
+            "counter",
+            "Inference requests by result",
+            (*label, ("result", "refused")),
+            batches.requests_refused,
+        ),
     ]
     return out

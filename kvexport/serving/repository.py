@@ -94,8 +94,10 @@ class Remote:
     def __post_init__(self) -> None:
         check_write_policy(self.write, "--remote-write")
         if split_password(self.url)[1] is not None:
-            raise UserError("--remote: the URL holds a password, which Triton would serve to any client with the "
-                            "model's config; give it with --remote-password-file")
+            raise UserError(
+                "--remote: the URL holds a password, which Triton would serve to any client with the "
+                "model's config; give it with --remote-password-file"
+            )
 
     def parameters(self) -> dict[str, str]:
         out = {"remote": self.url, "remote_write": self.write}
@@ -114,13 +116,23 @@ def _tensor_config(spec: dict, is_input: bool) -> str:
     input with such a length is ragged: Triton concatenates it when it batches users."""
     dims = [-1 if isinstance(d, str) else d for d in spec["shape"][1:]]
     ragged = is_input and -1 in dims
-    return (f'  {{ name: "{spec["name"]}" data_type: TYPE_{spec["datatype"]} dims: [ {", ".join(map(str, dims))} ]'
-            f'{" allow_ragged_batch: true" if ragged else ""} }}')
+    return (
+        f'  {{ name: "{spec["name"]}" data_type: TYPE_{spec["datatype"]} dims: [ {", ".join(map(str, dims))} ]'
+        f"{' allow_ragged_batch: true' if ragged else ''} }}"
+    )
 
 
-def model_config(name: str, max_batch_size: int, context_width: int, num_tasks: int, device: str,
-                 instances: int, parameters: dict[str, str] | None = None, batching: bool = True,
-                 gpus: Sequence[int] = (0,)) -> str:
+def model_config(
+    name: str,
+    max_batch_size: int,
+    context_width: int,
+    num_tasks: int,
+    device: str,
+    instances: int,
+    parameters: dict[str, str] | None = None,
+    batching: bool = True,
+    gpus: Sequence[int] = (0,),
+) -> str:
     """config.pbtxt of one of the repository's models (Triton's text protobuf): max_batch_size users
     per model execution, merged by Triton's dynamic batcher; without batching, one (max_batch_size
     1, no dynamic batcher). device "cuda": `instances` on each GPU of `gpus`."""
@@ -145,8 +157,10 @@ def shard_names(name: str, shards: int) -> list[str]:
 
 
 def _parameter_lines(parameters: dict[str, str]) -> list[str]:
-    return [f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
-            for key, value in parameters.items()]
+    return [
+        f"parameters: {{ key: {_quoted(key)} value: {{ string_value: {_quoted(value)} }} }}"
+        for key, value in parameters.items()
+    ]
 
 
 def _instance_group(device: str, instances: int, gpus: Sequence[int]) -> str:
@@ -173,10 +187,20 @@ def shard_config(name: str, num_tasks: int, device: str, parameters: dict[str, s
     return "\n".join(lines) + "\n"
 
 
-def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, instances: int = 1,
-                     python_path: Sequence[str] = (), batching: bool = True, remote: Remote | None = None,
-                     copy_artifact: bool = True, threads: int = DEFAULT_THREADS, gpus: int = 1,
-                     routing: bool = True, drain_file: Path | None = None) -> Path:
+def write_repository(
+    out: Path | Artifact,
+    repo: Path,
+    name: str | None = None,
+    instances: int = 1,
+    python_path: Sequence[str] = (),
+    batching: bool = True,
+    remote: Remote | None = None,
+    copy_artifact: bool = True,
+    threads: int = DEFAULT_THREADS,
+    gpus: int = 1,
+    routing: bool = True,
+    drain_file: Path | None = None,
+) -> Path:
     """Writes the repository for the artifact OUT (a path or an opened Artifact); returns the
     directory of the model clients call (the router's, with several shards). copy_artifact=False
     names OUT (resolved) in the `artifact` parameter instead of copying it, and leaves the check of
@@ -226,17 +250,28 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
         model = staging / name
         (model / "1").mkdir(parents=True)
         if shards == 1 or not routing:
-            (model / "config.pbtxt").write_text(model_config(name, triton_batch_size(max_batch_size), *dims, device,
-                                                             instances, parameters, batching, range(gpus)))
+            (model / "config.pbtxt").write_text(
+                model_config(
+                    name, triton_batch_size(max_batch_size), *dims, device, instances, parameters, batching, range(gpus)
+                )
+            )
             shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "1" / "artifact")
         else:
             names = shard_names(name, shards)
             # The router gathers a wave (one request without batching); a shard splits its pack in package calls.
-            (model / "config.pbtxt").write_text(model_config(
-                name, triton_batch_size(max_batch_size) * shards if batching else 1, *dims, "cpu", 1,
-                {"shards": ",".join(names), "threads": str(threads), **common}, batching=True))
+            (model / "config.pbtxt").write_text(
+                model_config(
+                    name,
+                    triton_batch_size(max_batch_size) * shards if batching else 1,
+                    *dims,
+                    "cpu",
+                    1,
+                    {"shards": ",".join(names), "threads": str(threads), **common},
+                    batching=True,
+                )
+            )
             shutil.copyfile(ROUTER_FILE, model / "1" / "model.py")
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "artifact")
@@ -244,8 +279,9 @@ def write_repository(out: Path | Artifact, repo: Path, name: str | None = None, 
             parameters["routed"] = "true"
             for i, shard in enumerate(names):
                 (staging / shard / "1").mkdir(parents=True)
-                (staging / shard / "config.pbtxt").write_text(shard_config(shard, config.model.num_tasks, device,
-                                                                           parameters, gpu=i % gpus))
+                (staging / shard / "config.pbtxt").write_text(
+                    shard_config(shard, config.model.num_tasks, device, parameters, gpu=i % gpus)
+                )
                 shutil.copyfile(MODEL_FILE, staging / shard / "1" / "model.py")
         launcher = staging / LAUNCHER
         launcher.write_text(LAUNCHER_SCRIPT.format(python=shlex.quote(sys.executable)))

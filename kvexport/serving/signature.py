@@ -13,18 +13,30 @@ import re
 # (name, Triton datatype, shape): "h" events, "T" candidates; the context width and the number of
 # tasks are the package's.
 USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS = (
-    "user_id", "item_ids", "action_ids", "context_ids", "candidate_ids")
+    "user_id",
+    "item_ids",
+    "action_ids",
+    "context_ids",
+    "candidate_ids",
+)
 LOGITS = "logits"
 INPUT_NAMES = (USER_ID, ITEM_IDS, ACTION_IDS, CONTEXT_IDS, CANDIDATE_IDS)
 
 
 def serving_signature(name: str, context_width: int, num_tasks: int) -> dict:
     """{"model", "inputs": [{"name", "datatype", "shape"}], "output": {...}} of `kvexport serve`."""
-    shapes = {USER_ID: [1, 1], ITEM_IDS: [1, "h"], ACTION_IDS: [1, "h"], CONTEXT_IDS: [1, context_width],
-              CANDIDATE_IDS: [1, "T"]}
-    return {"model": name,
-            "inputs": [{"name": n, "datatype": "INT64", "shape": shapes[n]} for n in INPUT_NAMES],
-            "output": {"name": LOGITS, "datatype": "FP32", "shape": [1, "T", num_tasks]}}
+    shapes = {
+        USER_ID: [1, 1],
+        ITEM_IDS: [1, "h"],
+        ACTION_IDS: [1, "h"],
+        CONTEXT_IDS: [1, context_width],
+        CANDIDATE_IDS: [1, "T"],
+    }
+    return {
+        "model": name,
+        "inputs": [{"name": n, "datatype": "INT64", "shape": shapes[n]} for n in INPUT_NAMES],
+        "output": {"name": LOGITS, "datatype": "FP32", "shape": [1, "T", num_tasks]},
+    }
 
 
 def from_package_signature(name: str, signature: dict) -> dict | None:

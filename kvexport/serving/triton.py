@@ -154,10 +154,19 @@ class Server:
     a shared remote KV tier, as kvexport.load takes them.
     """
 
-    def __init__(self, out: Path, *, address: str = "0.0.0.0", http_port: int = DEFAULT_HTTP_PORT,
-                 grpc_port: int = DEFAULT_GRPC_PORT, metrics_port: int = DEFAULT_METRICS_PORT,
-                 batching: bool = True, threads: int = 1, remote: str | None = None,
-                 remote_write: str = DEFAULT_WRITE_POLICY):
+    def __init__(
+        self,
+        out: Path,
+        *,
+        address: str = "0.0.0.0",
+        http_port: int = DEFAULT_HTTP_PORT,
+        grpc_port: int = DEFAULT_GRPC_PORT,
+        metrics_port: int = DEFAULT_METRICS_PORT,
+        batching: bool = True,
+        threads: int = 1,
+        remote: str | None = None,
+        remote_write: str = DEFAULT_WRITE_POLICY,
+    ):
         ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
         if len(set(ports.values())) != len(ports):
             raise UserError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
@@ -183,8 +192,11 @@ class Server:
 
     def start(self) -> Server:
         tritonserver.distribution()  # the serve extra, before anything else
-        for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
-                             ("--metrics-port", self.metrics_port)):
+        for option, port in (
+            ("--http-port", self.http_port),
+            ("--grpc-port", self.grpc_port),
+            ("--metrics-port", self.metrics_port),
+        ):
             _check_port_free(self.address, port, option)
         try:
             self.workspace = Path(tempfile.mkdtemp(prefix="kvexport-serve-"))
@@ -220,9 +232,16 @@ class Server:
                     file.write(password)
             remote = Remote(url, self.remote_write, password_file)
         artifact = open_artifact(self.out)
-        model = write_repository(artifact, self.workspace / "repository", batching=self.batching, remote=remote,
-                                 python_path=tritonserver.site_packages(), copy_artifact=False, threads=self.threads,
-                                 drain_file=self.workspace / DRAIN_FILE)
+        model = write_repository(
+            artifact,
+            self.workspace / "repository",
+            batching=self.batching,
+            remote=remote,
+            python_path=tritonserver.site_packages(),
+            copy_artifact=False,
+            threads=self.threads,
+            drain_file=self.workspace / DRAIN_FILE,
+        )
         self.model_name = model.name
         self.max_batch_size = triton_batch_size(artifact.config.serving.max_batch_size, self.batching)
         self.package_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
@@ -231,20 +250,56 @@ class Server:
 
     def _launch(self, command: list[str], env: dict[str, str], model: Path) -> None:
         arguments = [
-            "--model-repository", str(model.parent), "--model-control-mode", "explicit", "--load-model", model.name,
-            "--strict-readiness", "true", "--exit-timeout-secs", str(TRITON_EXIT_TIMEOUT_S),
-            "--http-address", self.address, "--http-port", str(self.http_port),
-            "--grpc-address", self.address, "--grpc-port", str(self.grpc_port),
-            "--allow-metrics", "true", "--metrics-address", self.address, "--metrics-port", str(self.metrics_port),
-            "--allow-gpu-metrics", "true" if self._device == "cuda" else "false",
-            "--metrics-interval-ms", str(METRICS_INTERVAL_MS),
-            "--http-restricted-api", f"{RESTRICTED_APIS}:{CLOSED}",
-            "--grpc-restricted-protocol", f"{RESTRICTED_APIS}:{CLOSED}",
+            "--model-repository",
+            str(model.parent),
+            "--model-control-mode",
+            "explicit",
+            "--load-model",
+            model.name,
+            "--strict-readiness",
+            "true",
+            "--exit-timeout-secs",
+            str(TRITON_EXIT_TIMEOUT_S),
+            "--http-address",
+            self.address,
+            "--http-port",
+            str(self.http_port),
+            "--grpc-address",
+            self.address,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--allow-metrics",
+            "true",
+            "--metrics-address",
+            self.address,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--allow-gpu-metrics",
+            "true" if self._device == "cuda" else "false",
+            "--metrics-interval-ms",
+            str(METRICS_INTERVAL_MS),
+            "--http-restricted-api",
+            f"{RESTRICTED_APIS}:{CLOSED}",
+            "--grpc-restricted-protocol",
+            f"{RESTRICTED_APIS}:{CLOSED}",
             # The routing header reaches the model as a request parameter, which checks it against user_id.
-            "--http-header-forward-pattern", f"^{ROUTING_HEADER}$", "--grpc-header-forward-pattern", f"^{ROUTING_HEADER}$",
-            "--backend-config", f"python,shm-region-prefix-name={self._shm_prefix}", "--log-verbose", "0"]
-        self._process = subprocess.Popen([*command, *arguments], env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
+            "--http-header-forward-pattern",
+            f"^{ROUTING_HEADER}$",
+            "--grpc-header-forward-pattern",
+            f"^{ROUTING_HEADER}$",
+            "--backend-config",
+            f"python,shm-region-prefix-name={self._shm_prefix}",
+            "--log-verbose",
+            "0",
+        ]
+        self._process = subprocess.Popen(
+            [*command, *arguments],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
         self._reader = threading.Thread(target=self._read_output, name="tritonserver-output", daemon=True)
         self._reader.start()
 
@@ -309,8 +364,9 @@ class Server:
             try:
                 process.wait(timeout=TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
-                log.warning("tritonserver did not exit within %d s; killing it",
-                            TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S)
+                log.warning(
+                    "tritonserver did not exit within %d s; killing it", TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S
+                )
                 process.kill()
                 process.wait()
         if self._reader is not None:
@@ -355,12 +411,16 @@ def serve(out: Path, ready: Callable[[Server], None], **options) -> None:
             while not stop.wait(MONITOR_S):
                 if not server.alive():
                     reason = failure_reason(server.server_log_tail())
-                    raise UserError(f"tritonserver exited while serving {server.model_name}"
-                                    + (f": {reason[:500]}" if reason else ""))
+                    raise UserError(
+                        f"tritonserver exited while serving {server.model_name}"
+                        + (f": {reason[:500]}" if reason else "")
+                    )
                 stub = server.dead_stub()
                 if stub is not None:
-                    raise UserError(f"the Python-backend stub running {server.model_name} (pid {stub}) died; "
-                                    "Triton would keep reporting ready while failing every request")
+                    raise UserError(
+                        f"the Python-backend stub running {server.model_name} (pid {stub}) died; "
+                        "Triton would keep reporting ready while failing every request"
+                    )
             log.debug("stopping: draining requests in flight")
     finally:
         for signum, handler in previous.items():

@@ -32,6 +32,7 @@ import triton_python_backend_utils as pb_utils
 PUBLISH_INTERVAL_S = 0.05
 DRAIN_POLL_S = 0.02  # how often the model looks for its drain file, when it has one
 
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -55,7 +56,9 @@ class TritonPythonModel:
         self.request_error = RequestError
         # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
         # stub defines TritonError once the model is being initialised, not at import.
-        self.error_codes = {code: getattr(pb_utils.TritonError, name) for code, name in triton_router.TRITON_CODES.items()}
+        self.error_codes = {
+            code: getattr(pb_utils.TritonError, name) for code, name in triton_router.TRITON_CODES.items()
+        }
 
         self.logger = pb_utils.Logger
         self.instance_name = args.get("model_instance_name", "")
@@ -78,8 +81,12 @@ class TritonPythonModel:
         self.publisher.start()
         if parameters.get("drain_file"):
             # Not joined by finalize: the unload it starts runs finalize.
-            threading.Thread(target=self._unload_when_asked, args=(parameters["drain_file"], args["model_name"]),
-                             name="kvexport-drain", daemon=True).start()
+            threading.Thread(
+                target=self._unload_when_asked,
+                args=(parameters["drain_file"], args["model_name"]),
+                name="kvexport-drain",
+                daemon=True,
+            ).start()
 
     def execute(self, requests):
         if self.routed:
@@ -120,8 +127,12 @@ class TritonPythonModel:
                 rows.append(result.detach().float().cpu())
         logits = torch.cat(rows).contiguous()
         encoded = torch.frombuffer(bytearray(json.dumps(errors).encode()), dtype=torch.uint8)
-        return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(self.output_name, logits),
-                                           pb_utils.Tensor.from_dlpack(self.router.ERRORS, encoded)])
+        return pb_utils.InferenceResponse(
+            [
+                pb_utils.Tensor.from_dlpack(self.output_name, logits),
+                pb_utils.Tensor.from_dlpack(self.router.ERRORS, encoded),
+            ]
+        )
 
     def _message(self, result):
         """A failure's one-line message for the client."""
@@ -148,13 +159,15 @@ class TritonPythonModel:
     def _publish_metrics(self):
         """Triton's metrics: a counter moves by what it grew since the last update, a gauge is set
         when it changed."""
-        for sample in self.metric_samples(self.package.name, self.package.stats(), self.scorer.counters(),
-                                          self.instance_name):
+        for sample in self.metric_samples(
+            self.package.name, self.package.stats(), self.scorer.counters(), self.instance_name
+        ):
             family = self.metric_families.get(sample.name)
             if family is None:
                 kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
                 family = self.metric_families[sample.name] = pb_utils.MetricFamily(
-                    name=sample.name, description=sample.help, kind=kind)
+                    name=sample.name, description=sample.help, kind=kind
+                )
             key = (sample.name, sample.labels)
             if key not in self.published:
                 self.published[key] = [family.Metric(labels=dict(sample.labels)), None]
@@ -183,8 +196,9 @@ class TritonPythonModel:
             code = self.error_codes.get(result.code, pb_utils.TritonError.INTERNAL)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(self._message(result), code))
         if isinstance(result, BaseException):
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(self._message(result),
-                                                                         pb_utils.TritonError.INTERNAL))
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(self._message(result), pb_utils.TritonError.INTERNAL)
+            )
         logits = result.detach().float().cpu().contiguous()[None]  # [1, T, num_tasks]: Triton's batch dimension
         return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(self.output_name, logits)])
 

@@ -72,33 +72,46 @@ def pack(torch, users: list[dict]):
     int64 tensor: [n, context width, user_ids (n), history_lengths (n), num_candidates (n),
     context_ids (n x width), item_ids, action_ids, candidate_ids]."""
     width = users[0]["context_ids"].numel()
-    return torch.cat([torch.tensor([len(users), width], dtype=torch.int64),
-                      *(u["user_id"].reshape(-1) for u in users),
-                      torch.tensor([u["item_ids"].numel() for u in users], dtype=torch.int64),
-                      torch.tensor([u["candidate_ids"].numel() for u in users], dtype=torch.int64),
-                      *(u["context_ids"].reshape(-1) for u in users),
-                      *(u["item_ids"].reshape(-1) for u in users), *(u["action_ids"].reshape(-1) for u in users),
-                      *(u["candidate_ids"].reshape(-1) for u in users)])
+    return torch.cat(
+        [
+            torch.tensor([len(users), width], dtype=torch.int64),
+            *(u["user_id"].reshape(-1) for u in users),
+            torch.tensor([u["item_ids"].numel() for u in users], dtype=torch.int64),
+            torch.tensor([u["candidate_ids"].numel() for u in users], dtype=torch.int64),
+            *(u["context_ids"].reshape(-1) for u in users),
+            *(u["item_ids"].reshape(-1) for u in users),
+            *(u["action_ids"].reshape(-1) for u in users),
+            *(u["candidate_ids"].reshape(-1) for u in users),
+        ]
+    )
 
 
 def unpack(numpy, packed) -> list[dict]:
     """The inverse of pack, on the shard's numpy array: each user's arrays, with Triton's batch
     dimension of 1."""
     n, width = int(packed[0]), int(packed[1])
-    user_ids, lengths, counts = packed[2:2 + n], packed[2 + n:2 + 2 * n], packed[2 + 2 * n:2 + 3 * n]
+    user_ids, lengths, counts = packed[2 : 2 + n], packed[2 + n : 2 + 2 * n], packed[2 + 2 * n : 2 + 3 * n]
     start = 2 + 3 * n
-    context = packed[start:start + n * width].reshape(n, width)
+    context = packed[start : start + n * width].reshape(n, width)
     events, candidates = int(lengths.sum()), int(counts.sum())
     start += n * width
-    items, actions = packed[start:start + events], packed[start + events:start + 2 * events]
+    items, actions = packed[start : start + events], packed[start + events : start + 2 * events]
     start += 2 * events
     if packed.size != start + candidates:
         raise ValueError(f"a pack of {packed.size} ids, its header says {start + candidates}")
     cuts, candidate_cuts = numpy.cumsum(lengths)[:-1], numpy.cumsum(counts)[:-1]
-    return [{"user_id": user_ids[i:i + 1].reshape(1, 1), "item_ids": item[None], "action_ids": action[None],
-             "context_ids": context[i:i + 1], "candidate_ids": candidate[None]}
-            for i, (item, action, candidate) in enumerate(zip(numpy.split(items, cuts), numpy.split(actions, cuts),
-                                                              numpy.split(packed[start:], candidate_cuts)))]
+    return [
+        {
+            "user_id": user_ids[i : i + 1].reshape(1, 1),
+            "item_ids": item[None],
+            "action_ids": action[None],
+            "context_ids": context[i : i + 1],
+            "candidate_ids": candidate[None],
+        }
+        for i, (item, action, candidate) in enumerate(
+            zip(numpy.split(items, cuts), numpy.split(actions, cuts), numpy.split(packed[start:], candidate_cuts))
+        )
+    ]
 
 
 class TritonPythonModel:
@@ -122,8 +135,10 @@ class TritonPythonModel:
         users = []
         responses = [None] * len(requests)
         for index, request in enumerate(requests):
-            tensors = {name: torch.from_dlpack(pb.get_input_tensor_by_name(request, name).to_dlpack())
-                       for name in self.input_names}
+            tensors = {
+                name: torch.from_dlpack(pb.get_input_tensor_by_name(request, name).to_dlpack())
+                for name in self.input_names
+            }
             users.append(tensors)
             user_id = int(tensors["user_id"].reshape(-1)[0])
             mismatch = routing_key_error(request.parameters(), user_id)
@@ -134,8 +149,11 @@ class TritonPythonModel:
         calls = []
         for shard, indices in members.items():
             inputs = [pb.Tensor.from_dlpack(PACK, pack(torch, [users[i] for i in indices]))]
-            calls.append(pb.InferenceRequest(model_name=self.shards[shard], inputs=inputs,
-                                             requested_output_names=[self.output_name, ERRORS]).async_exec())
+            calls.append(
+                pb.InferenceRequest(
+                    model_name=self.shards[shard], inputs=inputs, requested_output_names=[self.output_name, ERRORS]
+                ).async_exec()
+            )
         answers = await asyncio.gather(*calls)
         for indices, answer in zip(members.values(), answers):
             for index, response in zip(indices, self._split(answer, [users[i] for i in indices])):
@@ -158,6 +176,9 @@ class TritonPythonModel:
                 code = getattr(pb.TritonError, TRITON_CODES.get(error["code"], "INTERNAL"))
                 out.append(pb.InferenceResponse(error=pb.TritonError(error["message"], code)))
             else:
-                out.append(pb.InferenceResponse(
-                    output_tensors=[pb.Tensor.from_dlpack(self.output_name, user_logits[None].contiguous())]))
+                out.append(
+                    pb.InferenceResponse(
+                        output_tensors=[pb.Tensor.from_dlpack(self.output_name, user_logits[None].contiguous())]
+                    )
+                )
         return out

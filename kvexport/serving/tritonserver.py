@@ -58,8 +58,10 @@ def distribution() -> Path:
     used); UserError when the serve extra is not installed."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("kvexport serve needs the serve extra (nvidia-pytriton's tritonserver is not installed): "
-                        "pip install 'kvexport[serve]'")
+        raise UserError(
+            "kvexport serve needs the serve extra (nvidia-pytriton's tritonserver is not installed): "
+            "pip install 'kvexport[serve]'"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
@@ -162,8 +164,12 @@ def _watch(process: subprocess.Popen, workdir: Path, stopping: list[int]) -> int
         suspects = ended
         if dead is None or stopping:
             continue
-        log.error("error: the Python-backend stub of %s (pid %d) died; Triton would keep reporting ready while "
-                  "its requests fail: stopping tritonserver", dead.model, dead.pid)
+        log.error(
+            "error: the Python-backend stub of %s (pid %d) died; Triton would keep reporting ready while "
+            "its requests fail: stopping tritonserver",
+            dead.model,
+            dead.pid,
+        )
         process.terminate()
         try:
             process.wait(timeout=STOP_WAIT_S)
@@ -194,10 +200,20 @@ def run(repo: Path, options: list[str]) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvexport-tritonserver-") as work:
             command, env = prepare(Path(work))
-            process = subprocess.Popen([*command, "--model-repository", str(repo.resolve()),
-                                        "--http-header-forward-pattern", f"^{ROUTING_HEADER}$",
-                                        "--grpc-header-forward-pattern", f"^{ROUTING_HEADER}$", *options],
-                                       env=env, process_group=0)
+            process = subprocess.Popen(
+                [
+                    *command,
+                    "--model-repository",
+                    str(repo.resolve()),
+                    "--http-header-forward-pattern",
+                    f"^{ROUTING_HEADER}$",
+                    "--grpc-header-forward-pattern",
+                    f"^{ROUTING_HEADER}$",
+                    *options,
+                ],
+                env=env,
+                process_group=0,
+            )
             try:
                 if received:  # a signal that came before the server did
                     process.send_signal(received[0])
@@ -213,8 +229,10 @@ def run(repo: Path, options: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(prog="python -m kvexport.serving.tritonserver",
-                                     description="Serves the model repository REPO with the serve extra's tritonserver.")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvexport.serving.tritonserver",
+        description="Serves the model repository REPO with the serve extra's tritonserver.",
+    )
     parser.add_argument("repo", type=Path, metavar="REPO")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="tritonserver's options, e.g. --http-port 8000")
     args = parser.parse_args(argv)

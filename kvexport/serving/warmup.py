@@ -30,8 +30,10 @@ def warm_up(package) -> None:
     events = min(WARMUP_EVENTS, m.max_history_length // 2)
     candidates = min(WARMUP_EVENTS, m.max_num_candidates)
     users = [random_user(m, generator, user_id, events, candidates) for user_id in range(package.max_batch_size)]
-    grown = [UserRequest(u.user_id, u.item_ids.repeat(2), u.action_ids.repeat(2), u.context_ids, u.candidate_ids)
-             for u in users]
+    grown = [
+        UserRequest(u.user_id, u.item_ids.repeat(2), u.action_ids.repeat(2), u.context_ids, u.candidate_ids)
+        for u in users
+    ]
     try:
         package.score_users(users)
         package.score_users(grown)
@@ -42,8 +44,9 @@ def warm_up(package) -> None:
     package.reset()
 
 
-def load_warm(out: Path | str, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
-              device: str | None = None):
+def load_warm(
+    out: Path | str, remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY, device: str | None = None
+):
     """kvexport.load(out, device), warmed up (warm_up), then the remote tier attached: the warm-up's
     synthetic users (ids 0 and up) must neither overwrite real users' shared entries nor read them."""
     from kvexport.host.package import load

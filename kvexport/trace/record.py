@@ -57,8 +57,7 @@ class TraceStep:
 def _trace_workload(config: Config, model: HSTURanker) -> Workload:
     t = config.trace
     spec = WorkloadSpec.from_trace_config(t, t.num_users, rewrite_fraction=0.0)
-    return Workload(config.model, spec, seed=t.seed, item_keys=item_keys_of(model),
-                    context_keys=context_keys_of(model))
+    return Workload(config.model, spec, seed=t.seed, item_keys=item_keys_of(model), context_keys=context_keys_of(model))
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -122,8 +121,9 @@ class _Script:
         return users
 
 
-def script_steps(config: Config, model: HSTURanker,
-                 cache: KVCacheManager) -> list[tuple[TraceStep, torch.Tensor | None]]:
+def script_steps(
+    config: Config, model: HSTURanker, cache: KVCacheManager
+) -> list[tuple[TraceStep, torch.Tensor | None]]:
     """The scripted sequence, with the eager cached output of each step."""
     s = _Script(config, model, cache)
     max_batch = config.serving.max_batch_size
@@ -143,18 +143,27 @@ def script_steps(config: Config, model: HSTURanker,
             break
         s.run(f"cold users, batch {max_batch} (cache pressure)", s.fresh_users(max_batch))
     if watched in s.cache.device_users_lru():
-        log.warning("trace: the device tier (%d pages) never evicted user %d; onboarding is not exercised",
-                    config.kv_cache.device_pages, watched)
+        log.warning(
+            "trace: the device tier (%d pages) never evicted user %d; onboarding is not exercised",
+            config.kv_cache.device_pages,
+            watched,
+        )
     evicted = watched not in s.cache.device_users_lru()
-    s.run("evicted user returns (onboard from host tier)" if evicted else "returning user (never evicted)",
-          [watched], new_events=2)
-    mixed = [watched, *first[1:max_batch - 1], *s.fresh_users(1)][:max_batch]
+    s.run(
+        "evicted user returns (onboard from host tier)" if evicted else "returning user (never evicted)",
+        [watched],
+        new_events=2,
+    )
+    mixed = [watched, *first[1 : max_batch - 1], *s.fresh_users(1)][:max_batch]
     s.run(f"mixed warm and cold users, batch {len(mixed)}", mixed, new_events=1)
     s.run("batch 1, zero new events", [watched], new_events=0)
     over_capacity = _over_capacity_users(config)
     if over_capacity:
-        s.run_expecting_error(f"{over_capacity} users at max history exceed device tier (must fail)",
-                              s.fresh_users(over_capacity), CAPACITY_ERROR)
+        s.run_expecting_error(
+            f"{over_capacity} users at max history exceed device tier (must fail)",
+            s.fresh_users(over_capacity),
+            CAPACITY_ERROR,
+        )
         s.run("after the capacity error, a warm user", [watched], new_events=1)
     else:
         log.info("trace: every valid batch fits the device tier; no capacity-error step")
@@ -181,8 +190,13 @@ class RecordedTrace:
     def tolerance(self, dtype: str, margin: float, atol_floor: dict[str, float], rtol: float) -> dict[str, float]:
         """The verify/replay tolerance: atol = margin * eager_error, never below the dtype's floor;
         recorded with the measurement it came from."""
-        return {"atol": max(margin * self.eager_error, atol_floor[dtype]), "rtol": rtol,
-                "measured_max_abs_error": self.eager_error, "margin": margin, "atol_floor": atol_floor[dtype]}
+        return {
+            "atol": max(margin * self.eager_error, atol_floor[dtype]),
+            "rtol": rtol,
+            "measured_max_abs_error": self.eager_error,
+            "margin": margin,
+            "atol_floor": atol_floor[dtype],
+        }
 
 
 def reference_model(model: HSTURanker) -> HSTURanker:
@@ -212,15 +226,20 @@ class Fp8Distance:
         self.max_relative = max(self.max_relative, error / scale if scale > 0 else 0.0)
 
     def report(self) -> dict:
-        return {"max_abs": self.max_abs, "max_relative": self.max_relative,
-                "bound_max_relative": FP8_MAX_RELATIVE_ERROR}
+        return {
+            "max_abs": self.max_abs,
+            "max_relative": self.max_relative,
+            "bound_max_relative": FP8_MAX_RELATIVE_ERROR,
+        }
 
     def check(self, name: str) -> None:
         """Refuses FP8 pages whose error passes the documented bound (the user's choice to change)."""
         if self.max_relative > FP8_MAX_RELATIVE_ERROR:
-            raise UserError(f"{name}: FP8 pages move the logits {self.max_relative:.3g} (relative) from the "
-                            f"unrounded model, past the bound {FP8_MAX_RELATIVE_ERROR}; use kv_cache.dtype "
-                            "of the model's dtype")
+            raise UserError(
+                f"{name}: FP8 pages move the logits {self.max_relative:.3g} (relative) from the "
+                f"unrounded model, past the bound {FP8_MAX_RELATIVE_ERROR}; use kv_cache.dtype "
+                "of the model's dtype"
+            )
 
 
 def max_abs_error(reference: torch.Tensor, *outputs: torch.Tensor) -> float:
@@ -249,8 +268,12 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
     progress = Progress("trace (full recompute, float32 reference)", len(steps), log)
     for i, (step, cached) in enumerate(steps):
         name = f"step_{i:04d}"
-        entry = {TRACE_KEYS["file"]: f"{trace_dir.name}/{name}.pt", TRACE_KEYS["description"]: step.description,
-                 "batch_size": step.batch.batch_size, "num_candidates": int(step.batch.num_candidates.sum())}
+        entry = {
+            TRACE_KEYS["file"]: f"{trace_dir.name}/{name}.pt",
+            TRACE_KEYS["description"]: step.description,
+            "batch_size": step.batch.batch_size,
+            "num_candidates": int(step.batch.num_candidates.sum()),
+        }
         tensors = step.batch.to_dict()
         if step.expect_error:
             entry[TRACE_KEYS["expect_error"]] = step.expect_error
@@ -272,13 +295,23 @@ def record_trace(config: Config, model: HSTURanker, trace_dir: Path) -> Recorded
         entries.append(entry)
         progress.step()
     progress.finish()
-    log.info("  trace: %d steps; eager cache counters %s; eager vs float32 reference: max abs error %.3g",
-             len(entries), {k: v for k, v in stats.items() if k in ("hit_tokens", "device_evictions", "offloads",
-                                                                   "onboards", "prefix_truncations")}, worst)
+    log.info(
+        "  trace: %d steps; eager cache counters %s; eager vs float32 reference: max abs error %.3g",
+        len(entries),
+        {
+            k: v
+            for k, v in stats.items()
+            if k in ("hit_tokens", "device_evictions", "offloads", "onboards", "prefix_truncations")
+        },
+        worst,
+    )
     if unrounded is None:
         return RecordedTrace(entries, worst)
-    log.info("  trace: FP8 pages vs the unrounded float32 model: max abs %.3g, max relative %.3g",
-             distance.max_abs, distance.max_relative)
+    log.info(
+        "  trace: FP8 pages vs the unrounded float32 model: max abs %.3g, max relative %.3g",
+        distance.max_abs,
+        distance.max_relative,
+    )
     distance.check(config.name)
     return RecordedTrace(entries, worst, distance.report())
 

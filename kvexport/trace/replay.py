@@ -42,13 +42,32 @@ def library_flags(required: list[str]) -> list[str]:
     return flags
 
 
-def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
-                   atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
-                   remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None,
-                   route: str = "model") -> list[str]:
+def replay_command(
+    out: Path,
+    json_path: Path | None = None,
+    repeat: int = 1,
+    threads: int = 1,
+    atol: float | None = None,
+    rtol: float | None = None,
+    *,
+    remote: str | None = None,
+    remote_write: str = DEFAULT_WRITE_POLICY,
+    remote_password_file: Path | None = None,
+    route: str = "model",
+) -> list[str]:
     artifact = open_artifact(out)
-    command = [str(harness()), "--artifact", str(artifact.root), *library_flags(artifact.required_libraries),
-               "--repeat", str(repeat), "--threads", str(threads), "--route", route]
+    command = [
+        str(harness()),
+        "--artifact",
+        str(artifact.root),
+        *library_flags(artifact.required_libraries),
+        "--repeat",
+        str(repeat),
+        "--threads",
+        str(threads),
+        "--route",
+        route,
+    ]
     if json_path is not None:
         command += ["--json", str(json_path)]
     if atol is not None:
@@ -62,10 +81,19 @@ def replay_command(out: Path, json_path: Path | None = None, repeat: int = 1, th
     return command
 
 
-def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, threads: int = 1,
-               atol: float | None = None, rtol: float | None = None, *, remote: str | None = None,
-               remote_write: str = DEFAULT_WRITE_POLICY, remote_password_file: Path | None = None,
-               route: str = "model") -> int:
+def run_replay(
+    out: Path,
+    json_path: Path | None = None,
+    repeat: int = 1,
+    threads: int = 1,
+    atol: float | None = None,
+    rtol: float | None = None,
+    *,
+    remote: str | None = None,
+    remote_write: str = DEFAULT_WRITE_POLICY,
+    remote_password_file: Path | None = None,
+    route: str = "model",
+) -> int:
     """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable).
 
     remote, remote_write: the harness shares user caches through that remote tier (--remote URL);
@@ -75,6 +103,16 @@ def run_replay(out: Path, json_path: Path | None = None, repeat: int = 1, thread
     """
     if repeat < 1 or threads < 1:
         raise UserError("--repeat and --threads must be >= 1")
-    command = replay_command(out, json_path, repeat, threads, atol, rtol, remote=remote, remote_write=remote_write,
-                             remote_password_file=remote_password_file, route=route)
+    command = replay_command(
+        out,
+        json_path,
+        repeat,
+        threads,
+        atol,
+        rtol,
+        remote=remote,
+        remote_write=remote_write,
+        remote_password_file=remote_password_file,
+        route=route,
+    )
     return subprocess.run(command).returncode

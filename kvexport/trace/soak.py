@@ -82,9 +82,17 @@ def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
     return max(1, min(artifact.config.serving.max_batch_size, c.device_pages // pages))
 
 
-def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Path | None = None, *,
-         remote: str | None = None, remote_write: str = DEFAULT_WRITE_POLICY,
-         route: tuple[int, int] = (0, 1)) -> SoakReport:
+def soak(
+    out: Path,
+    num_requests: int,
+    num_users: int,
+    seed: int,
+    checkpoint: Path | None = None,
+    *,
+    remote: str | None = None,
+    remote_write: str = DEFAULT_WRITE_POLICY,
+    route: tuple[int, int] = (0, 1),
+) -> SoakReport:
     """Scores the seeded stream of num_requests requests, each checked against the float32 full recompute.
 
     remote, remote_write: a shared remote KV tier, as kvexport.load takes them. route (I, N): score
@@ -100,17 +108,23 @@ def soak(out: Path, num_requests: int, num_users: int, seed: int, checkpoint: Pa
     artifact = open_artifact(out)
     check_integrity(artifact)
     model = eager_model_for(artifact, checkpoint)
-    with load(artifact, check_files=False, remote=remote,  # files checked just above
-                       remote_write=remote_write) as runner:
+    with load(
+        artifact,
+        check_files=False,
+        remote=remote,  # files checked just above
+        remote_write=remote_write,
+    ) as runner:
         return _soak(artifact, runner, model, num_requests, num_users, seed, route)
 
 
-def _soak(artifact: Artifact, runner, model, num_requests: int, num_users: int, seed: int,
-          route: tuple[int, int]) -> SoakReport:
+def _soak(
+    artifact: Artifact, runner, model, num_requests: int, num_users: int, seed: int, route: tuple[int, int]
+) -> SoakReport:
     t = artifact.config.trace
     spec = WorkloadSpec.from_trace_config(t, num_users, rewrite_fraction=0.1)
-    workload = Workload(artifact.config.model, spec, seed, item_keys=item_keys_of(model),
-                        context_keys=context_keys_of(model))
+    workload = Workload(
+        artifact.config.model, spec, seed, item_keys=item_keys_of(model), context_keys=context_keys_of(model)
+    )
     sizes = random.Random(seed + 1)
     router = random.Random(seed + 2)  # drawn for every request, so all N processes agree
     max_batch = min(_largest_safe_batch(artifact, spec.max_history_length), num_users)
@@ -133,7 +147,18 @@ def _soak(artifact: Artifact, runner, model, num_requests: int, num_users: int, 
                 first = index if first is None else first
                 log.error("request %d: max abs error %.3g outside tolerance", index, result.max_abs)
         if (index + 1) % max(1, num_requests // 10) == 0:
-            log.info("soak: %d/%d requests, worst abs error %.2e, %d mismatches", index + 1, num_requests,
-                     worst, mismatches)
-    return SoakReport(scored, num_users, seed, mismatches, first, worst, runner.stats(),
-                      dict(workload.events), round(time.perf_counter() - started, 2), f"{route[0]}/{route[1]}")
+            log.info(
+                "soak: %d/%d requests, worst abs error %.2e, %d mismatches", index + 1, num_requests, worst, mismatches
+            )
+    return SoakReport(
+        scored,
+        num_users,
+        seed,
+        mismatches,
+        first,
+        worst,
+        runner.stats(),
+        dict(workload.events),
+        round(time.perf_counter() - started, 2),
+        f"{route[0]}/{route[1]}",
+    )

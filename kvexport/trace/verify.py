@@ -37,8 +37,11 @@ def compare(output: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     diff = (output.float().cpu() - expected.float().cpu()).abs()
     scale = expected.float().cpu().abs()
     passed = bool((diff <= atol + rtol * scale).all())
-    return Comparison(float(diff.max()) if diff.numel() else 0.0,
-                      float((diff / (scale + atol)).max()) if diff.numel() else 0.0, passed)
+    return Comparison(
+        float(diff.max()) if diff.numel() else 0.0,
+        float((diff / (scale + atol)).max()) if diff.numel() else 0.0,
+        passed,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +76,16 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         steps = [{**dataclasses.asdict(s), "passed": s.passed} for s in self.steps]
-        return {"artifact": self.artifact, "runner": "python", "passed": self.passed,
-                "files_checked": self.files_checked, "atol": self.atol, "rtol": self.rtol,
-                "steps": steps, "counters": self.counters}
+        return {
+            "artifact": self.artifact,
+            "runner": "python",
+            "passed": self.passed,
+            "files_checked": self.files_checked,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "steps": steps,
+            "counters": self.counters,
+        }
 
 
 def check_integrity(artifact: Artifact) -> int:
@@ -128,8 +138,10 @@ def verify_artifact(root: str | Path, atol: float | None = None, rtol: float | N
 def _replay(artifact: Artifact, runner, files_checked: int, atol: float | None, rtol: float | None) -> VerifyReport:
     from kvexport.trace.record import load_trace_step
 
-    tol = {"atol": artifact.tolerance["atol"] if atol is None else atol,
-           "rtol": artifact.tolerance["rtol"] if rtol is None else rtol}
+    tol = {
+        "atol": artifact.tolerance["atol"] if atol is None else atol,
+        "rtol": artifact.tolerance["rtol"] if rtol is None else rtol,
+    }
     results = []
     progress = Progress("verify", len(artifact.trace_steps), log)
     for index, step in enumerate(artifact.trace_steps):
@@ -148,13 +160,19 @@ def _replay(artifact: Artifact, runner, files_checked: int, atol: float | None, 
         after = runner.stats()
         if expect_error and after != before:  # a failed batch must leave the cache as it was
             vs_cached = vs_full = vs_reference = Comparison(0.0, 0.0, False)
-        results.append(StepResult(
-            index=index, description=step[TRACE_KEYS["description"]], batch_size=int(request["user_ids"].shape[0]),
-            vs_cached=vs_cached, vs_full=vs_full, vs_reference=vs_reference,
-            hit_tokens=after["hit_tokens"] - before["hit_tokens"],
-            recomputed_tokens=after["recomputed_tokens"] - before["recomputed_tokens"],
-            latency_ms=round(latency_ms, 3),
-        ))
+        results.append(
+            StepResult(
+                index=index,
+                description=step[TRACE_KEYS["description"]],
+                batch_size=int(request["user_ids"].shape[0]),
+                vs_cached=vs_cached,
+                vs_full=vs_full,
+                vs_reference=vs_reference,
+                hit_tokens=after["hit_tokens"] - before["hit_tokens"],
+                recomputed_tokens=after["recomputed_tokens"] - before["recomputed_tokens"],
+                latency_ms=round(latency_ms, 3),
+            )
+        )
         progress.step()
     progress.finish()
     return VerifyReport(str(artifact.root), files_checked, tol["atol"], tol["rtol"], results, runner.stats())

@@ -39,9 +39,14 @@ class WorkloadSpec:
     @classmethod
     def from_trace_config(cls, trace, num_users: int, rewrite_fraction: float) -> WorkloadSpec:
         """History lengths and candidates as in a config's trace section."""
-        return cls(num_users=num_users, min_history_length=trace.min_history_length,
-                   max_history_length=trace.max_trace_history_length, max_new_events=trace.max_new_events,
-                   num_candidates=trace.num_candidates, rewrite_fraction=rewrite_fraction)
+        return cls(
+            num_users=num_users,
+            min_history_length=trace.min_history_length,
+            max_history_length=trace.max_trace_history_length,
+            max_new_events=trace.max_new_events,
+            num_candidates=trace.num_candidates,
+            rewrite_fraction=rewrite_fraction,
+        )
 
 
 def _int64(ids: list[int]) -> torch.Tensor:
@@ -68,8 +73,14 @@ def context_keys_of(model: torch.nn.Module) -> list[list[int]] | None:
 class Workload:
     """Generates batches; every user carries its full (possibly rewritten) history."""
 
-    def __init__(self, model: ModelConfig, spec: WorkloadSpec, seed: int, item_keys: list[int] | None = None,
-                 context_keys: list[list[int]] | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        spec: WorkloadSpec,
+        seed: int,
+        item_keys: list[int] | None = None,
+        context_keys: list[list[int]] | None = None,
+    ):
         """item_keys: a keyed model's item keys (model.item_ids: keys); context_keys: each contextual
         feature's keys (model.context_ids: keys). Requests then draw mostly known keys and some
         unknown ids; without them, ids are drawn as table rows."""
@@ -99,11 +110,13 @@ class Workload:
 
     def new_user(self, user_id: int, num_events: int | None = None) -> UserHistory:
         """A first-time user with a random history (of `num_events` events, if given)."""
-        n = num_events if num_events is not None else self.rng.randint(self.spec.min_history_length,
-                                                                         self.spec.max_history_length)
+        n = (
+            num_events
+            if num_events is not None
+            else self.rng.randint(self.spec.min_history_length, self.spec.max_history_length)
+        )
         m = self.model
-        user = UserHistory(user_id, self._contexts(),
-                           self._items(n), self._ids(m.action_vocab_size, n))
+        user = UserHistory(user_id, self._contexts(), self._items(n), self._ids(m.action_vocab_size, n))
         self.users[user_id] = user
         self.events["new"] += 1
         return user
@@ -126,7 +139,7 @@ class Workload:
             user.item_ids[i] = (user.item_ids[i] + 1) % self.model.item_id_limit
         elif kind == "delete" and n > 1:
             i = self.rng.randrange(n - 1)
-            del user.item_ids[i:i + 2], user.action_ids[i:i + 2]
+            del user.item_ids[i : i + 2], user.action_ids[i : i + 2]
         elif kind == "context" and user.context_ids:
             j = self.rng.randrange(len(user.context_ids))
             user.context_ids[j] = (user.context_ids[j] + 1) % self.model.context_id_limit
@@ -148,8 +161,13 @@ class Workload:
         """The user's request now; a model whose head reads a query time gets a random one."""
         t = num_candidates or self.rng.randint(1, self.spec.num_candidates)
         query_time = [self.rng.randrange(*QUERY_TIMES)] if self.model.head == "item_tower" else []
-        return UserRequest(user.user_id, _int64(user.item_ids), _int64(user.action_ids),
-                           _int64(user.context_ids + query_time), _int64(self._items(t)))
+        return UserRequest(
+            user.user_id,
+            _int64(user.item_ids),
+            _int64(user.action_ids),
+            _int64(user.context_ids + query_time),
+            _int64(self._items(t)),
+        )
 
     def next_batch(self, batch_size: int) -> Batch:
         """A batch of distinct users drawn from the population, each advanced one step."""

@@ -30,8 +30,12 @@ def assert_verifies_and_replays(package: Path, tmp_path: Path) -> None:
     report = verify_artifact(package)
     assert report.passed, [s for s in report.steps if not s.passed]
     for route in ("model", "graphs"):
-        result = subprocess.run(replay_command(package, tmp_path / f"{route}.json", route=route),
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            replay_command(package, tmp_path / f"{route}.json", route=route),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
 
 

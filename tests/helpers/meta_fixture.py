@@ -61,9 +61,22 @@ class Sizes:
     TABLE_ROWS: dict[str, int]
 
 
-DEFAULT_SIZES = Sizes(D=8, E=6, HIDDEN=10, HEADS=2, DQK=3, DV=4, LAYERS=2,  # dqk != dv, so a swapped split shows
-                      POSITION_ROWS=16, TIME_ROWS=33, MLP_WIDTH=12, ACTION_DIM=8, ACTION_WEIGHTS=(1, 2, 4), TASKS=2,
-                      TABLE_ROWS={"video_id": 40, "user_id": 10, "user_active_degree": 5})
+DEFAULT_SIZES = Sizes(
+    D=8,
+    E=6,
+    HIDDEN=10,
+    HEADS=2,
+    DQK=3,
+    DV=4,
+    LAYERS=2,  # dqk != dv, so a swapped split shows
+    POSITION_ROWS=16,
+    TIME_ROWS=33,
+    MLP_WIDTH=12,
+    ACTION_DIM=8,
+    ACTION_WEIGHTS=(1, 2, 4),
+    TASKS=2,
+    TABLE_ROWS={"video_id": 40, "user_id": 10, "user_active_degree": 5},
+)
 
 
 # What kvexport imports: q/k heads as wide as u/v's (its cache holds k and v of one width), the
@@ -73,8 +86,12 @@ IMPORTABLE_SIZES = dataclasses.replace(DEFAULT_SIZES, DQK=DEFAULT_SIZES.DV)
 
 def features_for(sizes: Sizes = DEFAULT_SIZES) -> Features:
     """The Features that weights at `sizes` are read with (only num_heads follows the sizes)."""
-    return Features(num_heads=sizes.HEADS, item_table="video_id", contextual_tables=("user_id", "user_active_degree"),
-                    contextual_min_uih_lengths=(0, 6))
+    return Features(
+        num_heads=sizes.HEADS,
+        item_table="video_id",
+        contextual_tables=("user_id", "user_active_degree"),
+        contextual_min_uih_lengths=(0, 6),
+    )
 
 
 FEATURES = features_for()
@@ -96,22 +113,40 @@ def dense_state(seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES) -> dict[str, tor
         return torch.randn(*shape, generator=g) * 0.3
 
     def mlp(prefix, inputs, hidden, outputs):  # Linear, SwishLayerNorm, Linear, LayerNorm
-        return {prefix + "0.weight": r(hidden, inputs), prefix + "0.bias": r(hidden),
-                prefix + "1.weight": 1 + r(hidden), prefix + "1.bias": r(hidden),
-                prefix + "2.weight": r(outputs, hidden), prefix + "2.bias": r(outputs),
-                prefix + "3.weight": 1 + r(outputs), prefix + "3.bias": r(outputs)}
+        return {
+            prefix + "0.weight": r(hidden, inputs),
+            prefix + "0.bias": r(hidden),
+            prefix + "1.weight": 1 + r(hidden),
+            prefix + "1.bias": r(hidden),
+            prefix + "2.weight": r(outputs, hidden),
+            prefix + "2.bias": r(outputs),
+            prefix + "3.weight": 1 + r(outputs),
+            prefix + "3.bias": r(outputs),
+        }
 
     contextual = len(FEATURES.contextual_tables)
-    state = {HEAD + "0.weight": r(MLP_WIDTH, D), HEAD + "0.bias": r(MLP_WIDTH),
-             HEAD + "1.weight": 1 + r(MLP_WIDTH), HEAD + "1.bias": r(MLP_WIDTH),
-             HEAD + "2.weight": r(sizes.TASKS, MLP_WIDTH), HEAD + "2.bias": r(sizes.TASKS)}
+    state = {
+        HEAD + "0.weight": r(MLP_WIDTH, D),
+        HEAD + "0.bias": r(MLP_WIDTH),
+        HEAD + "1.weight": 1 + r(MLP_WIDTH),
+        HEAD + "1.bias": r(MLP_WIDTH),
+        HEAD + "2.weight": r(sizes.TASKS, MLP_WIDTH),
+        HEAD + "2.bias": r(sizes.TASKS),
+    }
     uvqk = (2 * DV + 2 * DQK) * HEADS
     for i in range(sizes.LAYERS):
         p = f"{STU}{i}."
-        state.update({p + "_uvqk_weight": r(D, uvqk), p + "_uvqk_beta": r(uvqk),
-                      p + "_input_norm_weight": 1 + r(D), p + "_input_norm_bias": r(D),
-                      p + "_output_weight": r(3 * DV * HEADS, D),
-                      p + "_output_norm_weight": 1 + r(DV * HEADS), p + "_output_norm_bias": r(DV * HEADS)})
+        state.update(
+            {
+                p + "_uvqk_weight": r(D, uvqk),
+                p + "_uvqk_beta": r(uvqk),
+                p + "_input_norm_weight": 1 + r(D),
+                p + "_input_norm_bias": r(D),
+                p + "_output_weight": r(3 * DV * HEADS, D),
+                p + "_output_norm_weight": 1 + r(DV * HEADS),
+                p + "_output_norm_bias": r(DV * HEADS),
+            }
+        )
     state[PRE + "_batched_contextual_linear_weights"] = r(contextual, E, D)
     state[PRE + "_batched_contextual_linear_bias"] = r(contextual, D)
     state.update(mlp(PRE + "_content_embedding_mlp.", E, HIDDEN, D))
@@ -122,8 +157,14 @@ def dense_state(seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES) -> dict[str, tor
     state.update(mlp(PRE + "_action_embedding_mlp.", len(ACTION_WEIGHTS) * ACTION_DIM, HIDDEN, D))
     state[POST + "_period_units"] = torch.tensor([[3600.0, 86400.0]])
     state[POST + "_units_per_period"] = torch.tensor([[24.0, 7.0]])
-    state.update({POST + "_layer_norm.weight": 1 + r(D), POST + "_layer_norm.bias": r(D),
-                  POST + "_time_feature_combiner.weight": r(D, D + 4), POST + "_time_feature_combiner.bias": r(D)})
+    state.update(
+        {
+            POST + "_layer_norm.weight": 1 + r(D),
+            POST + "_layer_norm.bias": r(D),
+            POST + "_time_feature_combiner.weight": r(D, D + 4),
+            POST + "_time_feature_combiner.bias": r(D),
+        }
+    )
     state[POS + "_position_embeddings_weight"] = r(sizes.POSITION_ROWS, D)
     state[POS + "_timestamp_embeddings_weight"] = r(sizes.TIME_ROWS, D)
     state.update(mlp("_item_embedding_mlp.", E, MLP_WIDTH, D))
@@ -136,8 +177,9 @@ def tables(seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES) -> dict[str, torch.Te
     return {name: (torch.randn(rows, sizes.E, generator=g) * 0.5).half() for name, rows in sizes.TABLE_ROWS.items()}
 
 
-def synthetic_state(seed: int = 0, *,
-                    sizes: Sizes = DEFAULT_SIZES) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def synthetic_state(
+    seed: int = 0, *, sizes: Sizes = DEFAULT_SIZES
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(dense_dict, tables) at `sizes`; at DEFAULT_SIZES, what write_checkpoint writes for this seed."""
     return dense_state(seed, sizes=sizes), tables(seed, sizes=sizes)
 
@@ -145,12 +187,20 @@ def synthetic_state(seed: int = 0, *,
 def _trainer_extras(dense: dict[str, torch.Tensor], batch: int) -> dict:
     """The entries of non_sparse.ckpt besides dense_dict, of the kinds the trainer saves there."""
     params = [name for name in dense if name not in BUFFERS]
-    adam = {name: {"step": torch.tensor(float(batch)), "exp_avg": torch.zeros_like(dense[name]),
-                   "exp_avg_sq": torch.zeros_like(dense[name])} for name in params}
+    adam = {
+        name: {
+            "step": torch.tensor(float(batch)),
+            "exp_avg": torch.zeros_like(dense[name]),
+            "exp_avg_sq": torch.zeros_like(dense[name]),
+        }
+        for name in params
+    }
     metric = collections.OrderedDict(cross_entropy_sum=torch.tensor([0.7]), weighted_num_samples=torch.tensor([16.0]))
     return {
-        "optimizer_dict": {"state": adam, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.98), "eps": 1e-8,
-                                                            "weight_decay": 0.0, "params": params}]},
+        "optimizer_dict": {
+            "state": adam,
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0, "params": params}],
+        },
         "class_metrics": {"train": [metric], "eval": [metric]},
         "reg_metrics": {"train": [], "eval": []},
         "global_step": {"train": batch, "eval": 0},
@@ -158,8 +208,9 @@ def _trainer_extras(dense: dict[str, torch.Tensor], batch: int) -> dict:
     }
 
 
-def write_checkpoint(out: Path, world: int, port: int, batch: int = BATCH, seed: int = 0,
-                     sizes: Sizes = DEFAULT_SIZES) -> Path:
+def write_checkpoint(
+    out: Path, world: int, port: int, batch: int = BATCH, seed: int = 0, sizes: Sizes = DEFAULT_SIZES
+) -> Path:
     """Writes <out>/<batch>/ (non_sparse.ckpt here, sparse/ from `world` gloo processes in a
     subprocess, listening on `port`); returns that directory. sizes: the dense state's (the tables
     are always DEFAULT_SIZES')."""
@@ -169,8 +220,15 @@ def write_checkpoint(out: Path, world: int, port: int, batch: int = BATCH, seed:
     (root / "sparse").mkdir(parents=True)
     dense = dense_state(seed, sizes=sizes)
     torch.save({"dense_dict": dense, **_trainer_extras(dense, batch)}, root / "non_sparse.ckpt")
-    command = [sys.executable, "-m", "tests.helpers.meta_fixture", str(root / "sparse"), str(world), str(port),
-               str(seed)]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.helpers.meta_fixture",
+        str(root / "sparse"),
+        str(world),
+        str(port),
+        str(seed),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"the sparse/ writer failed ({done.returncode}): {done.stderr[-2000:]}")

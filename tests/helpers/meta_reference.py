@@ -83,8 +83,12 @@ class Rules:
     max_candidates: int = 0
 
     def __post_init__(self):
-        for name, allowed in (("positions", POSITION_RULES), ("times", TIME_RULES),
-                              ("normaliser", NORMALISER_RULES), ("candidate_normaliser", ("same", "batch", "own"))):
+        for name, allowed in (
+            ("positions", POSITION_RULES),
+            ("times", TIME_RULES),
+            ("normaliser", NORMALISER_RULES),
+            ("candidate_normaliser", ("same", "batch", "own")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: one of {allowed}")
 
@@ -109,19 +113,31 @@ def mlp(dense: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
     return layer_norm(h, dense[prefix + "3.weight"], dense[prefix + "3.bias"], 1e-5)
 
 
-def position_indices(num_contextual: int, num_history: int, num_candidates: int, num_rows: int,
-                     rule: str = "from_end", max_history: int = 0) -> list[int | None]:
+def position_indices(
+    num_contextual: int,
+    num_history: int,
+    num_candidates: int,
+    num_rows: int,
+    rule: str = "from_end",
+    max_history: int = 0,
+) -> list[int | None]:
     """Each token's row of the position table: contextual tokens their index, history counted back
     from its end (newest C + 1, oldest C + U), every candidate C; all but contextual capped at the
     last row. rule (Rules.positions) places the history otherwise; None: no row."""
     if rule == "from_max" and num_history > max_history:
         raise ValueError(f"from_max: {num_history} events over max_history {max_history}")
-    offsets = {"from_end": lambda k: num_history - k + 1, "from_max": lambda k: max_history - k + 1,
-               "from_start": lambda k: k, "none": lambda k: None}[rule]  # event k, 1-based, oldest first
+    offsets = {
+        "from_end": lambda k: num_history - k + 1,
+        "from_max": lambda k: max_history - k + 1,
+        "from_start": lambda k: k,
+        "none": lambda k: None,
+    }[rule]  # event k, 1-based, oldest first
     history = [offsets(k) for k in range(1, num_history + 1)]
-    return (list(range(num_contextual))
-            + [None if offset is None else min(num_contextual + offset, num_rows - 1) for offset in history]
-            + [min(num_contextual, num_rows - 1)] * num_candidates)
+    return (
+        list(range(num_contextual))
+        + [None if offset is None else min(num_contextual + offset, num_rows - 1) for offset in history]
+        + [min(num_contextual, num_rows - 1)] * num_candidates
+    )
 
 
 def time_buckets(timestamps: torch.Tensor, query_time: int, num_rows: int) -> torch.Tensor:
@@ -137,12 +153,13 @@ def history_time_buckets(timestamps: torch.Tensor, query_time: int, num_rows: in
     if rule == "previous":  # each event's gap to the one before it; the first has none: the last row
         earlier = torch.cat([timestamps[:1], timestamps[:-1]])  # the same formula with s_(k-1) as the query
         minutes = (timestamps - earlier).float().clamp(min=1e-6) / 60.0
-        return ([num_rows - 1] + minutes[1:].sqrt().long().clamp(0, num_rows - 1).tolist())[:len(timestamps)]
+        return ([num_rows - 1] + minutes[1:].sqrt().long().clamp(0, num_rows - 1).tolist())[: len(timestamps)]
     return [0 if rule == "zero" else None] * len(timestamps)
 
 
-def time_features(query_times: torch.Tensor, period_units: torch.Tensor,
-                  units_per_period: torch.Tensor) -> torch.Tensor:
+def time_features(
+    query_times: torch.Tensor, period_units: torch.Tensor, units_per_period: torch.Tensor
+) -> torch.Tensor:
     """[T, 4]: cos and sin of each period's angle (periods [1, P] seconds, [1, P] units per cycle:
     hour of day, day of week), the angle 2 * 3.14 (not pi) * ((floor(tau / unit) mod n) / n), tau
     taken to float32 first."""
@@ -175,9 +192,11 @@ def event_tokens(dense: dict, tables: dict, features: Features, user: dict) -> t
     ids = torch.tensor(user["history"] + user["candidates"], dtype=torch.int64)
     tokens = mlp(dense, PRE + "_content_embedding_mlp.", tables[features.item_table][ids].float())
     if PRE + "_action_encoder._action_embedding_table" in dense:
-        bits = action_features(torch.tensor(user["actions"], dtype=torch.int64),
-                               dense[PRE + "_action_encoder._combined_action_weights"],
-                               dense[PRE + "_action_encoder._action_embedding_table"])
+        bits = action_features(
+            torch.tensor(user["actions"], dtype=torch.int64),
+            dense[PRE + "_action_encoder._combined_action_weights"],
+            dense[PRE + "_action_encoder._action_embedding_table"],
+        )
         target = dense[PRE + "_action_encoder._target_action_embedding_table"].expand(len(user["candidates"]), -1)
         tokens = tokens + mlp(dense, PRE + "_action_embedding_mlp.", torch.cat([bits, target]))
     return tokens
@@ -189,8 +208,9 @@ def attention_mask(length: int, num_prefix: int) -> torch.Tensor:
     return (ranks[:, None] > ranks[None, :]) | torch.eye(length, dtype=torch.bool)
 
 
-def stu_layer(dense: dict, prefix: str, x: torch.Tensor, num_prefix: int, num_heads: int,
-              normaliser: int | torch.Tensor) -> torch.Tensor:
+def stu_layer(
+    dense: dict, prefix: str, x: torch.Tensor, num_prefix: int, num_heads: int, normaliser: int | torch.Tensor
+) -> torch.Tensor:
     """One STU layer on one user's tokens x [L, D]; normaliser: N, or [L] one for each query row."""
     length = x.shape[0]
     normed = layer_norm(x, dense[prefix + "_input_norm_weight"], dense[prefix + "_input_norm_bias"], 1e-6)
@@ -207,8 +227,9 @@ def stu_layer(dense: dict, prefix: str, x: torch.Tensor, num_prefix: int, num_he
     scores = F.silu(q @ k.transpose(1, 2) * alpha) / normaliser  # [H, L, L]
     attended = (scores * attention_mask(length, num_prefix)) @ v  # [H, L, dv]
     attended = attended.transpose(0, 1).reshape(length, width_v)
-    normed_attended = layer_norm(attended, dense[prefix + "_output_norm_weight"],
-                                 dense[prefix + "_output_norm_bias"], 1e-6)
+    normed_attended = layer_norm(
+        attended, dense[prefix + "_output_norm_weight"], dense[prefix + "_output_norm_bias"], 1e-6
+    )
     return x + torch.cat([u, attended, u * normed_attended], dim=1) @ dense[prefix + "_output_weight"]
 
 
@@ -220,11 +241,13 @@ def layer_inputs(dense: dict, tables: dict, features: Features, user: dict, rule
     if num_contextual:
         merged_length = num_history + num_candidates
         tokens = torch.cat([contextual_tokens(dense, tables, features, user["contextual"], merged_length), tokens])
-    timestamps = torch.tensor([0] * num_contextual + list(user["timestamps"]) + [user["query_time"]] * num_candidates,
-                              dtype=torch.int64)
+    timestamps = torch.tensor(
+        [0] * num_contextual + list(user["timestamps"]) + [user["query_time"]] * num_candidates, dtype=torch.int64
+    )
     positions, times = dense[POS + "_position_embeddings_weight"], dense[POS + "_timestamp_embeddings_weight"]
-    position_rows = position_indices(num_contextual, num_history, num_candidates, positions.shape[0],
-                                     rules.positions, rules.max_history)
+    position_rows = position_indices(
+        num_contextual, num_history, num_candidates, positions.shape[0], rules.positions, rules.max_history
+    )
     time_rows = time_buckets(timestamps, user["query_time"], times.shape[0]).tolist()
     history = slice(num_contextual, num_contextual + num_history)
     time_rows[history] = history_time_buckets(timestamps[history], user["query_time"], times.shape[0], rules.times)
@@ -237,13 +260,15 @@ def table_rows(table: torch.Tensor, rows: list) -> torch.Tensor:
     return torch.where(present[:, None], table[[0 if row is None else row for row in rows]], 0.0)
 
 
-def candidate_logits(dense: dict, states: torch.Tensor, query_times: torch.Tensor,
-                     items: torch.Tensor) -> torch.Tensor:
+def candidate_logits(dense: dict, states: torch.Tensor, query_times: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
     """[T, K]: the candidates' last-layer states [T, D] through the timestamp postprocessor, times
     the item tower of their rows [T, E], through the prediction head."""
     time = time_features(query_times, dense[POST + "_period_units"], dense[POST + "_units_per_period"])
-    combined = F.linear(torch.cat([states, time], dim=1), dense[POST + "_time_feature_combiner.weight"],
-                        dense[POST + "_time_feature_combiner.bias"])
+    combined = F.linear(
+        torch.cat([states, time], dim=1),
+        dense[POST + "_time_feature_combiner.weight"],
+        dense[POST + "_time_feature_combiner.bias"],
+    )
     user_state = layer_norm(combined, dense[POST + "_layer_norm.weight"], dense[POST + "_layer_norm.bias"], 1e-5)
     item_state = mlp(dense, "_item_embedding_mlp.", items)
     hidden = F.linear(user_state * item_state, dense[HEAD + "0.weight"], dense[HEAD + "0.bias"])
@@ -251,8 +276,9 @@ def candidate_logits(dense: dict, states: torch.Tensor, query_times: torch.Tenso
     return F.linear(hidden, dense[HEAD + "2.weight"], dense[HEAD + "2.bias"])
 
 
-def row_normalisers(num_contextual: int, num_prefix: int, num_candidates: int, normaliser: int,
-                    batch_normaliser: int, rules: Rules) -> int | torch.Tensor:
+def row_normalisers(
+    num_contextual: int, num_prefix: int, num_candidates: int, normaliser: int, batch_normaliser: int, rules: Rules
+) -> int | torch.Tensor:
     """N for the whole user (upstream), or [L]: each attention row's N under rules."""
     if rules.normaliser == "fixed":
         normaliser = num_contextual + rules.max_history + rules.max_candidates
@@ -267,15 +293,28 @@ def row_normalisers(num_contextual: int, num_prefix: int, num_candidates: int, n
     return rows
 
 
-def user_logits(dense: dict, tables: dict, features: Features, user: dict, normaliser: int,
-                rules: Rules = UPSTREAM, batch_normaliser: int | None = None) -> torch.Tensor:
+def user_logits(
+    dense: dict,
+    tables: dict,
+    features: Features,
+    user: dict,
+    normaliser: int,
+    rules: Rules = UPSTREAM,
+    batch_normaliser: int | None = None,
+) -> torch.Tensor:
     """[T, K] for one user under the given attention normaliser (prefix rows' per rules;
     batch_normaliser: upstream's N for this batch, the candidates' under candidate_normaliser "batch")."""
     num_contextual = len(features.contextual_tables)
     num_prefix = num_contextual + len(user["history"])
     num_candidates = len(user["candidates"])
-    normaliser = row_normalisers(num_contextual, num_prefix, num_candidates, normaliser,
-                                 normaliser if batch_normaliser is None else batch_normaliser, rules)
+    normaliser = row_normalisers(
+        num_contextual,
+        num_prefix,
+        num_candidates,
+        normaliser,
+        normaliser if batch_normaliser is None else batch_normaliser,
+        rules,
+    )
     x = layer_inputs(dense, tables, features, user, rules)
     num_layers = sum(1 for name in dense if name.startswith(STU) and name.endswith("._uvqk_weight"))
     for i in range(num_layers):
@@ -285,8 +324,14 @@ def user_logits(dense: dict, tables: dict, features: Features, user: dict, norma
     return candidate_logits(dense, x[num_prefix:], query_times, items)
 
 
-def dlrm_hstu_forward(dense: dict[str, torch.Tensor], tables: dict[str, torch.Tensor], batch: list[dict],
-                      features: Features, normaliser: int | None = None, rules: Rules = UPSTREAM) -> torch.Tensor:
+def dlrm_hstu_forward(
+    dense: dict[str, torch.Tensor],
+    tables: dict[str, torch.Tensor],
+    batch: list[dict],
+    features: Features,
+    normaliser: int | None = None,
+    rules: Rules = UPSTREAM,
+) -> torch.Tensor:
     """The batch's logits [sum of T, K] in float32, users in order, one row per candidate.
 
     Each user: {"contextual": ids in feature order (None: missing), "history": item ids oldest
@@ -296,9 +341,13 @@ def dlrm_hstu_forward(dense: dict[str, torch.Tensor], tables: dict[str, torch.Te
     rules: cache-exact replacements (Rules); upstream's by default.
     """
     dense = {name: t.float() if t.is_floating_point() else t for name, t in dense.items()}
-    batch_normaliser = (len(features.contextual_tables) + max(len(user["history"]) for user in batch)
-                        + max(len(user["candidates"]) for user in batch))
+    batch_normaliser = (
+        len(features.contextual_tables)
+        + max(len(user["history"]) for user in batch)
+        + max(len(user["candidates"]) for user in batch)
+    )
     if normaliser is None:
         normaliser = batch_normaliser
-    return torch.cat([user_logits(dense, tables, features, user, normaliser, rules, batch_normaliser)
-                      for user in batch])
+    return torch.cat(
+        [user_logits(dense, tables, features, user, normaliser, rules, batch_normaliser) for user in batch]
+    )

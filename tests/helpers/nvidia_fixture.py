@@ -40,17 +40,25 @@ class OptimizerConfig:
 
     lr: float = 1e-3
     precision: Precision = Precision.BF16
+
+
 FLAT = "_embedding_collection._data_parallel_embedding_collection.embeddings.{}_weights"
 
 
 def gin_text(**overrides) -> str:
     bindings = {
-        "DatasetArgs.dataset_name": "'kuairand-1k'", "DatasetArgs.max_history_seqlen": MAX_HISTORY,
-        "DatasetArgs.max_num_candidates": MAX_CANDIDATES, "NetworkArgs.num_layers": LAYERS,
-        "NetworkArgs.num_attention_heads": HEADS, "NetworkArgs.hidden_size": HIDDEN,
-        "NetworkArgs.kv_channels": KV_CHANNELS, "NetworkArgs.num_position_buckets": POSITION_BUCKETS,
-        "NetworkArgs.dtype_str": "'float32'", "RankingArgs.prediction_head_arch": HEAD_ARCH,
-        "RankingArgs.prediction_head_bias": True, "RankingArgs.num_tasks": TASKS,
+        "DatasetArgs.dataset_name": "'kuairand-1k'",
+        "DatasetArgs.max_history_seqlen": MAX_HISTORY,
+        "DatasetArgs.max_num_candidates": MAX_CANDIDATES,
+        "NetworkArgs.num_layers": LAYERS,
+        "NetworkArgs.num_attention_heads": HEADS,
+        "NetworkArgs.hidden_size": HIDDEN,
+        "NetworkArgs.kv_channels": KV_CHANNELS,
+        "NetworkArgs.num_position_buckets": POSITION_BUCKETS,
+        "NetworkArgs.dtype_str": "'float32'",
+        "RankingArgs.prediction_head_arch": HEAD_ARCH,
+        "RankingArgs.prediction_head_bias": True,
+        "RankingArgs.num_tasks": TASKS,
     }
     bindings.update(overrides)
     lines = ["# recsys-examples ranking, small dims for kvexport's tests"]
@@ -90,14 +98,19 @@ def tables(seed: int = 0, contextual: bool = False) -> dict[str, dict]:
     if contextual:
         for name, rows in CONTEXT_TABLES.items():
             out[name] = {"kind": "flat", "rows": torch.randn(rows, HIDDEN, generator=g)}
-        out["user_id"] = {"kind": "dynamic", "keys": USER_KEYS, "rows": torch.randn(len(USER_KEYS), HIDDEN, generator=g)}
+        out["user_id"] = {
+            "kind": "dynamic",
+            "keys": USER_KEYS,
+            "rows": torch.randn(len(USER_KEYS), HIDDEN, generator=g),
+        }
     out["action_weights"] = {"kind": "flat", "rows": torch.randn(ACTION_ROWS, HIDDEN, generator=g)}
     out["video_id"] = {"kind": "dynamic", "keys": ITEM_KEYS, "rows": torch.randn(len(ITEM_KEYS), HIDDEN, generator=g)}
     return out
 
 
-def write_checkpoint(save_dir: Path, world: int, state: dict[str, torch.Tensor], all_tables: dict[str, dict],
-                     iteration: int = 550) -> Path:
+def write_checkpoint(
+    save_dir: Path, world: int, state: dict[str, torch.Tensor], all_tables: dict[str, dict], iteration: int = 550
+) -> Path:
     """Writes SAVE/iter<iteration>/ for `world` ranks; returns that directory."""
     root = save_dir / f"iter{iteration}"
     (root / "torch_module").mkdir(parents=True)
@@ -107,11 +120,16 @@ def write_checkpoint(save_dir: Path, world: int, state: dict[str, torch.Tensor],
     for name, table in all_tables.items():
         if table["kind"] == "dynamic":
             model_state[f"_embedding_collection._model_parallel_embedding_collection.embeddings.{name}.weight"] = (
-                torch.empty(len(table["keys"]), HIDDEN, device="meta"))
+                torch.empty(len(table["keys"]), HIDDEN, device="meta")
+            )
     for rank in range(world):
-        torch.save({"model_state_dict": model_state,
-                    "optimizer_state_dict": {"step": torch.tensor(550), "config": OptimizerConfig()}},
-                   root / "torch_module" / f"model.{rank}.pth")
+        torch.save(
+            {
+                "model_state_dict": model_state,
+                "optimizer_state_dict": {"step": torch.tensor(550), "config": OptimizerConfig()},
+            },
+            root / "torch_module" / f"model.{rank}.pth",
+        )
     dumps = root / "dynamicemb_module" / COLLECTION
     dumps.mkdir(parents=True)
     for name, table in all_tables.items():

@@ -26,9 +26,16 @@ def _row(table: dict, key: int) -> torch.Tensor:
     return table["rows"][key]
 
 
-def nvidia_ranking_forward(state: dict, tables: dict, gin: dict, items: list[int], actions: list[int],
-                           candidates: list[int], contexts: dict[str, int] | None = None,
-                           eps: float = 1e-5) -> torch.Tensor:
+def nvidia_ranking_forward(
+    state: dict,
+    tables: dict,
+    gin: dict,
+    items: list[int],
+    actions: list[int],
+    candidates: list[int],
+    contexts: dict[str, int] | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """One user's logits [len(candidates), tasks] in float32; contexts: feature table -> id, in token order."""
     hidden, heads = gin["NetworkArgs.hidden_size"], gin["NetworkArgs.num_attention_heads"]
     head_dim, layers = gin["NetworkArgs.kv_channels"], gin["NetworkArgs.num_layers"]
@@ -50,16 +57,22 @@ def nvidia_ranking_forward(state: dict, tables: dict, gin: dict, items: list[int
             allowed[i, j] = (j <= i and j < prefix) or i == j
     for layer in range(layers):
         p = f"_hstu_block._attention_layers.{layer}."
-        h = F.layer_norm(x, (hidden,), state[p + "_input_layernorm_weight"].float(),
-                         state[p + "_input_layernorm_bias"].float(), eps)
+        h = F.layer_norm(
+            x, (hidden,), state[p + "_input_layernorm_weight"].float(), state[p + "_input_layernorm_bias"].float(), eps
+        )
         uvqk = F.silu(h @ state[p + "_linear_uvqk_weight"].float() + state[p + "_linear_uvqk_bias"].float())
         u, v, q, k = (t.reshape(n, heads, head_dim) for t in uvqk.split(hidden, dim=1))
         attention = torch.zeros(n, heads, head_dim)
         for head in range(heads):
             scores = F.silu(q[:, head] @ k[:, head].T / math.sqrt(head_dim)) / scaling
             attention[:, head] = (scores * allowed) @ v[:, head]
-        normed = F.layer_norm(attention.reshape(n, hidden), (hidden,), state[p + "_output_layernorm_weight"].float(),
-                              state[p + "_output_layernorm_bias"].float(), eps)
+        normed = F.layer_norm(
+            attention.reshape(n, hidden),
+            (hidden,),
+            state[p + "_output_layernorm_weight"].float(),
+            state[p + "_output_layernorm_bias"].float(),
+            eps,
+        )
         x = x + (u.reshape(n, hidden) * normed) @ state[p + "_linear_proj_weight"].float()
     states = x[prefix:]
     states = states / states.norm(dim=1, keepdim=True).clamp(min=1e-6)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-SIGNATURE = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates",
-             "candidate_ids")
+SIGNATURE = ("user_ids", "history_lengths", "item_ids", "action_ids", "context_ids", "num_candidates", "candidate_ids")
 
 
 def score(model, request):

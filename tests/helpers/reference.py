@@ -51,12 +51,14 @@ def context_row(model, feature: int, context: int, context_ids: str) -> int:
     return rows.get((feature << 56) | context, model.context_embedding.weight.shape[0] - 1)
 
 
-def user_tokens(model, context, items, actions, item_ids: str = "rows", context_ids: str = "rows",
-                event_tokens: str = "pairs"):
+def user_tokens(
+    model, context, items, actions, item_ids: str = "rows", context_ids: str = "rows", event_tokens: str = "pairs"
+):
     """Embeddings [P, d] of one user's prefix: context, then each event's item and action tokens
     ("pairs") or one token of the two rows' sum ("combined"), at absolute positions."""
-    rows = [model.context_embedding.weight[context_row(model, f, c, context_ids)]
-            for f, c in enumerate(context.tolist())]
+    rows = [
+        model.context_embedding.weight[context_row(model, f, c, context_ids)] for f, c in enumerate(context.tolist())
+    ]
     for item, action in zip(items.tolist(), actions.tolist()):
         item_vector = model.item_embedding.weight[item_row(model, item, item_ids)]
         if event_tokens == "combined":
@@ -68,11 +70,21 @@ def user_tokens(model, context, items, actions, item_ids: str = "rows", context_
     return tokens + model.position_embedding.weight[: len(rows)]
 
 
-def reference_forward(model, batch, head_activation: str = "silu", layer_norm_eps: float = 1e-5,
-                      silu_on: str = "uvqk", layer_output: str = "gated", item_ids: str = "rows",
-                      context_ids: str = "rows", event_tokens: str = "pairs",
-                      candidate_position: str = "after_prefix", head: str = "mlp",
-                      query_time_periods: tuple = (), context_attention: str = "causal") -> torch.Tensor:
+def reference_forward(
+    model,
+    batch,
+    head_activation: str = "silu",
+    layer_norm_eps: float = 1e-5,
+    silu_on: str = "uvqk",
+    layer_output: str = "gated",
+    item_ids: str = "rows",
+    context_ids: str = "rows",
+    event_tokens: str = "pairs",
+    candidate_position: str = "after_prefix",
+    head: str = "mlp",
+    query_time_periods: tuple = (),
+    context_attention: str = "causal",
+) -> torch.Tensor:
     """Logits [sum(T), num_tasks] computed user by user; the keyword arguments are the config's
     semantics switches of the same names (docs/design.md §1.3-1.5) and model.item_ids,
     context_ids, event_tokens, candidate_position, head, query_time_periods and
@@ -81,9 +93,9 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
     history_start = candidate_start = 0
     for b in range(batch.user_ids.shape[0]):
         h, t = int(batch.history_lengths[b]), int(batch.num_candidates[b])
-        items = batch.item_ids[history_start:history_start + h]
-        actions = batch.action_ids[history_start:history_start + h]
-        candidates = batch.candidate_ids[candidate_start:candidate_start + t]
+        items = batch.item_ids[history_start : history_start + h]
+        actions = batch.action_ids[history_start : history_start + h]
+        candidates = batch.candidate_ids[candidate_start : candidate_start + t]
         history_start, candidate_start = history_start + h, candidate_start + t
         context = batch.context_ids[b]
         if head == "item_tower":  # the last column is the query time
@@ -106,18 +118,27 @@ def reference_forward(model, batch, head_activation: str = "silu", layer_norm_ep
     return torch.cat(outputs)
 
 
-def reference_layer(layer, x, prefix_length: int, scaling_seqlen: int, eps: float = 1e-5, silu_on: str = "uvqk",
-                    layer_output: str = "gated", context_rows: int = 0):
+def reference_layer(
+    layer,
+    x,
+    prefix_length: int,
+    scaling_seqlen: int,
+    eps: float = 1e-5,
+    silu_on: str = "uvqk",
+    layer_output: str = "gated",
+    context_rows: int = 0,
+):
     """docs/design.md §1 steps 1-4 for one user's sequence x [n, d]."""
     heads, head_dim = layer.num_heads, layer.head_dim
     size = heads * head_dim
     normed = F.layer_norm(x, (x.shape[1],), layer.input_norm.weight, layer.input_norm.bias, eps)
     projected = F.linear(normed, layer.uvqk.weight, layer.uvqk.bias)
-    parts = [projected[:, i * size:(i + 1) * size] for i in range(4)]  # u, v, q, k
+    parts = [projected[:, i * size : (i + 1) * size] for i in range(4)]  # u, v, q, k
     parts = [F.silu(part) if i == 0 or silu_on == "uvqk" else part for i, part in enumerate(parts)]
     u, v, q, k = (part.reshape(-1, heads, head_dim) for part in parts)
-    o = reference_attention(q, k, v, prefix_length, 1.0 / math.sqrt(head_dim), scaling_seqlen,
-                            context_rows).reshape(-1, size)
+    o = reference_attention(q, k, v, prefix_length, 1.0 / math.sqrt(head_dim), scaling_seqlen, context_rows).reshape(
+        -1, size
+    )
     u = u.reshape(-1, size)
     gated = u * F.layer_norm(o, (size,), layer.attention_norm.weight, layer.attention_norm.bias, eps)
     features = torch.cat([u, o, gated], dim=1) if layer_output == "concat" else gated

@@ -57,7 +57,7 @@ class Resp:
             return None
         while len(self.buffer) < size + 2:
             self.buffer += self.sock.recv(1 << 16)
-        value, self.buffer = self.buffer[:size], self.buffer[size + 2:]
+        value, self.buffer = self.buffer[:size], self.buffer[size + 2 :]
         return value
 
 
@@ -135,12 +135,20 @@ class GatedProxy(LocalServer):
 # Contents a password file must not have, as bytes (None: no file; "dir": a directory), and the
 # message naming each; the C++ harness reads it by the same rules (test_remote_fleet.py).
 BAD_PASSWORD_FILES = [
-    (b"", "is empty"), (b"\n", "is empty"), (b"a\nb", "holds more than one line"),
-    (b"pw\r", "holds more than one line"), (b"a\rb\n", "holds more than one line"),
-    (b"\xef\xbb\xbfpw\n", "starts with a byte-order mark: save it without one"), (b"p\xffw\n", "is not UTF-8 text"),
-    (b"x" * 4097, "is over 4096 bytes: not a password file"), (None, "does not exist"),
-    ("dir", "is not a regular file"), ("fifo", "is not a regular file"), ("under a file", "does not exist"),
-    ("slash", "does not exist"), ("loop", "Too many levels of symbolic links"),
+    (b"", "is empty"),
+    (b"\n", "is empty"),
+    (b"a\nb", "holds more than one line"),
+    (b"pw\r", "holds more than one line"),
+    (b"a\rb\n", "holds more than one line"),
+    (b"\xef\xbb\xbfpw\n", "starts with a byte-order mark: save it without one"),
+    (b"p\xffw\n", "is not UTF-8 text"),
+    (b"x" * 4097, "is over 4096 bytes: not a password file"),
+    (None, "does not exist"),
+    ("dir", "is not a regular file"),
+    ("fifo", "is not a regular file"),
+    ("under a file", "does not exist"),
+    ("slash", "does not exist"),
+    ("loop", "Too many levels of symbolic links"),
 ]
 
 
@@ -185,9 +193,17 @@ def returning_user(config, num_appended: int):
 
     first = random_user(config.model, torch.Generator().manual_seed(11), 7, 20, 4)
     later = random_user(config.model, torch.Generator().manual_seed(12), 7, num_appended, 4)
-    return Batch.concat([UserRequest(7, torch.cat([first.item_ids, later.item_ids]),
-                                     torch.cat([first.action_ids, later.action_ids]), first.context_ids,
-                                     later.candidate_ids if num_appended else first.candidate_ids)])
+    return Batch.concat(
+        [
+            UserRequest(
+                7,
+                torch.cat([first.item_ids, later.item_ids]),
+                torch.cat([first.action_ids, later.action_ids]),
+                first.context_ids,
+                later.candidate_ids if num_appended else first.candidate_ids,
+            )
+        ]
+    )
 
 
 def remote_worker(spec_json: str) -> None:

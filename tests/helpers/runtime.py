@@ -13,8 +13,17 @@ from kvexport.ops import wrappers as kv
 _runtime_names = itertools.count()
 PAGE_SIZE = 2
 # Two layers of one head of width 2: room for 6 pages on the device tier, 4 on the host tier.
-CONFIG = json.dumps({"num_layers": 2, "num_heads": 1, "head_dim": 2, "page_size": PAGE_SIZE,
-                     "device_pages": 6, "host_pages": 4, "dtype": "float32"})
+CONFIG = json.dumps(
+    {
+        "num_layers": 2,
+        "num_heads": 1,
+        "head_dim": 2,
+        "page_size": PAGE_SIZE,
+        "device_pages": 6,
+        "host_pages": 4,
+        "dtype": "float32",
+    }
+)
 
 
 def scratch_runtime_name() -> str:
@@ -52,11 +61,13 @@ def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, 
     tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
     lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
     candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
-    new_index, new_positions = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates,
-                                              host_placement()).tolist()
+    new_index, new_positions = kv.begin_batch(
+        runtime, config, user_ids, tokens, lengths, candidates, host_placement()
+    ).tolist()
     firsts = [sum(len(ts) for ts in list(users.values())[:b]) for b in range(len(users))]
-    cached = [len(ts) - sum(first <= i < first + len(ts) for i in new_index)
-              for first, ts in zip(firsts, users.values())]
+    cached = [
+        len(ts) - sum(first <= i < first + len(ts) for i in new_index) for first, ts in zip(firsts, users.values())
+    ]
     assert new_index == [first + p for first, ts, c in zip(firsts, users.values(), cached) for p in range(c, len(ts))]
     assert new_positions == [p for ts, c in zip(users.values(), cached) for p in range(c, len(ts))]
     new_tokens = [t for (ts, c) in zip(users.values(), cached) for t in ts[c:]]

@@ -32,8 +32,9 @@ ATOL = 1e-5  # served vs eager full recompute in float32: far above float32 roun
 START_TIMEOUT_S = 90
 REQUEST_TIMEOUT_S = 60
 
-needs_pytriton = pytest.mark.skipif(importlib.util.find_spec("pytriton") is None,
-                                    reason="nvidia-pytriton is not installed (pip install -e '.[serve]')")
+needs_pytriton = pytest.mark.skipif(
+    importlib.util.find_spec("pytriton") is None, reason="nvidia-pytriton is not installed (pip install -e '.[serve]')"
+)
 
 
 @dataclasses.dataclass
@@ -51,9 +52,13 @@ def server_ports() -> Ports:
 
 
 def user_arrays(user: UserRequest) -> dict[str, np.ndarray]:
-    return {"user_id": np.array([user.user_id], dtype=np.int64), "item_ids": user.item_ids.numpy(),
-            "action_ids": user.action_ids.numpy(), "context_ids": user.context_ids.numpy(),
-            "candidate_ids": user.candidate_ids.numpy()}
+    return {
+        "user_id": np.array([user.user_id], dtype=np.int64),
+        "item_ids": user.item_ids.numpy(),
+        "action_ids": user.action_ids.numpy(),
+        "context_ids": user.context_ids.numpy(),
+        "candidate_ids": user.candidate_ids.numpy(),
+    }
 
 
 def split_batch(batch: dict[str, torch.Tensor]) -> list[UserRequest]:
@@ -68,9 +73,12 @@ class Client:
         if protocol == "http":
             import tritonclient.http as module
 
-            self.client = module.InferenceServerClient(f"127.0.0.1:{ports.http}", concurrency=concurrency,
-                                                       network_timeout=REQUEST_TIMEOUT_S,
-                                                       connection_timeout=REQUEST_TIMEOUT_S)
+            self.client = module.InferenceServerClient(
+                f"127.0.0.1:{ports.http}",
+                concurrency=concurrency,
+                network_timeout=REQUEST_TIMEOUT_S,
+                connection_timeout=REQUEST_TIMEOUT_S,
+            )
         else:
             import tritonclient.grpc as module
 
@@ -101,8 +109,12 @@ class Client:
             return [p.get_result(timeout=REQUEST_TIMEOUT_S).as_numpy("logits")[0] for p in pending]
         answers: list[queue.Queue] = [queue.Queue() for _ in requests]
         for arrays, answer in zip(requests, answers):
-            self.client.async_infer(self.model, self.inputs(arrays), client_timeout=REQUEST_TIMEOUT_S,
-                                    callback=lambda result, error, a=answer: a.put((result, error)))
+            self.client.async_infer(
+                self.model,
+                self.inputs(arrays),
+                client_timeout=REQUEST_TIMEOUT_S,
+                callback=lambda result, error, a=answer: a.put((result, error)),
+            )
         results = [answer.get(timeout=REQUEST_TIMEOUT_S) for answer in answers]
         for _, error in results:
             if error is not None:
@@ -145,6 +157,7 @@ def scrape_when(port: int, ready: Callable[[str], bool], timeout_s: float = 10.0
 
 def settled_scrape(port: int, timeout_s: float = 10.0) -> str:
     """A scrape once kvexport's counters have stopped moving (earlier batches all published)."""
+
     def counters(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.startswith("kvexport_")]
 
@@ -176,8 +189,9 @@ def returning_users_plan(config, clients: int, per_client: int, users: int, seed
             if events > 2 and torch.rand((), generator=generator) < 0.1:  # a rewritten history
                 at = int(torch.randint(events - 1, (1,), generator=generator))
                 items[at] = (items[at] + 1) % m.item_vocab_size
-            candidates = torch.randint(m.item_vocab_size, (1 + int(torch.randint(8, (1,), generator=generator)),),
-                                       generator=generator)
+            candidates = torch.randint(
+                m.item_vocab_size, (1 + int(torch.randint(8, (1,), generator=generator)),), generator=generator
+            )
             plan.append(UserRequest(uid, items, actions, base[uid].context_ids, candidates))
         plans.append(plan)
     return plans
@@ -278,8 +292,9 @@ class PlainServer(NamedTuple):
 
 
 @contextlib.contextmanager
-def plain_tritonserver(artifact: Path, work: Path, patch: str = "", options: tuple[str, ...] = (),
-                       server_options: tuple[str, ...] = ()):
+def plain_tritonserver(
+    artifact: Path, work: Path, patch: str = "", options: tuple[str, ...] = (), server_options: tuple[str, ...] = ()
+):
     """tritonserver --model-repository WORK/repo (127.0.0.1, free ports, this venv's Python) on the
     artifact's repository (`triton-repo --this-python` and options, `patch` appended to its model.py),
     with tritonserver's own `server_options`; yields a PlainServer."""
@@ -292,8 +307,20 @@ def plain_tritonserver(artifact: Path, work: Path, patch: str = "", options: tup
         model.write_text(model.read_text() + patch)
     command, env = tritonserver.prepare(work)
     ports = server_ports()
-    command += ["--model-repository", str(repo), "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
-                "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
-                *server_options]
+    command += [
+        "--model-repository",
+        str(repo),
+        "--http-address",
+        "127.0.0.1",
+        "--grpc-address",
+        "127.0.0.1",
+        "--http-port",
+        str(ports.http),
+        "--grpc-port",
+        str(ports.grpc),
+        "--metrics-port",
+        str(ports.metrics),
+        *server_options,
+    ]
     with started(command, work / "server.log", ports.http, env) as process:
         yield PlainServer(ports, work / "server.log", process)
