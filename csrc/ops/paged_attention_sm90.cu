@@ -4,9 +4,9 @@
 //
 // Warp-specialised, as FlashAttention-3 lays out this class of kernel:
 // - warpgroup 0 is the producer: it follows the user's page table and copies blocks of 64 keys (K
-//   and V) into a ring of shared-memory stages with cp.async (a page holds too few tokens of one
-//   head for the bulk tensor copy engine to pay), each thread signalling the stage's "full"
-//   mbarrier when its copies land;
+//   and V) into a ring of shared-memory stages with cp.async, key by key (a page's 32 keys of one
+//   head are 256-byte rows 1 KB apart), each thread signalling the stage's "full" mbarrier when
+//   its copies land;
 // - warpgroups 1..kConsumers each own 64 query rows of the tile (Q in shared memory) and run both
 //   products on the tensor cores with wgmma: S = Q K^T (both operands in shared memory), then
 //   P = SiLU(alpha S) masked per row and rounded to the input dtype in registers, and O += P V with
