@@ -373,6 +373,14 @@ def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_arti
         assert not (shard / "1" / "artifact").exists()
         # The parameter is relative to model.py's folder, as the model reads it.
         assert (shard / "1" / "../../hstu-tiny/artifact").resolve() == (repo / "hstu-tiny" / "artifact").resolve()
+        assert (shard / "1" / "../../hstu-tiny/route.key").resolve() == (repo / "hstu-tiny" / "route.key").resolve()
+    # The router's key: random, its owner's only, in no config (Triton serves configs to any client).
+    key = (repo / "hstu-tiny" / "route.key").read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", key) and (repo / "hstu-tiny" / "route.key").stat().st_mode & 0o777 == 0o600
+    assert all(key not in config.read_text() for config in repo.glob("*/config.pbtxt"))
+    other = tmp_path / "other"
+    write_repo(tiny_artifact, other, "--instances", "2")
+    assert (other / "hstu-tiny" / "route.key").read_text().strip() != key
 
 
 def test_without_routing_k_instances_share_one_model(tiny_artifact, tmp_path):
@@ -433,6 +441,96 @@ def test_a_pack_of_users_unpacks_to_the_same_users_in_the_same_order(tiny_config
         for name in want:
             np.testing.assert_array_equal(got[name].reshape(-1), want[name].reshape(-1))
             assert got[name].shape[0] == 1
+
+
+@pytest.mark.parametrize(
+    "header",
+    [[], [0, 3], [-1, 3], [10**12, 3], [2, -4], [1, 3, 7, -1, 1, 1, 2, 3]],
+    ids=["empty", "no-users", "negative-users", "huge-users", "negative-width", "negative-length"],
+)
+def test_a_pack_that_its_header_does_not_describe_is_refused_in_one_line(header):
+    from kvexport.serving.triton_router import unpack
+
+    with pytest.raises(ValueError) as refused:
+        unpack(np, np.array(header, dtype=np.int64))
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_a_pack_of_another_context_width_is_refused(tiny_config):
+    from kvexport.model.batch import random_user
+    from kvexport.serving.triton_router import pack, unpack
+
+    user = user_arrays(random_user(tiny_config.model, torch.Generator().manual_seed(1), 3, 4, 2))
+    packed = pack(torch, [{name: torch.from_numpy(a).reshape(1, -1) for name, a in user.items()}]).numpy()
+    assert len(unpack(np, packed, tiny_config.model.context_width)) == 1
+    with pytest.raises(ValueError, match="context width"):
+        unpack(np, packed, tiny_config.model.context_width + 1)
+
+
+def test_a_message_for_a_client_is_one_line_without_the_servers_files():
+    from kvexport.serving.triton_router import client_line
+
+    assert client_line("ValueError: bad\nTraceback (most recent call last):") == "ValueError: bad"
+    assert client_line("At: /srv/repo/hstu-tiny/1/model.py(86): unpack") == "At: <server file>(86): unpack"
+    assert client_line("failed at register.cpp:123 in ../csrc/ops") == "failed at <server file> in <server file>"
+    assert client_line("item_ids has 10000, outside the item vocabulary [0, 9999]") == (
+        "item_ids has 10000, outside the item vocabulary [0, 9999]"
+    )
+
+
+@needs_pytriton
+@pytest.mark.slow
+def test_no_shard_answers_a_client_and_the_public_model_still_answers_exactly(
+    tiny_artifact, tiny_config, tmp_path, eager
+):
+    """Every model of a repository answers any client: a shard called directly as a client would (an
+    empty pack, negative and huge user counts, a valid-looking pack of 64 users, one with a made-up
+    key), over HTTP and gRPC, is refused with one line naming the tensor sent and no server file, a
+    400 / INVALID_ARGUMENT; nothing reaches its cache; the public model then answers exactly."""
+    from tritonclient.utils import InferenceServerException
+
+    from kvexport.model.batch import random_user
+    from kvexport.serving.triton_router import PACK, ROUTE_KEY_PARAMETER, pack
+
+    generator = torch.Generator().manual_seed(48)
+    users = [random_user(tiny_config.model, generator, uid, 5, 2) for uid in range(64)]
+    valid = pack(torch, [{n: torch.from_numpy(a).reshape(1, -1) for n, a in user_arrays(u).items()} for u in users])
+    crafted = {
+        "empty": np.zeros(0, dtype=np.int64),
+        "negative": np.array([-5, 3, 1, 2, 3], dtype=np.int64),
+        "huge": np.array([10**12, 3, 1, 2, 3], dtype=np.int64),
+        "64 users": valid.numpy(),
+    }
+    expected = "pack: this model takes packs from the model hstu-tiny only; send each user's request to hstu-tiny"
+    with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, server_log, _):
+        for protocol in ("http", "grpc"):
+            client = Client(protocol, ports, "hstu-tiny_shard0")
+            try:
+                for name, array in crafted.items():
+                    for parameters in (None, {ROUTE_KEY_PARAMETER: "0" * 64}):
+                        tensor = client.module.InferInput(PACK, list(array.shape), "INT64")
+                        tensor.set_data_from_numpy(array)
+                        with pytest.raises(InferenceServerException) as refused:
+                            client.client.infer("hstu-tiny_shard0", [tensor], parameters=parameters)
+                        message = refused.value.message()
+                        assert message.endswith(expected), (protocol, name, message)
+                        assert len(message.splitlines()) == 1 and ".py" not in message and "/" not in message
+                        assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), (protocol, name)
+            finally:
+                client.close()
+        requests = [users[0], users[1], users[0]]
+        client = Client("grpc", ports, "hstu-tiny")
+        try:
+            got = [client.infer(user_arrays(u)) for u in requests]
+        finally:
+            client.close()
+        scrape = settled_scrape(ports.metrics)
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, eager(requests))) <= ATOL
+    served = [
+        metric(scrape, "kvexport_requests_total", instance=f"hstu-tiny_shard{i}_0_0", result="ok") for i in range(2)
+    ]
+    assert sum(served) == 3
+    assert "Traceback" not in server_log.read_text()
 
 
 @needs_pytriton

@@ -16,6 +16,8 @@ clients' model is a router (kvexport/serving/triton_router.py, one instance) in 
                                     shard their user id hashes to, so they meet their cache
     REPO/<name>/artifact/           the artifact, copied once (a model's non-numeric folder, which
                                     Triton does not read as a version)
+    REPO/<name>/route.key           the router's key, which every pack it sends a shard carries: a
+                                    shard refuses any other request (clients can call any model)
     REPO/<name>_shard<i>/           one instance (on GPU i mod N for a CUDA package) of the model
                                     above, taking the router's packs of users (shard_config), its
                                     `artifact` parameter the router's copy, relative
@@ -24,7 +26,9 @@ The model's parameters (Triton's `parameters`, strings; triton_model.py reads th
     artifact                the artifact's path (relative: to model.py's folder), when it is not
                             copied beside model.py
     shards                  the router's: its shard models' names, in shard order (shard_names)
-    routed                  "true" in a shard: it takes the router's packs of users
+    routed                  "true" in a shard: it takes the router's packs of users, and only them
+    router, route_key       a shard's: its router's name, and the router's key file (relative to the
+                            shard's model.py), which a pack must carry (triton_router.ROUTE_KEY_FILE)
     drain_file              a file whose appearance asks the model to unload itself (`kvexport serve`'s
                             stop; needs Triton's explicit model control)
     python_path             site directories for the Python backend's interpreter (os.pathsep)
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shlex
 import shutil
 import sys
@@ -54,7 +59,7 @@ from kvexport.artifact import Artifact, open_artifact
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
 from kvexport.serving.signature import LOGITS, serving_signature
-from kvexport.serving.triton_router import ERRORS, PACK
+from kvexport.serving.triton_router import ERRORS, PACK, ROUTE_KEY_FILE
 
 # REPO/tritonserver: serves the repository with the serve extra's tritonserver, under the Python that
 # wrote it (a regular file at the repository's top, which Triton does not read as a model).
@@ -187,6 +192,14 @@ def shard_config(name: str, num_tasks: int, device: str, parameters: dict[str, s
     return "\n".join(lines) + "\n"
 
 
+def write_route_key(path: Path) -> None:
+    """The router's key (kvexport.serving.triton_router.ROUTE_KEY_FILE): random, created readable by
+    its owner only, so that only the server's own processes can prove a pack came from the router."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="ascii") as file:
+        file.write(secrets.token_hex(32) + "\n")
+
+
 def write_repository(
     out: Path | Artifact,
     repo: Path,
@@ -276,7 +289,8 @@ def write_repository(
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "artifact")
                 parameters["artifact"] = os.path.join("..", "..", name, "artifact")
-            parameters["routed"] = "true"
+            write_route_key(model / ROUTE_KEY_FILE)
+            parameters.update(routed="true", router=name, route_key=os.path.join("..", "..", name, ROUTE_KEY_FILE))
             for i, shard in enumerate(names):
                 (staging / shard / "1").mkdir(parents=True)
                 (staging / shard / "config.pbtxt").write_text(

@@ -19,6 +19,7 @@ through the Python backend's custom metrics API, on Triton's own metrics port
 (kvexport.serving.metrics names them).
 """
 
+import hmac
 import json
 import os
 import site
@@ -74,6 +75,11 @@ class TritonPythonModel:
         self.package = load_warm(artifact, remote, parameters.get("remote_write") or DEFAULT_WRITE_POLICY, device)
         self.scorer = BatchScorer(self.package)
         self.num_tasks = self.package.num_tasks
+        if self.routed:  # the router's key (triton_router.ROUTE_KEY_FILE), named relative to this folder
+            here = os.path.dirname(os.path.abspath(__file__))
+            self.route_key = triton_router.read_route_key(os.path.join(here, parameters["route_key"]))
+            self.router_name = parameters.get("router", "the router")
+            self.context_width = self.package.config.model.context_width
         self.metric_families, self.published = {}, {}
         self._publish_metrics()
         self.scored, self.finalizing = threading.Event(), threading.Event()
@@ -89,8 +95,18 @@ class TritonPythonModel:
             ).start()
 
     def execute(self, requests):
-        if self.routed:
-            return [self._execute_pack(request) for request in requests]
+        """Each request's answer. A failure outside any one request's scoring (a bug) fails the
+        batch's requests with one line each; the server's log has its traceback."""
+        try:
+            if self.routed:
+                return [self._execute_pack(request) for request in requests]
+            return self._execute_users(requests)
+        except Exception as exc:  # noqa: BLE001 — logged; a client never sees the server's files
+            self.logger.log_error(f"kvexport: a batch failed unexpectedly\n{traceback.format_exc()}")
+            error = pb_utils.TritonError(self._message(exc), pb_utils.TritonError.INTERNAL)
+            return [pb_utils.InferenceResponse(error=error) for _ in requests]
+
+    def _execute_users(self, requests):
         inputs = [{name: self._array(request, name) for name in self.input_names} for request in requests]
         results = [None] * len(requests)
         for index, (request, one) in enumerate(zip(requests, inputs)):
@@ -114,7 +130,10 @@ class TritonPythonModel:
         """A shard's answer to its router's pack (kvexport.serving.triton_router): the users'
         logits concatenated, a refused user's rows zero, and the refusals with their codes."""
         np, torch = self.numpy, self.torch
-        inputs = self.router.unpack(np, self._array(request, self.router.PACK))
+        refusal = self._foreign_pack(request)
+        if refusal is not None:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal, pb_utils.TritonError.INVALID_ARG))
+        inputs = self.router.unpack(np, self._array(request, self.router.PACK), self.context_width)
         results = self._score(inputs)
         self.scored.set()
         rows, errors = [], []
@@ -134,11 +153,25 @@ class TritonPythonModel:
             ]
         )
 
+    def _foreign_pack(self, request):
+        """Why a shard refuses a request its router did not send (a client calling the shard itself):
+        None for the router's, which carries the router's key among its parameters."""
+        try:
+            key = json.loads(request.parameters() or "{}").get(self.router.ROUTE_KEY_PARAMETER)
+        except (ValueError, AttributeError):
+            key = None
+        if isinstance(key, str) and hmac.compare_digest(key.encode(), self.route_key.encode()):
+            return None
+        return (
+            f"{self.router.PACK}: this model takes packs from the model {self.router_name} only; "
+            f"send each user's request to {self.router_name}"
+        )
+
     def _message(self, result):
-        """A failure's one-line message for the client."""
+        """A failure's one-line message for the client, naming no file of the server's."""
         if isinstance(result, self.request_failed):
-            return self.client_message(str(result).splitlines()[0])
-        return f"internal error: {type(result).__name__}: {str(result).splitlines()[0] if str(result) else ''}"
+            return self.router.client_line(self.client_message(str(result)))
+        return f"internal error: {self.router.client_line(f'{type(result).__name__}: {result}')}"
 
     def _unload_when_asked(self, drain_file, model_name):
         """Unloads this model through the Python backend's model-loading API once drain_file exists

@@ -12,6 +12,10 @@ its logits, or its own refusal with its code (a BLS response loses an error's co
 carries each refused user's code and message in an `errors` output, JSON bytes). One BLS call per
 shard and wave, not per user: the hop costs the pack, not each request.
 
+Clients can call any model of a repository, the shards too: each pack carries the router's key
+(ROUTE_KEY_FILE, read at load time by the router and its shards) as a request parameter, and a shard
+refuses any request without it. Nothing a client may see names a server file (client_line).
+
 Order: this model has one instance, so waves run one after the other; a shard has one instance and
 no batcher, so it scores its packs in the order they came; within a pack, two requests of one user
 are scored one after the other (kvexport.serving.batcher). A user's requests run in arrival order.
@@ -25,7 +29,9 @@ and its DLPack import of a numpy array logs a traceback per tensor).
 import asyncio
 import json
 import os
+import re
 import site
+import traceback
 
 _MASK = (1 << 64) - 1
 # A shard's request: one int64 tensor PACK holding its users in the package's batch format
@@ -37,6 +43,16 @@ PACK = "pack"
 ERRORS = "errors"
 # kvexport's refusal codes (kvexport.errors.RequestFailed.code) as Triton's error codes.
 TRITON_CODES = {"invalid_request": "INVALID_ARG", "capacity_exceeded": "UNAVAILABLE"}
+# Every model of a repository answers any client, the shards too. The router proves a pack is its own
+# with a key only the server's files hold: ROUTE_KEY_FILE in the router's model folder, written by
+# `kvexport triton-repo` (random, readable by its owner only, never in a config, which Triton serves to
+# any client), sent with each pack as the request parameter ROUTE_KEY_PARAMETER; a shard refuses a
+# request without it (kvexport.serving.triton_model).
+ROUTE_KEY_FILE = "route.key"
+ROUTE_KEY_PARAMETER = "kvexport-route-key"
+# A file path (absolute, relative with a folder, or a source file with its line) in an exception's
+# text: the server's, never shown to a client (client_line).
+_SERVER_PATH = re.compile(r"(?:[\w.~-]*/[^\s'\",:()]+|\b[\w-]+\.(?:py|cpp|cc|h|hpp|cu|so)\b)(?::\d+)?")
 
 
 # The routing key a fleet's load balancer hashes on without reading the body: a request header
@@ -56,6 +72,18 @@ def routing_key_error(parameters: str, user_id: int) -> str | None:
     if ROUTING_HEADER not in found or str(found[ROUTING_HEADER]).strip() == str(user_id):
         return None
     return f"the {ROUTING_HEADER} header says {str(found[ROUTING_HEADER])[:40]!r}, the request's user_id is {user_id}"
+
+
+def client_line(text: str) -> str:
+    """A message a client may see: the first line of text, any server file path in it left out."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return _SERVER_PATH.sub("<server file>", line)
+
+
+def read_route_key(path: str) -> str:
+    """The router's key (ROUTE_KEY_FILE), as the router and its shards read it at load time."""
+    with open(path, encoding="ascii") as file:
+        return file.read().strip()
 
 
 def shard_of(user_id: int, shards: int) -> int:
@@ -86,20 +114,29 @@ def pack(torch, users: list[dict]):
     )
 
 
-def unpack(numpy, packed) -> list[dict]:
+def unpack(numpy, packed, width: int | None = None) -> list[dict]:
     """The inverse of pack, on the shard's numpy array: each user's arrays, with Triton's batch
-    dimension of 1."""
-    n, width = int(packed[0]), int(packed[1])
+    dimension of 1. A pack whose header does not describe it (ValueError, one line) is refused
+    before anything is allocated from its counts; width: the context width it must have."""
+    if packed.ndim != 1 or packed.size < 2:
+        raise ValueError(f"{PACK} must be a 1-D pack of users, got shape {list(packed.shape)}")
+    n, packed_width = int(packed[0]), int(packed[1])
+    if not 1 <= n <= packed.size or (width is not None and packed_width != width) or packed_width < 0:
+        raise ValueError(f"{PACK}'s header says {n} users of context width {packed_width}: not a pack of users")
+    start = 2 + 3 * n + n * packed_width
+    if start > packed.size:
+        raise ValueError(f"a pack of {packed.size} ids, its header says at least {start}")
     user_ids, lengths, counts = packed[2 : 2 + n], packed[2 + n : 2 + 2 * n], packed[2 + 2 * n : 2 + 3 * n]
-    start = 2 + 3 * n
-    context = packed[start : start + n * width].reshape(n, width)
+    if int(lengths.min()) < 0 or int(counts.min()) < 0:
+        raise ValueError(f"{PACK} holds a negative history length or candidate count")
     events, candidates = int(lengths.sum()), int(counts.sum())
-    start += n * width
+    if packed.size != start + 2 * events + candidates:
+        raise ValueError(f"a pack of {packed.size} ids, its header says {start + 2 * events + candidates}")
+    context = packed[start - n * packed_width : start].reshape(n, packed_width)
     items, actions = packed[start : start + events], packed[start + events : start + 2 * events]
     start += 2 * events
-    if packed.size != start + candidates:
-        raise ValueError(f"a pack of {packed.size} ids, its header says {start + candidates}")
     cuts, candidate_cuts = numpy.cumsum(lengths)[:-1], numpy.cumsum(counts)[:-1]
+    splits = zip(numpy.split(items, cuts), numpy.split(actions, cuts), numpy.split(packed[start:], candidate_cuts))
     return [
         {
             "user_id": user_ids[i : i + 1].reshape(1, 1),
@@ -108,9 +145,7 @@ def unpack(numpy, packed) -> list[dict]:
             "context_ids": context[i : i + 1],
             "candidate_ids": candidate[None],
         }
-        for i, (item, action, candidate) in enumerate(
-            zip(numpy.split(items, cuts), numpy.split(actions, cuts), numpy.split(packed[start:], candidate_cuts))
-        )
+        for i, (item, action, candidate) in enumerate(splits)
     ]
 
 
@@ -128,8 +163,20 @@ class TritonPythonModel:
         self.shards = parameters["shards"].split(",")
         self.input_names = [spec["name"] for spec in config["input"]]
         self.output_name = config["output"][0]["name"]
+        folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # REPO/<name>
+        self.route_key = {ROUTE_KEY_PARAMETER: read_route_key(os.path.join(folder, ROUTE_KEY_FILE))}
 
     async def execute(self, requests):
+        """Each request's answer; a failure of the router itself fails the wave's requests with one
+        line each, its traceback in the server's log only."""
+        try:
+            return await self._route(requests)
+        except Exception as exc:  # noqa: BLE001 — a bug: logged, and no client sees the server's files
+            self.pb.Logger.log_error(f"kvexport: the router failed\n{traceback.format_exc()}")
+            error = self.pb.TritonError(f"internal error: {client_line(f'{type(exc).__name__}: {exc}')}")
+            return [self.pb.InferenceResponse(error=error) for _ in requests]
+
+    async def _route(self, requests):
         pb, torch = self.pb, self.torch
         members: dict[int, list[int]] = {}  # shard -> its requests' indices, in arrival order
         users = []
@@ -151,7 +198,10 @@ class TritonPythonModel:
             inputs = [pb.Tensor.from_dlpack(PACK, pack(torch, [users[i] for i in indices]))]
             calls.append(
                 pb.InferenceRequest(
-                    model_name=self.shards[shard], inputs=inputs, requested_output_names=[self.output_name, ERRORS]
+                    model_name=self.shards[shard],
+                    inputs=inputs,
+                    requested_output_names=[self.output_name, ERRORS],
+                    parameters=self.route_key,
                 ).async_exec()
             )
         answers = await asyncio.gather(*calls)
@@ -164,7 +214,8 @@ class TritonPythonModel:
         """Each user's response from its shard's answer to their pack."""
         pb, torch = self.pb, self.torch
         if answer.has_error():  # the whole pack failed (Triton's error, e.g. the shard is not loaded)
-            return [pb.InferenceResponse(error=pb.TritonError(answer.error().message())) for _ in users]
+            message = client_line(answer.error().message())
+            return [pb.InferenceResponse(error=pb.TritonError(message)) for _ in users]
         logits = torch.from_dlpack(pb.get_output_tensor_by_name(answer, self.output_name).to_dlpack())
         errors = torch.from_dlpack(pb.get_output_tensor_by_name(answer, ERRORS).to_dlpack())
         refused = {e["index"]: e for e in json.loads(bytes(errors.numpy().tobytes()) or b"[]")}
@@ -174,7 +225,7 @@ class TritonPythonModel:
             error = refused.get(index)
             if error is not None:
                 code = getattr(pb.TritonError, TRITON_CODES.get(error["code"], "INTERNAL"))
-                out.append(pb.InferenceResponse(error=pb.TritonError(error["message"], code)))
+                out.append(pb.InferenceResponse(error=pb.TritonError(client_line(error["message"]), code)))
             else:
                 out.append(
                     pb.InferenceResponse(
