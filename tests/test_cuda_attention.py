@@ -230,19 +230,27 @@ def test_matches_float32_recompute(ops, dtype, head_dim):
 
 
 def unaligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """The same values as rows 4-byte but not 16-byte aligned (a row stride that is no multiple of 8)."""
+    """The same values, on the GPU, as rows 4-byte but not 16-byte aligned (a row stride that is no
+    multiple of 8). Made on the device: copying such a view there would make it contiguous."""
     rows = t.shape[0]
-    wide = torch.zeros(rows, t[0].numel() + 2, dtype=t.dtype)
-    wide[:, 2:] = t.reshape(rows, -1)
-    return wide[:, 2:].unflatten(1, t.shape[1:])
+    wide = torch.zeros(rows, t[0].numel() + 2, dtype=t.dtype, device="cuda")
+    wide[:, 2:] = t.reshape(rows, -1).cuda()
+    view = wide[:, 2:].unflatten(1, t.shape[1:])
+    assert view.stride(0) % 8 != 0
+    return view
 
 
 def test_unaligned_rows(ops):
     """q/k/v rows the Hopper kernel's 16-byte Q copies cannot read: the dispatcher takes the
     mma.sync kernel, with the same results."""
     page_size = 32
-    q, k, v, *rest = make_inputs([(700, 10, 20), (40, 3, 5)], 2, 128, page_size, torch.bfloat16, seed=13)
-    check_close(ops, (unaligned_rows(q), unaligned_rows(k), unaligned_rows(v), *rest), alpha=0.1, inv_scaling=1.0 / 512)
+    inputs = make_inputs([(700, 10, 20), (40, 3, 5)], 2, 128, page_size, torch.bfloat16, seed=13)
+    expected = ops.hstu_paged_attention(*inputs, 0.1, 1.0 / 512)
+    q, k, v, *rest = inputs
+    actual = ops.hstu_paged_attention(*(unaligned_rows(t) for t in (q, k, v)), *to_cuda(rest), 0.1, 1.0 / 512)
+    atol_scale, rtol = TOLERANCES[torch.bfloat16]
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(actual.cpu().float(), expected.float(), atol=atol_scale * scale, rtol=rtol)
 
 
 def kernels_run(ops, inputs) -> set[str]:
@@ -267,9 +275,8 @@ def test_dispatcher_paths(ops):
 
     def names(head_dim, dtype, unaligned=False):
         q, k, v, *rest = make_inputs(users, 2, head_dim, page_size, dtype, seed=17)
-        if unaligned:
-            q, k, v = (unaligned_rows(t) for t in (q, k, v))
-        return " ".join(kernels_run(ops, to_cuda((q, k, v, *rest))))
+        q, k, v = (unaligned_rows(t) for t in (q, k, v)) if unaligned else to_cuda((q, k, v))
+        return " ".join(kernels_run(ops, (q, k, v, *to_cuda(rest))))
 
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 128):
