@@ -28,15 +28,19 @@ test: setup
 
 # Python: ruff's lint rules and formatting (pyproject.toml's [tool.ruff]). C++ under csrc/: clang-format
 # (.clang-format) where it is installed (system-packages installs it); where it is not, said in one line.
+# Every check runs; the target fails if any did.
 CPP_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	@if command -v clang-format >/dev/null 2>&1; then \
-		clang-format --dry-run --Werror $(CPP_SOURCES) && echo "clang-format: $(words $(CPP_SOURCES)) C++ files formatted"; \
+	@status=0; \
+	echo "ruff check"; $(VENV)/bin/ruff check . || status=1; \
+	echo "ruff format --check"; $(VENV)/bin/ruff format --check . || status=1; \
+	if command -v clang-format >/dev/null 2>&1; then \
+		echo "clang-format --dry-run --Werror ($(words $(CPP_SOURCES)) files under csrc/)"; \
+		clang-format --dry-run --Werror $(CPP_SOURCES) || status=1; \
 	else \
 		echo "clang-format is not installed (apt-get install clang-format): C++ formatting not checked"; \
-	fi
+	fi; \
+	exit $$status
 
 setup: system-packages $(STAMP) native
 
