@@ -17,7 +17,7 @@ CUDA_DISASSEMBLERS := nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.
 # The remote KV tier's server (tests) and client library (op library, found through pkg-config).
 REMOTE_PACKAGES := redis-server libhiredis-dev pkg-config
 
-.PHONY: demo test lint setup system-packages native clean
+.PHONY: demo test lint setup system-packages native perf-analyzer clean
 
 demo: setup
 	$(VENV)/bin/kvexport score $(CONFIG)
@@ -71,6 +71,14 @@ $(STAMP): pyproject.toml Makefile
 
 native: $(STAMP)
 	$(PY) -m kvexport.native
+
+# Triton's load tool for benchmarks/serve_perf.py: the binary of the tritonclient==2.41.0 wheel (later
+# wheels do not carry it), downloaded, never installed into the venv (its tritonclient stays the serve
+# extra's). The script puts the serve extra's bundled libb64 and libcudart on its loader path.
+PERF_ANALYZER := build/perf_analyzer/perf_analyzer
+perf-analyzer: $(PERF_ANALYZER)
+$(PERF_ANALYZER): | $(STAMP)
+	$(PY) benchmarks/serve_perf.py --install
 
 clean:
 	rm -rf build kvexport/_lib

@@ -64,7 +64,7 @@ class Served:
     ):
         self.grpc, self.metrics = free_port(), free_port()
         self.shards = instances if routing else 1
-        http = free_port()
+        self.http = http = free_port()
         flag = "--batching" if batching else "--no-batching"
         if route == "serve":
             self.process = subprocess.Popen(

@@ -5,6 +5,7 @@ the trace's recorded expectations and the eager model, never with the server's o
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -851,3 +852,51 @@ def test_a_killed_stub_stops_the_repositorys_launcher_and_nothing_is_left(tiny_a
     ]
     assert not triton_ready(ports.http)
     assert not region.exists()
+
+
+def _serve_perf(*args: str) -> subprocess.CompletedProcess:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_perf.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_perf_analyzers_input_data_is_users_in_the_request_format(tiny_artifact, tiny_config, tmp_path):
+    """benchmarks/serve_perf.py --input-data: one entry a request, each tensor of the serving signature
+    with its content and its shape without Triton's batch dimension; users return with longer histories."""
+    done = _serve_perf(str(tiny_artifact), "--input-data", str(tmp_path / "users.json"))
+    assert done.returncode == 0, done.stderr
+    entries = json.loads((tmp_path / "users.json").read_text())["data"]
+    assert len(entries) == 24 * 7
+    for entry in entries:
+        assert sorted(entry) == sorted(["user_id", "item_ids", "action_ids", "context_ids", "candidate_ids"])
+        assert all(tensor["shape"] == [len(tensor["content"])] for tensor in entry.values())
+        assert entry["user_id"]["shape"] == [1] and entry["context_ids"]["shape"] == [tiny_config.model.context_width]
+        assert entry["item_ids"]["shape"] == entry["action_ids"]["shape"]
+    first, again = entries[0], entries[24]
+    assert first["user_id"] == again["user_id"]
+    assert again["item_ids"]["content"][: len(first["item_ids"]["content"])] == first["item_ids"]["content"]
+    assert len(again["item_ids"]["content"]) == len(first["item_ids"]["content"]) + 4
+
+
+@needs_pytriton
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_drives_the_repository_without_an_error(served_repo, tiny_artifact, tmp_path, protocol):
+    """Triton's perf_analyzer (make perf-analyzer), its libraries from the serve extra on its loader
+    path only, sends the users of serve_perf.py's --input-data to the served repository: every
+    request answered."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import serve_perf
+    finally:
+        sys.path.pop(0)
+    if not serve_perf.PERF_ANALYZER.is_file():
+        pytest.skip("perf_analyzer is not installed (make perf-analyzer)")
+    from kvexport.artifact import open_artifact
+
+    data = serve_perf.write_input_data(open_artifact(tiny_artifact).config, tmp_path / "users.json")
+    port = served_repo.grpc if protocol == "grpc" else served_repo.http
+    result = serve_perf.perf_analyzer(
+        serve_perf.PERF_ANALYZER, serve_perf.loader_path(tmp_path), "hstu-tiny", f"127.0.0.1:{port}", protocol, 2, data
+    )
+    assert "error" not in result, result
+    assert result["throughput_rps"] > 0 and result["p50_ms"] > 0
