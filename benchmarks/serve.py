@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,14 @@ class Served:
     instances)."""
 
     def __init__(
-        self, artifact: Path, route: str, batching: bool, work: Path, instances: int = 1, routing: bool = True
+        self,
+        artifact: Path,
+        route: str,
+        batching: bool,
+        work: Path,
+        instances: int = 1,
+        routing: bool = True,
+        add_models: Callable[[Path], None] | None = None,
     ):
         self.grpc, self.metrics = free_port(), free_port()
         self.shards = instances if routing else 1
@@ -113,6 +121,8 @@ class Served:
             check=True,
             capture_output=True,
         )
+        if add_models is not None:  # more models beside kvexport's, before tritonserver loads the repository
+            add_models(repo)
         command, env = tritonserver.prepare(server)
         self.process = subprocess.Popen(
             [

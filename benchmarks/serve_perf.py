@@ -9,7 +9,10 @@ NUM_USERS users, each returning with 4 more events a visit, visit after visit, s
 requests are different users and a user's next request comes NUM_USERS requests later. For each K,
 the routed and the unrouted repository are served at once by two plain tritonservers (free ports of
 127.0.0.1) and driven in turn, the same points alternating over `--rounds` rounds: their ratio is
-measured side by side.
+measured side by side. `--with-one` serves one model of one instance beside each K in the same rounds.
+`--crossing` instead measures a request's overhead at one client: perf_analyzer's p50 on one model of
+one instance minus the in-process p50 of the same requests, beside a null model's p50 (a Python-backend
+model of the same signature that answers zeros: the floor any Python-backend model pays).
 
 perf_analyzer is the binary of the `tritonclient==2.41.0` wheel (later wheels do not carry it):
 `make perf-analyzer` (or `--install`) puts it in build/perf_analyzer/. It needs `libb64.so.0d` and
@@ -164,10 +167,53 @@ def in_process(artifact: Path, data: Path, seconds: float) -> float:
     return round(latencies[len(latencies) // 2] * 1e3, 3)
 
 
+# The Python backend's floor: a model of the same signature that reads the five inputs as kvexport's
+# does (DLPack, torch) and answers zeros, with no package: what any Python-backend model pays.
+NULL_MODEL = "null"
+NULL_MODEL_SOURCE = """import json, os, site
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
+            site.addsitedir(directory)
+        import torch
+        import triton_python_backend_utils as pb
+
+        self.torch, self.pb = torch, pb
+        self.names = [spec["name"] for spec in config["input"]]
+        self.num_tasks = config["output"][0]["dims"][-1]
+
+    def execute(self, requests):
+        torch, pb = self.torch, self.pb
+        out = []
+        for request in requests:
+            arrays = {n: torch.from_dlpack(pb.get_input_tensor_by_name(request, n).to_dlpack()) for n in self.names}
+            logits = torch.zeros(1, arrays["candidate_ids"].shape[1], self.num_tasks)
+            out.append(pb.InferenceResponse([pb.Tensor.from_dlpack("logits", logits)]))
+        return out
+"""
+
+
+def add_null_model(name: str):
+    """A repository hook (Served's add_models): the null model beside `name`, its config `name`'s."""
+
+    def add(repo: Path) -> None:
+        (repo / NULL_MODEL / "1").mkdir(parents=True)
+        config = (repo / name / "config.pbtxt").read_text().replace(f'name: "{name}"', f'name: "{NULL_MODEL}"', 1)
+        (repo / NULL_MODEL / "config.pbtxt").write_text(config)
+        (repo / NULL_MODEL / "1" / "model.py").write_text(NULL_MODEL_SOURCE)
+
+    return add
+
+
 def crossing(args, config, binary: Path, env: dict, data: Path, work: Path) -> dict:
     """A served request's overhead at one client: perf_analyzer's p50 (gRPC and HTTP, concurrency 1,
-    one model of one instance) minus the in-process p50 of the same requests, rounds alternating."""
-    server = Served(args.artifact, "repository", True, work, 1, True)
+    one model of one instance) minus the in-process p50 of the same requests, beside the null model's
+    p50 (the Python backend's floor), rounds alternating."""
+    server = Served(args.artifact, "repository", True, work, 1, True, add_models=add_null_model(config.name))
     rounds = []
     try:
         for _ in range(args.rounds):
@@ -177,6 +223,8 @@ def crossing(args, config, binary: Path, env: dict, data: Path, work: Path) -> d
                 row[protocol] = perf_analyzer(binary, env, config.name, f"127.0.0.1:{port}", protocol, 1, data)
                 if "p50_ms" in row[protocol]:
                     row[protocol]["overhead_p50_ms"] = round(row[protocol]["p50_ms"] - row["in_process_p50_ms"], 3)
+                floor = perf_analyzer(binary, env, NULL_MODEL, f"127.0.0.1:{port}", protocol, 1, data)
+                row[protocol]["null_model_p50_ms"] = floor.get("p50_ms", floor.get("error"))
             rounds.append(row)
             print(json.dumps(row), flush=True)
     finally:
