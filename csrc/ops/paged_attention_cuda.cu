@@ -18,9 +18,9 @@
 //   adds them in chunk order (deterministic) with the candidates' self term and casts.
 // - attention_generic_kernel (everything else: float32, other head sizes): one warp per
 //   (row, head), lanes over head_dim, keys one by one, exact fp32.
-#include "ops/paged_attention_cuda.h"
 #include "ops/attention_cuda_math.cuh"
 #include "ops/attention_cuda_params.h"
+#include "ops/paged_attention_cuda.h"
 #ifdef KVEXPORT_WITH_SM90
 #include "ops/paged_attention_sm90.h"
 #endif
@@ -66,8 +66,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // Tensor-core path.
 
-constexpr int kBlockKeys = 64;  // keys per shared-memory stage
-constexpr int kSubKeys = 32;    // keys per score tile in registers
+constexpr int kBlockKeys = 64;                         // keys per shared-memory stage
+constexpr int kSubKeys = 32;                           // keys per score tile in registers
 constexpr int64_t kMaxRowKeys = INT_MAX - kBlockKeys;  // key indices stay in int
 static_assert(runtime::kAttentionTileRows == 192, "the widest block is 12 warps of 16 rows");
 
@@ -81,7 +81,7 @@ struct MmaShape {
   // Shared-memory rows are padded by 16 bytes: the 8 row addresses of one ldmatrix then fall in
   // 8 different 16-byte bank groups (no conflicts).
   static constexpr int kPitch = kDim + 8;
-  static constexpr int kStage = 2 * kBlockKeys * kPitch;  // K block then V block, in elements
+  static constexpr int kStage = 2 * kBlockKeys * kPitch;   // K block then V block, in elements
   static constexpr int kSmemBytes = kStages * kStage * 2;  // 16-bit elements
 };
 
@@ -91,11 +91,12 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
 
 // 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
@@ -144,8 +145,8 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
   constexpr int kTileRows = Shape::kTileRows;
   constexpr int kStages = Shape::kStages;
   constexpr int kPitch = Shape::kPitch;
-  constexpr int kSteps = kDim / 16;        // k-steps of Q K^T, pairs of 8-wide tiles of P V
-  constexpr int kPieces = kDim / 8;        // 16-byte pieces of one token's head slice
+  constexpr int kSteps = kDim / 16;  // k-steps of Q K^T, pairs of 8-wide tiles of P V
+  constexpr int kPieces = kDim / 8;  // 16-byte pieces of one token's head slice
   constexpr int kKeysPerPass = kThreads / kPieces;
   constexpr int kPasses = (kBlockKeys + kKeysPerPass - 1) / kKeysPerPass;
   static_assert(kDim % 16 == 0 && kThreads % kPieces == 0);
@@ -175,8 +176,7 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
       const int64_t i = base + threadIdx.x;
       const int64_t row = i < count ? p.row_order[first + i] : -1;
       tile_row[threadIdx.x] = row;
-      tile_keys[threadIdx.x] =
-          row < 0 ? 0 : int(p.row_keys[row] < kMaxRowKeys ? p.row_keys[row] : kMaxRowKeys);
+      tile_keys[threadIdx.x] = row < 0 ? 0 : int(p.row_keys[row] < kMaxRowKeys ? p.row_keys[row] : kMaxRowKeys);
     }
     __syncthreads();
     int lane_max = 0;
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
 #pragma unroll
               for (int pair = 0; pair < kSteps; ++pair) {
                 uint32_t vb[4];
-                ldmatrix_x4_trans(vb, v_s + (key0 + 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kPitch +
-                                          16 * pair + (lane >> 4) * 8);
+                ldmatrix_x4_trans(vb, v_s + (key0 + 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kPitch + 16 * pair +
+                                          (lane >> 4) * 8);
                 mma_16816<T>(acc[2 * pair], pf[kk], vb[0], vb[1]);
                 mma_16816<T>(acc[2 * pair + 1], pf[kk], vb[2], vb[3]);
               }
@@ -371,8 +371,7 @@ __global__ void combine_kernel(const Params p) {
   const int64_t chunks_read = (keys + p.chunk_keys - 1) / p.chunk_keys;
   const int used = keys <= 0 ? 0 : int(chunks_read < p.chunks ? chunks_read : p.chunks);
   const bool self = p.row_candidate[row];
-  const unsigned group_mask =
-      kGroup == 32 ? 0xffffffffu : ((1u << kGroup) - 1) << (threadIdx.x % 32 / kGroup * kGroup);
+  const unsigned group_mask = kGroup == 32 ? 0xffffffffu : ((1u << kGroup) - 1) << (threadIdx.x % 32 / kGroup * kGroup);
   float w = 0.0f;
   if (self) {
     const T* const q_row = static_cast<const T*>(p.q) + row * p.q_stride + h * kDim + d;
@@ -497,7 +496,9 @@ int64_t resident_blocks(int device) {
   return blocks;
 }
 
-bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
 
 // Splits the keys so that (tiles x heads x chunks) blocks fill one wave of `slots` resident
 // blocks (a partial second wave would cost a whole block's time), with chunks of at least
@@ -509,8 +510,8 @@ at::Tensor split_keys(Params& p, int64_t slots, int64_t max_keys, const at::Tens
   const int64_t per_chunk = (std::max<int64_t>(max_keys, 1) + chunks - 1) / chunks;
   const int64_t chunk_keys = (per_chunk + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
   chunks = std::max<int64_t>(1, (max_keys + chunk_keys - 1) / chunk_keys);
-  TORCH_CHECK(chunks <= 65535 && chunk_keys <= std::numeric_limits<int>::max() / 2,
-              "paged_attention: ", max_keys, " keys are too many");
+  TORCH_CHECK(chunks <= 65535 && chunk_keys <= std::numeric_limits<int>::max() / 2, "paged_attention: ", max_keys,
+              " keys are too many");
   p.chunks = int(chunks);
   p.chunk_keys = int(chunk_keys);
   at::Tensor partial;
@@ -586,16 +587,16 @@ void launch_generic(const Params& p, int64_t num_tiles, cudaStream_t stream) {
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
-  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), kGenericRowGroups), 32 * kGenericWarps, size_t(smem),
-           stream>>>(p);
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads), kGenericRowGroups), 32 * kGenericWarps, size_t(smem), stream>>>(
+      p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // As many warps as the widest tile needs: narrow tiles keep small blocks, several to a
 // multiprocessor.
 template <typename T, int kDim>
-void launch_mma_rows(const Params& p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows,
-                     const at::Tensor& q, cudaStream_t stream) {
+void launch_mma_rows(const Params& p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows, const at::Tensor& q,
+                     cudaStream_t stream) {
   if (max_tile_rows <= 64) {
     launch_mma<T, kDim, 4>(p, num_tiles, max_keys, q, stream);
   } else if (max_tile_rows <= 128) {
@@ -609,10 +610,17 @@ template <typename T>
 bool try_launch_mma(const Params& p, int64_t num_tiles, int64_t max_keys, int64_t max_tile_rows, const at::Tensor& q,
                     cudaStream_t stream) {
   switch (p.head_dim) {
-    case 32: launch_mma_rows<T, 32>(p, num_tiles, max_keys, max_tile_rows, q, stream); return true;
-    case 64: launch_mma_rows<T, 64>(p, num_tiles, max_keys, max_tile_rows, q, stream); return true;
-    case 128: launch_mma_rows<T, 128>(p, num_tiles, max_keys, max_tile_rows, q, stream); return true;
-    default: return false;
+    case 32:
+      launch_mma_rows<T, 32>(p, num_tiles, max_keys, max_tile_rows, q, stream);
+      return true;
+    case 64:
+      launch_mma_rows<T, 64>(p, num_tiles, max_keys, max_tile_rows, q, stream);
+      return true;
+    case 128:
+      launch_mma_rows<T, 128>(p, num_tiles, max_keys, max_tile_rows, q, stream);
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -747,11 +755,11 @@ namespace {
 // runtime's path it reads the row metadata on the host (a synchronising copy) to build the tiles
 // and to check every index, as the CPU kernel does.
 at::Tensor hstu_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const at::Tensor& cache, const at::Tensor& page_table,
-                                     const at::Tensor& row_user, const at::Tensor& row_keys,
-                                     const at::Tensor& row_candidate, double alpha, double inv_scaling_seqlen) {
-  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "paged_attention: q must be [N, H, dh] and cache 5-D, got ",
-              q.sizes(), " and ", cache.sizes());
+                                     const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& row_user,
+                                     const at::Tensor& row_keys, const at::Tensor& row_candidate, double alpha,
+                                     double inv_scaling_seqlen) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "paged_attention: q must be [N, H, dh] and cache 5-D, got ", q.sizes(),
+              " and ", cache.sizes());
   TORCH_CHECK(row_user.dim() == 1 && row_user.size(0) == q.size(0) && row_keys.dim() == 1 &&
                   row_keys.size(0) == q.size(0) && row_candidate.dim() == 1 && row_candidate.size(0) == q.size(0),
               "paged_attention: row metadata has ", row_user.sizes(), ", ", row_keys.sizes(), ", ",
@@ -770,13 +778,15 @@ at::Tensor hstu_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k, c
   const auto uploaded = at::tensor(row_order, at::kLong).to(q.device());
   return paged_attention_cuda(q, k, v, cache.contiguous(), page_table.to(at::kLong).contiguous(),
                               row_keys.to(at::kLong).contiguous(), row_candidate.to(at::kBool).contiguous(),
-                              uploaded.narrow(0, 0, num_rows), uploaded.narrow(0, num_rows, uploaded.size(0) - num_rows)
-                                                                   .view({-1, 3}),
-                              max_keys, max_tile_rows, /*split_tiles=*/0, alpha, inv_scaling_seqlen);
+                              uploaded.narrow(0, 0, num_rows),
+                              uploaded.narrow(0, num_rows, uploaded.size(0) - num_rows).view({-1, 3}), max_keys,
+                              max_tile_rows, /*split_tiles=*/0, alpha, inv_scaling_seqlen);
 }
 
 }  // namespace
 
 }  // namespace kvexport::ops
 
-TORCH_LIBRARY_IMPL(kvexport, CUDA, m) { m.impl("hstu_paged_attention", &kvexport::ops::hstu_paged_attention_cuda); }
+TORCH_LIBRARY_IMPL(kvexport, CUDA, m) {
+  m.impl("hstu_paged_attention", &kvexport::ops::hstu_paged_attention_cuda);
+}

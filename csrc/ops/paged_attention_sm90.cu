@@ -16,13 +16,13 @@
 //   one group's SiLU runs while the other groups' products run.
 // Without softmax there is no running maximum or normaliser: key chunks are independent, and
 // their fp32 partial sums are added in chunk order by the caller (deterministic).
-#include "ops/paged_attention_sm90.h"
 #include "ops/attention_cuda_math.cuh"
+#include "ops/paged_attention_sm90.h"
 
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
 
 #include <algorithm>
 #include <array>
@@ -38,7 +38,7 @@ using namespace cute;
 constexpr int kBlockKeys = 64;  // keys per shared-memory stage and per score tile
 constexpr int kStages = 4;
 constexpr int kWarpgroupThreads = 128;
-constexpr int kRowsPerConsumer = 64;  // wgmma's M
+constexpr int kRowsPerConsumer = 64;                   // wgmma's M
 constexpr int64_t kMaxRowKeys = INT_MAX - kBlockKeys;  // key indices stay in int
 // Named barriers: 0 is __syncthreads; 1..3 one per consumer (Q staged); 4..6 the ping-pong turns.
 constexpr int kQBarrier = 1;
@@ -124,8 +124,8 @@ __device__ __forceinline__ ChunkKeys chunk_keys(const AttentionParams& p, int ti
 
 // One tile's rows into shared memory; returns the widest row's key count (all threads).
 template <typename Cfg>
-__device__ __forceinline__ int stage_tile_rows(typename Cfg::Storage& smem, const AttentionParams& p,
-                                               int64_t first, int64_t count, int64_t base) {
+__device__ __forceinline__ int stage_tile_rows(typename Cfg::Storage& smem, const AttentionParams& p, int64_t first,
+                                               int64_t count, int64_t base) {
   if (threadIdx.x < Cfg::kTileRows) {
     const int64_t i = base + threadIdx.x;
     const int64_t row = i < count ? p.row_order[first + i] : -1;
@@ -192,7 +192,6 @@ __device__ __forceinline__ void stage_q(typename Cfg::Storage& smem, const Atten
   cutlass::arch::fence_view_async_shared();
   cutlass::arch::NamedBarrier::sync(kWarpgroupThreads, kQBarrier + consumer);
 }
-
 
 // The epilogue: O * inv_scaling_seqlen plus, with one chunk, the candidates' own key in fp32 from
 // the inputs; with several chunks fp32 partial sums (the caller adds them and the self term).
@@ -394,7 +393,7 @@ __global__ void __launch_bounds__(Config<E, kDim, kConsumers>::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterBarrier::init(&smem.full[s], kWarpgroupThreads);  // every producer thread's copies
-      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 4 * kConsumers);     // every consumer warp
+      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 4 * kConsumers);    // every consumer warp
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -450,9 +449,12 @@ template <typename F>
 cudaError_t dispatch(Element element, int head_dim, int consumers, F&& f) {
   const auto by_consumers = [&]<typename E, int kDim>() {
     switch (consumers) {
-      case 1: return f.template operator()<E, kDim, 1>();
-      case 2: return f.template operator()<E, kDim, 2>();
-      default: return f.template operator()<E, kDim, 3>();
+      case 1:
+        return f.template operator()<E, kDim, 1>();
+      case 2:
+        return f.template operator()<E, kDim, 2>();
+      default:
+        return f.template operator()<E, kDim, 3>();
     }
   };
   const auto by_dim = [&]<typename E>() {
@@ -464,7 +466,9 @@ cudaError_t dispatch(Element element, int head_dim, int consumers, F&& f) {
 
 }  // namespace
 
-bool supports_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+bool supports_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 128;
+}
 
 int consumers_for(int64_t max_tile_rows) {
   return max_tile_rows <= kRowsPerConsumer ? 1 : max_tile_rows <= 2 * kRowsPerConsumer ? 2 : 3;
