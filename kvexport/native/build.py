@@ -29,14 +29,11 @@ from pathlib import Path
 import torch
 
 from kvexport.errors import UserError
-from kvexport.native import elf, toolchain
-from kvexport.native.paths import (BUILD_DIR, NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, PORTABLE_ISAS,
-                                   SOURCE_DIR)
-from kvexport.native import selftest
+from kvexport.native import elf, selftest, toolchain
+from kvexport.native.paths import BUILD_DIR, NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME, PORTABLE_ISAS, SOURCE_DIR
 from kvexport.native.selftest import run_self_test
 
 log = logging.getLogger(__name__)
-
 
 
 class NativeBuildError(UserError):
@@ -109,8 +106,9 @@ def _forget_configuration(build_dir: Path) -> None:
     shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
 
 
-def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"), isa: str = NATIVE_ISA,
-                 multiversion: bool = True) -> Path:
+def build_native(
+    targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"), isa: str = NATIVE_ISA, multiversion: bool = True
+) -> Path:
     """Configures (once per build directory) and builds the given CMake targets.
 
     isa: the attention kernel's -march (native, or a portable baseline built in its own directory).
@@ -129,10 +127,16 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     runtime_dir = toolchain.runtime_directory(compiler) or ""
     configured = _cache_value(build_dir, "CMAKE_CXX_COMPILER")
-    if configured is not None and (os.path.realpath(configured) != os.path.realpath(compiler.path)
-                                   or _cache_value(build_dir, "KVEXPORT_CXX_RUNTIME_DIR") != runtime_dir):
-        log.info("%s was configured for another compiler or C++ runtime: configuring it again with %s (runtime "
-                 "from %s)", build_dir, compiler.path, runtime_dir or "its default directories")
+    if configured is not None and (
+        os.path.realpath(configured) != os.path.realpath(compiler.path)
+        or _cache_value(build_dir, "KVEXPORT_CXX_RUNTIME_DIR") != runtime_dir
+    ):
+        log.info(
+            "%s was configured for another compiler or C++ runtime: configuring it again with %s (runtime from %s)",
+            build_dir,
+            compiler.path,
+            runtime_dir or "its default directories",
+        )
         _forget_configuration(build_dir)
     cutlass = str(cutlass_include_dir() or "")
     configured_cutlass = _cache_value(build_dir, "KVEXPORT_CUTLASS_INCLUDE_DIR")
@@ -140,17 +144,27 @@ def build_native(targets: tuple[str, ...] = ("kvexport_ops", "kvexport_replay"),
         log.info("CUTLASS's headers changed since %s was configured: configuring it again", build_dir)
         _forget_configuration(build_dir)
     if not (build_dir / "CMakeCache.txt").exists() or _hiredis_installed_since(build_dir):
-        _run("cmake configure", [
-            "cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), *generator,
-            "-DCMAKE_BUILD_TYPE=Release",
-            f"-DCMAKE_CXX_COMPILER={compiler.path}",
-            f"-DKVEXPORT_CXX_RUNTIME_DIR={runtime_dir}",
-            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-            f"-DNLOHMANN_JSON_INCLUDE_DIR={Path(nlohmann_json.__file__).parent / 'include'}",
-            f"-DKVEXPORT_KERNEL_ARCH={isa}",
-            f"-DKVEXPORT_KERNEL_MULTIVERSION={'ON' if multiversion else 'OFF'}",
-            f"-DKVEXPORT_CUTLASS_INCLUDE_DIR={cutlass}",
-        ], build_dir / "configure.log", env=_configure_environment(compiler))
+        _run(
+            "cmake configure",
+            [
+                "cmake",
+                "-S",
+                str(SOURCE_DIR),
+                "-B",
+                str(build_dir),
+                *generator,
+                "-DCMAKE_BUILD_TYPE=Release",
+                f"-DCMAKE_CXX_COMPILER={compiler.path}",
+                f"-DKVEXPORT_CXX_RUNTIME_DIR={runtime_dir}",
+                f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                f"-DNLOHMANN_JSON_INCLUDE_DIR={Path(nlohmann_json.__file__).parent / 'include'}",
+                f"-DKVEXPORT_KERNEL_ARCH={isa}",
+                f"-DKVEXPORT_KERNEL_MULTIVERSION={'ON' if multiversion else 'OFF'}",
+                f"-DKVEXPORT_CUTLASS_INCLUDE_DIR={cutlass}",
+            ],
+            build_dir / "configure.log",
+            env=_configure_environment(compiler),
+        )
     _run("C++ build", ["cmake", "--build", str(build_dir), "--target", *targets], build_dir / "build.log")
     if "kvexport_replay" in targets:
         _check_runtime(build_dir / "replay" / "kvexport_replay", compiler, build_dir)
@@ -171,9 +185,11 @@ def _check_runtime(path: Path, compiler: toolchain.Compiler, build_dir: Path) ->
     try:
         elf.check_shared_object_file(path)
     except UserError:
-        raise NativeBuildError(f"{path} carries its own copy of the C++ runtime although {compiler.path} links the "
-                               f"shared one: a directory with a static libstdc++ reached its link line (see "
-                               f"{build_dir / 'build.log'}): a kvexport defect, please report it with that log") from None
+        raise NativeBuildError(
+            f"{path} carries its own copy of the C++ runtime although {compiler.path} links the "
+            f"shared one: a directory with a static libstdc++ reached its link line (see "
+            f"{build_dir / 'build.log'}): a kvexport defect, please report it with that log"
+        ) from None
 
 
 def _self_test_once(library: Path, compiler: toolchain.Compiler) -> None:
@@ -188,11 +204,18 @@ def _self_test_once(library: Path, compiler: toolchain.Compiler) -> None:
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvexport.native", description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", default=NATIVE_ISA, choices=(NATIVE_ISA, *PORTABLE_ISAS),
-                        help="-march of the attention kernel; a portable build goes to build/csrc-ISA/ and "
-                             "builds the op library only")
-    parser.add_argument("--no-multiversion", dest="multiversion", action="store_false",
-                        help="portable builds: no x86-64-v4 clones of the kernel's hot loops")
+    parser.add_argument(
+        "--isa",
+        default=NATIVE_ISA,
+        choices=(NATIVE_ISA, *PORTABLE_ISAS),
+        help="-march of the attention kernel; a portable build goes to build/csrc-ISA/ and builds the op library only",
+    )
+    parser.add_argument(
+        "--no-multiversion",
+        dest="multiversion",
+        action="store_false",
+        help="portable builds: no x86-64-v4 clones of the kernel's hot loops",
+    )
     return parser.parse_args()
 
 
@@ -210,4 +233,3 @@ def main() -> None:
     except UserError as exc:
         log.error("error: %s", exc)
         raise SystemExit(exc.exit_code) from None
-
