@@ -36,8 +36,9 @@ def configs(own_dtype: str):
     base = load_config(CONFIG)
     model = dataclasses.replace(base.model, dtype=own_dtype)
     serving = dataclasses.replace(base.serving, device="cpu")
-    own = dataclasses.replace(base, model=model, serving=serving,
-                              kv_cache=dataclasses.replace(base.kv_cache, dtype=own_dtype))
+    own = dataclasses.replace(
+        base, model=model, serving=serving, kv_cache=dataclasses.replace(base.kv_cache, dtype=own_dtype)
+    )
     return own, dataclasses.replace(own, kv_cache=dataclasses.replace(own.kv_cache, dtype=FP8_PAGES))
 
 
@@ -54,11 +55,19 @@ def accuracy(args) -> dict:
     which equals the cached path by the invariant)."""
     own32, fp8_32 = configs("float32")
     reference = build_model(own32, seed=0).eval()
-    variants = {"bfloat16": build_model(configs("bfloat16")[0], seed=0),
-                "bfloat16 + FP8 pages": build_model(configs("bfloat16")[1], seed=0),
-                "float32 + FP8 pages": build_model(fp8_32, seed=0)}
-    spec = WorkloadSpec(num_users=args.users, min_history_length=args.events[0], max_history_length=args.events[1],
-                        max_new_events=1, num_candidates=own32.model.max_num_candidates, rewrite_fraction=0.0)
+    variants = {
+        "bfloat16": build_model(configs("bfloat16")[0], seed=0),
+        "bfloat16 + FP8 pages": build_model(configs("bfloat16")[1], seed=0),
+        "float32 + FP8 pages": build_model(fp8_32, seed=0),
+    }
+    spec = WorkloadSpec(
+        num_users=args.users,
+        min_history_length=args.events[0],
+        max_history_length=args.events[1],
+        max_new_events=1,
+        num_candidates=own32.model.max_num_candidates,
+        rewrite_fraction=0.0,
+    )
     workload = Workload(own32.model, spec, seed=1)
     logits = {name: [] for name in ["float32", *variants]}
     for user_id in range(args.users):
@@ -83,8 +92,12 @@ def accuracy(args) -> dict:
             "top10_order_kept": float(kept.double().mean()),
             "roc_auc": [roc_auc(got[..., t].flatten(), labels[..., t].flatten()) for t in range(got.shape[-1])],
         }
-    table["float32"] = {"roc_auc": [roc_auc(reference_logits[..., t].flatten(), labels[..., t].flatten())
-                                    for t in range(reference_logits.shape[-1])]}
+    table["float32"] = {
+        "roc_auc": [
+            roc_auc(reference_logits[..., t].flatten(), labels[..., t].flatten())
+            for t in range(reference_logits.shape[-1])
+        ]
+    }
     return table
 
 
@@ -96,9 +109,18 @@ def granularities(args) -> dict:
     model = build_model(config, seed=0).eval()
     captured = []
     model.round_kv = lambda t: (captured.append(t.detach().clone()), t)[1]
-    workload = Workload(config.model, WorkloadSpec(num_users=2, min_history_length=args.events[1],
-                                                   max_history_length=args.events[1], max_new_events=1,
-                                                   num_candidates=8, rewrite_fraction=0.0), seed=3)
+    workload = Workload(
+        config.model,
+        WorkloadSpec(
+            num_users=2,
+            min_history_length=args.events[1],
+            max_history_length=args.events[1],
+            max_new_events=1,
+            num_candidates=8,
+            rewrite_fraction=0.0,
+        ),
+        seed=3,
+    )
     with torch.no_grad():
         model(Batch.concat([workload.request(workload.new_user(0), 8)]))
 
@@ -115,9 +137,12 @@ def granularities(args) -> dict:
         amax = x.abs().amax(-1, keepdim=True)
         page_amax = x.view(-1, 32, *x.shape[1:]).abs().amax(dim=(1, 3), keepdim=True)
         static = x.abs().amax(dim=(0, 2), keepdim=True) / 448
-        rounded = {"row_head_pow2": e4m3(x, pow2(amax)), "row_head_exact": e4m3(x, amax.clamp_min(1e-30) / 448),
-                   "page_head_pow2": e4m3(x.view(-1, 32, *x.shape[1:]), pow2(page_amax)).view_as(x),
-                   "layer_head_static": e4m3(x, static)}
+        rounded = {
+            "row_head_pow2": e4m3(x, pow2(amax)),
+            "row_head_exact": e4m3(x, amax.clamp_min(1e-30) / 448),
+            "page_head_pow2": e4m3(x.view(-1, 32, *x.shape[1:]), pow2(page_amax)).view_as(x),
+            "layer_head_static": e4m3(x, static),
+        }
         for name, r in rounded.items():
             errors[name].append(float(((r - x).pow(2).mean() / x.pow(2).mean()).sqrt()))
     return {name: max(values) for name, values in errors.items()}
@@ -131,10 +156,16 @@ def capacity() -> dict:
     bf16_page = 2 * c.page_size * m.num_heads * m.head_dim * 2
     fp8_page = 2 * c.page_size * m.num_heads * (m.head_dim + 1)  # e4m3 bytes and a scale byte per row and head
     memory = c.device_pages * bf16_page * m.num_layers
-    users = {name: memory // (pages_per_user * page * m.num_layers) for name, page in (("bfloat16", bf16_page),
-                                                                                       ("fp8", fp8_page))}
-    return {"device_tier_bytes": memory, "page_bytes": {"bfloat16": bf16_page, "fp8": fp8_page},
-            "users_at_full_history": users, "ratio": users["fp8"] / users["bfloat16"]}
+    users = {
+        name: memory // (pages_per_user * page * m.num_layers)
+        for name, page in (("bfloat16", bf16_page), ("fp8", fp8_page))
+    }
+    return {
+        "device_tier_bytes": memory,
+        "page_bytes": {"bfloat16": bf16_page, "fp8": fp8_page},
+        "users_at_full_history": users,
+        "ratio": users["fp8"] / users["bfloat16"],
+    }
 
 
 def attention_time(repeats: int = 20) -> dict:
@@ -146,8 +177,12 @@ def attention_time(repeats: int = 20) -> dict:
     pages = (keys + rows) // page_size + 1
     values = torch.randn(pages, 2, page_size, heads, head_dim, generator=g)
     row_keys = torch.tensor([keys + i + 1 for i in range(new)] + [keys + new] * candidates)
-    metadata = (torch.randperm(pages, generator=g).view(1, pages), torch.zeros(rows, dtype=torch.int64), row_keys,
-                torch.arange(rows) >= new)
+    metadata = (
+        torch.randperm(pages, generator=g).view(1, pages),
+        torch.zeros(rows, dtype=torch.int64),
+        row_keys,
+        torch.arange(rows) >= new,
+    )
     q, k, v = (torch.randn(rows, heads, head_dim, generator=g).bfloat16() for _ in range(3))
     caches = {"bfloat16": values.bfloat16(), "fp8": _fp8_pages_of(values)}
     torch.set_num_threads(1)
@@ -191,8 +226,18 @@ def remote_bytes(events: int) -> dict:
 
 def _remote_entry_bytes(url: str, events: int, extra: dict, name: str) -> int:
     tokens = 6 + 2 * events
-    config = json.dumps({"num_layers": 3, "num_heads": 4, "head_dim": 128, "page_size": 32,
-                         "device_pages": tokens // 32 + 2, "host_pages": 0, "dtype": "bfloat16", **extra})
+    config = json.dumps(
+        {
+            "num_layers": 3,
+            "num_heads": 4,
+            "head_dim": 128,
+            "page_size": 32,
+            "device_pages": tokens // 32 + 2,
+            "host_pages": 0,
+            "dtype": "bfloat16",
+            **extra,
+        }
+    )
     kv.create_runtime(name, config)
     try:
         kv.attach_remote(name, url, "on_evict")
@@ -218,11 +263,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     started = time.perf_counter()
-    report = {"workload": {"config": "configs/hstu-kuairand-1k.yaml (device cpu), random weights seed 0",
-                           "users": args.users, "history_events": list(args.events), "candidates": 100},
-              "accuracy_vs_float32": accuracy(args), "granularity_relative_rms": granularities(args),
-              "capacity": capacity(), "attention_cpu_L4096": attention_time(),
-              "remote_bytes_per_user": remote_bytes(args.remote_events)}
+    report = {
+        "workload": {
+            "config": "configs/hstu-kuairand-1k.yaml (device cpu), random weights seed 0",
+            "users": args.users,
+            "history_events": list(args.events),
+            "candidates": 100,
+        },
+        "accuracy_vs_float32": accuracy(args),
+        "granularity_relative_rms": granularities(args),
+        "capacity": capacity(),
+        "attention_cpu_L4096": attention_time(),
+        "remote_bytes_per_user": remote_bytes(args.remote_events),
+    }
     report["seconds"] = time.perf_counter() - started
     text = json.dumps(report, indent=2)
     print(text)
