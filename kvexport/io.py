@@ -22,7 +22,7 @@ _LOCK_ATTEMPTS = 5  # a lock file removed between our open and flock is retried 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <linux/fcntl.h>, <linux/fs.h>
 
 # What a command is writing, to remove when a signal ends it without unwinding its stack
-# (kvexport.commands.cli: a signal that lands inside torch's tracing cannot be raised there).
+# (kvexport.commands.interrupts: a signal that lands inside torch's tracing cannot be raised there).
 _abrupt_cleanups: list[Callable[[], None]] = []
 
 

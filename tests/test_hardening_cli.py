@@ -115,7 +115,7 @@ import os, signal, sys
 from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from kvexport.commands import cli
+from kvexport.commands.interrupts import handle_errors
 from kvexport.io import cleaned_up_on_abrupt_exit
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -123,7 +123,7 @@ writing = Path(sys.argv[1])
 writing.mkdir()
 
 
-@cli._handle_errors
+@handle_errors
 def command():
     with cleaned_up_on_abrupt_exit(writing.rmdir):
         with FakeTensorMode():

@@ -5,19 +5,15 @@ Commands import their library modules when they run, so `kvexport --help` does n
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import os
-import signal
 import sys
-import threading
 import warnings
 from pathlib import Path
 
 import click
 
 from kvexport import __version__
+from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import (
     PORT,
     ArtifactDirectory,
@@ -28,118 +24,11 @@ from kvexport.commands.params import (
     Tolerance,
     WritablePath,
 )
+from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
 from kvexport.errors import UserError
 from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
 
 log = logging.getLogger("kvexport")
-
-
-class _Terminated(BaseException):
-    """SIGTERM as an exception, so cleanup (`finally`, context managers) runs as for Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-# The signal that interrupted the command: Python may wrap the exception a handler raises (an
-# interrupt during an import surfaces as a RuntimeError), so the exit status follows this record.
-_interrupted_by: list[int] = []
-
-
-def _inside_torch_tracing() -> bool:
-    """Whether torch is tracing on this thread (torch.export, AOTInductor's lowering): a fake-tensor
-    or proxy dispatch mode is active."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    keys = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
-
-
-def _raise_interrupted(signum, frame) -> None:
-    _interrupted_by.append(signum)
-    if _inside_torch_tracing():
-        # Raised here, the exception would unwind through torch's dispatcher, whose mode guards
-        # then fail again in C++ and abort the process (SIGABRT: no cleanup, no exit status of
-        # ours). Remove what the command is writing and exit now instead.
-        from kvexport.io import run_abrupt_cleanups
-
-        run_abrupt_cleanups()
-        _exit_on_signal(signum)
-    raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated(signum)
-
-
-@contextlib.contextmanager
-def _signals_raise():
-    """Within the block SIGINT and SIGTERM raise (handlers can only be set from the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _exit_on_signal(signum: int) -> None:
-    """Exit status 128 + signal number, as a shell reports a process killed by that signal."""
-    if log.isEnabledFor(logging.DEBUG):
-        log.exception("interrupted")
-    click.echo(f"error: interrupted by {signal.Signals(signum).name}", err=True)
-    if not _interrupted_by:  # raised, not signalled (an embedding caller, a test)
-        sys.exit(128 + signum)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The command's own cleanup has run. Exit now: an interrupt that landed inside an import can
-    # leave the interpreter to re-raise SIGINT at shutdown, which would replace this status.
-    os._exit(128 + signum)
-
-
-def _handle_errors(func):
-    """User errors: one line on stderr and their exit code; --verbose adds the traceback.
-
-    SIGINT and SIGTERM unwind the command (removing what it was writing) and exit 130 / 143.
-    """
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            with _signals_raise():
-                return func(*args, **kwargs)
-        except UserError as exc:
-            if _interrupted_by:
-                _exit_on_signal(_interrupted_by[0])
-            if log.isEnabledFor(logging.DEBUG):
-                log.exception("user error")
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except (KeyboardInterrupt, _Terminated):
-            _exit_on_signal(_interrupted_by[0] if _interrupted_by else signal.SIGINT)
-        except Exception:
-            if _interrupted_by:  # the interrupt, wrapped by Python on its way up
-                _exit_on_signal(_interrupted_by[0])
-            raise
-
-    return wrapper
-
-
-def _aoti_errors_filtered(func):
-    """Commands that run a package in this process print no raw AOTInductor error lines: every
-    refusal is reported with the runtime's reason instead (kept with --verbose)."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        if log.isEnabledFor(logging.DEBUG):
-            return func(*args, **kwargs)
-        from kvexport.commands.stderr_filter import aoti_errors_filtered
-
-        with aoti_errors_filtered():
-            return func(*args, **kwargs)
-
-    return wrapper
 
 
 def remote_options(func):
@@ -232,7 +121,7 @@ def main(verbose: bool) -> None:
 
 @main.command("show-config")
 @config_argument
-@_handle_errors
+@handle_errors
 def show_config(config: Path) -> None:
     """Check CONFIG and print it with every default filled in."""
     import yaml
@@ -246,7 +135,7 @@ def show_config(config: Path) -> None:
 @config_argument
 @click.option("-o", "--output", type=WritablePath(), required=True, help="Checkpoint file to write.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random initialisation.")
-@_handle_errors
+@handle_errors
 def init_checkpoint(config: Path, output: Path, seed: int) -> None:
     """Write a randomly initialised checkpoint (a state_dict) for CONFIG."""
     from kvexport.config import load_config
@@ -370,7 +259,7 @@ def _check_trainer_flags(trainer: str, given: dict[str, object]) -> None:
     "follow: row 0, an event that just happened (the default), or none (docs/checkpoint.md).",
 )
 @click.option("--name", help="The model's name in the config (default: the output's stem).")
-@_handle_errors
+@handle_errors
 def import_checkpoint(
     source: Path,
     trainer: str,
@@ -509,7 +398,7 @@ def import_checkpoint(
 )
 @threads_option
 @remote_options
-@_handle_errors
+@handle_errors
 def triton_repo(
     out: Path,
     repo: Path,
@@ -560,7 +449,7 @@ def triton_repo(
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")
 @click.option("--batch-size", type=int, default=2, show_default=True, help="Users in the generated batch.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated batch.")
-@_handle_errors
+@handle_errors
 def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> None:
     """Score a generated batch with the eager model (full recompute) and print the logits' shape."""
     import torch
@@ -597,7 +486,7 @@ def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> 
     help="Also compile step.pt2, the request's device part that kvexport's hosts replay as CUDA "
     "graphs (default: for CUDA packages only).",
 )
-@_handle_errors
+@handle_errors
 def build(
     config: Path, out: Path, checkpoint: Path | None, device: str | None, force: bool, step_program: bool | None
 ) -> None:
@@ -612,8 +501,8 @@ def build(
 @json_option
 @atol_option
 @rtol_option
-@_handle_errors
-@_aoti_errors_filtered
+@handle_errors
+@aoti_errors_filtered_unless_verbose
 def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | None) -> None:
     """Replay OUT's trace through model.pt2 in Python; exit 0 pass, 1 mismatch, 2 unusable input."""
     from kvexport.trace.report import format_report
@@ -643,8 +532,8 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
     help="File to write each batch's status, logits and row users to (format above).",
 )
 @remote_options
-@_handle_errors
-@_aoti_errors_filtered
+@handle_errors
+@aoti_errors_filtered_unless_verbose
 def run(
     out: Path,
     requests_path: Path,
@@ -685,7 +574,7 @@ def run(
 @main.command()
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-@_handle_errors
+@handle_errors
 def inspect(target: Path, as_json: bool) -> None:
     """Show metadata, signature, dims, required libraries, sizes and versions of OUT or a model.pt2."""
     import json
@@ -762,8 +651,8 @@ def _format_serving_signature(serving: dict) -> str:
 )
 @threads_option
 @remote_options
-@_handle_errors
-@_aoti_errors_filtered
+@handle_errors
+@aoti_errors_filtered_unless_verbose
 def serve(
     out: Path,
     address: str,
@@ -847,7 +736,7 @@ def serve(
     help="model: model.pt2 runs each whole request (as plain hosts do); step: the harness plans each "
     "request and runs step.pt2; graphs: step.pt2 replayed as CUDA graphs (GPU artifacts).",
 )
-@_handle_errors
+@handle_errors
 def replay(
     out: Path,
     json_path: Path | None,
@@ -910,8 +799,8 @@ def replay(
     help="Score only the requests a seeded router sends to process I of N: N soaks with one seed "
     "and one --remote soak a fleet, each user's requests landing on any of them.",
 )
-@_handle_errors
-@_aoti_errors_filtered
+@handle_errors
+@aoti_errors_filtered_unless_verbose
 def soak(
     out: Path,
     num_requests: int,
@@ -978,8 +867,8 @@ def _lengths(ctx, param, value: str) -> list[int]:
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed repetitions.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repetitions.")
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="The checkpoint an artifact TARGET was built from.")
-@_handle_errors
-@_aoti_errors_filtered
+@handle_errors
+@aoti_errors_filtered_unless_verbose
 def bench(
     target: Path,
     json_path: Path | None,

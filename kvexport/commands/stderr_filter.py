@@ -10,9 +10,13 @@ filters them the same way (csrc/replay/stderr_filter.cpp).
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import sys
 import threading
+
+log = logging.getLogger("kvexport")
 
 # A child process that inherited fd 2 (a compile worker) keeps the pipe open: do not wait for it.
 _DRAIN_SECONDS = 2.0
@@ -58,3 +62,17 @@ def aoti_errors_filtered():
         if not forwarder.is_alive():
             os.close(read_fd)
             os.close(original_fd)
+
+
+def aoti_errors_filtered_unless_verbose(func):
+    """Commands that run a package in this process print no raw AOTInductor error lines: every
+    refusal is reported with the runtime's reason instead (kept with --verbose)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if log.isEnabledFor(logging.DEBUG):
+            return func(*args, **kwargs)
+        with aoti_errors_filtered():
+            return func(*args, **kwargs)
+
+    return wrapper
