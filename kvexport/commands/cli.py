@@ -13,59 +13,29 @@ from pathlib import Path
 import click
 
 from kvexport import __version__
+from kvexport.commands.arguments import (
+    artifact_argument,
+    atol_option,
+    config_argument,
+    json_option,
+    remote_options,
+    remote_url,
+    rtol_option,
+    write_json,
+)
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import (
     PORT,
     ArtifactDirectory,
     IdsFile,
-    RemoteWritePolicy,
     Route,
     TableRows,
-    Tolerance,
     WritablePath,
 )
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
 from kvexport.errors import UserError
-from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
 
 log = logging.getLogger("kvexport")
-
-
-def remote_options(func):
-    """--remote URL, --remote-password-file FILE and --remote-write POLICY: the shared remote KV tier
-    (kvexport.load(remote=...))."""
-    func = click.option(
-        "--remote-password-file",
-        type=click.Path(path_type=Path),
-        metavar="FILE",
-        help="The remote tier's password, read from FILE (a mounted secret) rather than given "
-        "in the URL, where the machine's process list would show it.",
-    )(func)
-    func = click.option(
-        "--remote-write",
-        type=RemoteWritePolicy(),
-        default=DEFAULT_WRITE_POLICY,
-        show_default=True,
-        help="When users are written to the remote tier: on_evict (when the host tier lets "
-        "them go) or after_batch (also after every request).",
-    )(func)
-    return click.option(
-        "--remote",
-        metavar="URL",
-        help="Share user caches through a remote KV tier: a Redis/Valkey server at "
-        "redis://[[user]:password@]host[:port][/db] (unreachable: runs without it, with a "
-        "warning; a refused password: an error). Give the password with "
-        "--remote-password-file rather than in the URL.",
-    )(func)
-
-
-def _remote_url(remote: str | None, password_file: Path | None) -> str | None:
-    """--remote with --remote-password-file's password added (kept inside this process)."""
-    if password_file is None:
-        return remote
-    if remote is None:
-        raise UserError("--remote-password-file needs --remote URL")
-    return url_with_password(remote, read_password_file(password_file))
 
 
 def threads_option(func):
@@ -80,25 +50,6 @@ def threads_option(func):
         help="Intra-op CPU threads of each model instance (torch.set_num_threads); keep "
         "instances x threads within the cores the server may use.",
     )(func)
-
-
-config_argument = click.argument("config", type=click.Path(path_type=Path))
-artifact_argument = click.argument("out", type=ArtifactDirectory())
-json_option = click.option("--json", "json_path", type=WritablePath(), help="Also write the report as JSON.")
-atol_option = click.option(
-    "--atol", type=Tolerance(), help="Override the manifest's absolute tolerance (finite, >= 0)."
-)
-rtol_option = click.option(
-    "--rtol", type=Tolerance(), help="Override the manifest's relative tolerance (finite, >= 0)."
-)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    import json
-
-    from kvexport.io import write_atomically
-
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"), "report")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -511,7 +462,7 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
     report = verify_artifact(out, atol, rtol).to_json()
     click.echo(format_report(report))
     if json_path:
-        _write_json(json_path, report)
+        write_json(json_path, report)
     sys.exit(0 if report["passed"] else 1)
 
 
@@ -560,7 +511,7 @@ def run(
     from kvexport.commands.request_file import OK, score_request_file
 
     results = score_request_file(
-        out, requests_path, output_path, remote=_remote_url(remote, remote_password_file), remote_write=remote_write
+        out, requests_path, output_path, remote=remote_url(remote, remote_password_file), remote_write=remote_write
     )
     failed = [index for index, result in enumerate(results) if result["status"] != OK]
     click.echo(f"scored {len(results) - len(failed)}/{len(results)} batches -> {output_path}")
@@ -683,7 +634,7 @@ def serve(
     """
     from kvexport.serving.triton import serve as run_server
 
-    remote = _remote_url(remote, remote_password_file)
+    remote = remote_url(remote, remote_password_file)
 
     def ready(server) -> None:
         click.echo(
@@ -753,7 +704,7 @@ def replay(
     from kvexport.trace.replay import run_replay
 
     if remote_password_file is not None:
-        _remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
+        remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
     sys.exit(
         run_replay(
             out,
@@ -816,7 +767,7 @@ def soak(
     """Drive OUT with a random workload under eviction; every output must equal the eager recompute."""
     from kvexport.trace.soak import soak as run_soak
 
-    remote = _remote_url(remote, remote_password_file)
+    remote = remote_url(remote, remote_password_file)
     report = run_soak(
         out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write, route=route
     )
@@ -839,7 +790,7 @@ def soak(
     )
     click.echo(f"worst abs error {report.worst_abs:.3e}; verdict: {verdict}")
     if json_path:
-        _write_json(json_path, report.to_json())
+        write_json(json_path, report.to_json())
     sys.exit(0 if report.passed else 1)
 
 
@@ -892,6 +843,6 @@ def bench(
     ):
         click.echo(f"{key:>26}: {results[key]}")
     if json_path:
-        _write_json(json_path, results)
+        write_json(json_path, results)
     if plot_path:
         plot(results, plot_path)
