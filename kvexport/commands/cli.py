@@ -23,6 +23,7 @@ from kvexport.commands.arguments import (
     rtol_option,
     write_json,
 )
+from kvexport.commands.config import init_checkpoint, show_config
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import (
     PORT,
@@ -68,34 +69,6 @@ def main(verbose: bool) -> None:
     if not verbose:
         # torch's own deprecation chatter during export/compile says nothing to a kvexport user.
         warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-@main.command("show-config")
-@config_argument
-@handle_errors
-def show_config(config: Path) -> None:
-    """Check CONFIG and print it with every default filled in."""
-    import yaml
-
-    from kvexport.config import load_config
-
-    click.echo(yaml.safe_dump(load_config(config).to_dict(), sort_keys=False), nl=False)
-
-
-@main.command("init-checkpoint")
-@config_argument
-@click.option("-o", "--output", type=WritablePath(), required=True, help="Checkpoint file to write.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random initialisation.")
-@handle_errors
-def init_checkpoint(config: Path, output: Path, seed: int) -> None:
-    """Write a randomly initialised checkpoint (a state_dict) for CONFIG."""
-    from kvexport.config import load_config
-    from kvexport.model import build_model
-    from kvexport.model.checkpoint import save_checkpoint
-
-    model = build_model(load_config(config), seed=seed)
-    save_checkpoint(model, output)
-    click.echo(f"wrote {output} ({sum(p.numel() for p in model.parameters())} parameters)")
 
 
 # import-checkpoint's options that only one trainer reads, and those it needs.
@@ -846,3 +819,7 @@ def bench(
         write_json(json_path, results)
     if plot_path:
         plot(results, plot_path)
+
+
+main.add_command(show_config)
+main.add_command(init_checkpoint)
