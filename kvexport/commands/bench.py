@@ -6,9 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvexport.commands.arguments import (
-    write_json,
-)
+from kvexport.commands.arguments import write_json
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import WritablePath
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose

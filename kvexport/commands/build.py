@@ -6,9 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvexport.commands.arguments import (
-    config_argument,
-)
+from kvexport.commands.arguments import config_argument
 from kvexport.commands.interrupts import handle_errors
 
 

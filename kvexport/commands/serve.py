@@ -8,11 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvexport.commands.arguments import (
-    artifact_argument,
-    remote_options,
-    remote_url,
-)
+from kvexport.commands.arguments import artifact_argument, remote_options, remote_url
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import PORT, ArtifactDirectory
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
