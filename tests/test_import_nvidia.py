@@ -17,10 +17,11 @@ from kvexport.commands.cli import main
 from kvexport.config import config_from_dict, load_config
 from kvexport.importers import nvidia_ranking
 from kvexport.importers.nvidia import read_gin
-from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
+from kvexport.importers.nvidia_ranking import import_nvidia
 from kvexport.model import build_model
 from kvexport.model.batch import Batch, UserRequest
 from kvexport.ops.manager import KVCacheManager
+from kvexport.options import NvidiaOptions
 from tests.helpers import nvidia_fixture as fx
 from tests.helpers.nvidia_reference import nvidia_ranking_forward
 
@@ -181,7 +182,7 @@ def test_changing_any_one_upstream_tensor_changes_the_output(tmp_path, perturbed
 
 def _imported_output(tmp_path: Path, state, tables) -> torch.Tensor:
     save, gin_file, _, _ = write_source(tmp_path, 1, state=state, tables=tables)
-    options = ImportOptions(
+    options = NvidiaOptions(
         table_rows={"action_weights": fx.ACTION_ROWS, **fx.CONTEXT_TABLES}, contextual_features=FEATURES
     )
     result = import_nvidia(save, gin_file, options, "perturbed")

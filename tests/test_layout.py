@@ -30,6 +30,7 @@ LAYERS = (
             "kvexport.config",
             "kvexport.artifact",
             "kvexport.remote",
+            "kvexport.options",
         ),
     ),
     ("native", ("kvexport.native",)),

@@ -27,6 +27,7 @@ from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model import build_model
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
+from kvexport.options import MetaOptions
 from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.helpers import ROOT
 from tests.helpers.artifacts import assert_verifies_and_replays
@@ -182,7 +183,7 @@ def test_every_upstream_tensor_moves_the_imported_logits(imported):
     with torch.no_grad():
         base = build_model(config, out / "dlrm.pt")(batch)
     dense, by_name = dense_state(SEED, sizes=IMPORTABLE_SIZES), tables(SEED)
-    options = meta.MetaOptions(
+    options = MetaOptions(
         num_heads=IMPORTABLE_SIZES.HEADS,
         max_history_length=MAX_HISTORY,
         max_num_candidates=MAX_CANDIDATES,

@@ -9,6 +9,7 @@ import click
 
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import IdsFile, TableRows, WritablePath
+from kvexport.options import ITEM_TABLE, MetaOptions, NvidiaOptions
 
 # import-checkpoint's options that only one trainer reads, and those it needs.
 TRAINER_FLAGS = {
@@ -37,6 +38,11 @@ def _check_trainer_flags(trainer: str, given: dict[str, object]) -> None:
         raise click.UsageError(f"--from {trainer} needs {missing[0]}")
 
 
+def _given(**values) -> dict[str, object]:
+    """The options given on the command line: those left out take the options class's default."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 @click.command("import-checkpoint")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option(
@@ -62,8 +68,8 @@ def _check_trainer_flags(trainer: str, given: dict[str, object]) -> None:
     multiple=True,
     help="nvidia: rows of a data-parallel table (repeatable); the checkpoint does not hold them.",
 )
-@click.option("--item-table", default="video_id", show_default=True, help="The item feature's table.")
-@click.option("--action-table", help="nvidia: the action feature's table (default: action_weights).")
+@click.option("--item-table", default=ITEM_TABLE, show_default=True, help="The item feature's table.")
+@click.option("--action-table", help=f"nvidia: the action feature's table (default: {NvidiaOptions.action_table}).")
 @click.option(
     "--contextual-features",
     "contextual",
@@ -153,8 +159,7 @@ def import_checkpoint(
     supported, and for meta which of DlrmHSTU's rules are replaced by per-user ones.
     """
     from kvexport.importers.checkpoint import import_checkpoint as run_import
-    from kvexport.importers.meta_dlrmv3 import MetaOptions, check_context_ids, read_ids
-    from kvexport.importers.nvidia_ranking import ImportOptions
+    from kvexport.importers.meta_dlrmv3 import check_context_ids, read_ids
 
     config_out = config_out or output.with_suffix(".yaml")
     features = tuple(f.strip() for f in contextual.split(",") if f.strip())
@@ -175,13 +180,13 @@ def import_checkpoint(
     }
     _check_trainer_flags(trainer, given)
     if trainer == "nvidia":
-        options = ImportOptions(
+        options = NvidiaOptions(
             item_table=item_table,
-            action_table=action_table or "action_weights",
             table_rows=dict(table_rows),
             contextual_features=features,
             skip_contextual=skip_contextual,
             iteration=iteration,
+            **_given(action_table=action_table),
         )
     else:
         check_context_ids((feature for feature, _ in context_ids), features)  # before any file is read
@@ -194,8 +199,7 @@ def import_checkpoint(
             items=None if items_file is None else read_ids(items_file),
             batch=batch_index,
             context_ids={feature: read_ids(path) for feature, path in context_ids},
-            history_time=history_time or "zero",
-            history_positions=history_positions or "from_max",
+            **_given(history_time=history_time, history_positions=history_positions),
         )
     imported = run_import(trainer, source, options, output, config_out, name or output.stem, trainer_config)
     for note in imported.notes:

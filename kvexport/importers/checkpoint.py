@@ -10,24 +10,25 @@ import yaml
 
 from kvexport.config import config_from_dict
 from kvexport.importers import Imported
-from kvexport.importers.meta_dlrmv3 import MetaOptions, import_meta
-from kvexport.importers.nvidia_ranking import ImportOptions, import_nvidia
+from kvexport.importers.meta_dlrmv3 import import_meta
+from kvexport.importers.nvidia_ranking import import_nvidia
 from kvexport.io import write_atomically
 from kvexport.model.checkpoint import check_state_dict
 from kvexport.model.hstu import HSTURanker
+from kvexport.options import MetaOptions, NvidiaOptions
 
 
 def import_checkpoint(
     trainer: str,
     source: Path,
-    options: ImportOptions | MetaOptions,
+    options: NvidiaOptions | MetaOptions,
     output: Path,
     config_out: Path,
     name: str,
     trainer_config: Path | None = None,
 ) -> Imported:
     """Imports `trainer`'s ("nvidia" or "meta") checkpoint directory `source` with its options
-    (nvidia: ImportOptions and the trainer's gin file `trainer_config`; meta: MetaOptions).
+    (nvidia: NvidiaOptions and the trainer's gin file `trainer_config`; meta: MetaOptions).
 
     The config must load as written and every tensor fit the model it describes (checked on the meta
     device, without allocating tables) before anything is written; then the checkpoint, then the

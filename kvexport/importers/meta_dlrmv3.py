@@ -18,7 +18,6 @@ is missing, of another shape or not floating point is refused in one line naming
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
@@ -33,6 +32,7 @@ from torch.nn import functional as F
 from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CONTEXT_FEATURES
 from kvexport.importers import CheckpointImportError, Imported, dcp, deployment_sections
 from kvexport.importers.sharded import load_trainer_file
+from kvexport.options import MetaOptions
 
 STU = "_hstu_transducer._stu_module._stu_layers."
 PRE = "_hstu_transducer._input_preprocessor."
@@ -329,23 +329,6 @@ class _Reads(dict):
 HISTORY_TIMES = {"zero": 0, "none": None}
 # --history-positions: event k of the history at DlrmHSTU's row C + M - k + 1 or C + k.
 HISTORY_POSITIONS = ("from_max", "from_start")
-
-
-@dataclasses.dataclass(frozen=True)
-class MetaOptions:
-    num_heads: int  # not in the checkpoint: DLRMv3's config (hstu_num_heads)
-    max_history_length: int  # the longest history served (kvexport's positions count from it)
-    max_num_candidates: int
-    item_table: str = "video_id"
-    contextual_features: tuple[str, ...] = ()  # tables in the trainer's contextual feature order
-    items: tuple[int, ...] | None = None  # the item ids served; None: the whole table, ids as rows
-    # The time row every history event reads in place of its age's bucket: "zero" (row 0, an event
-    # that just happened) or "none" (no time row); benchmarks/meta_rules.py measures both.
-    history_time: str = "zero"
-    history_positions: str = "from_max"
-    # Each named contextual feature's served ids: only their rows are read (the others: every row).
-    context_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    batch: int | None = None  # the <batch> directory (default: the newest)
 
 
 def checkpoint_directory(source: Path, batch: int | None) -> Path:

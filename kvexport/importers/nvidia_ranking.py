@@ -23,6 +23,7 @@ from kvexport.config import CONTEXT_FEATURE_SHIFT, MAX_CONTEXT_KEY, MAX_KEYED_CO
 from kvexport.importers import CheckpointImportError, Imported, deployment_sections
 from kvexport.importers.nvidia import read_dynamic_table, read_gin
 from kvexport.importers.sharded import ShardedValue, assemble, load_trainer_file
+from kvexport.options import NvidiaOptions
 
 LAYER_PREFIX = "_hstu_block._attention_layers."
 POSITIONS = "_hstu_block._preprocessor._positional_encoder._position_embeddings_weight"
@@ -60,20 +61,6 @@ GIN_REQUIRED = (
     "RankingArgs.num_tasks",
 )
 DTYPES = ("bfloat16", "float16", "float32")  # NetworkArgs.dtype_str values kvexport's config takes
-
-
-@dataclasses.dataclass(frozen=True)
-class ImportOptions:
-    item_table: str = "video_id"  # the dynamic (or data-parallel) table of the item feature
-    action_table: str = "action_weights"
-    table_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows of each data-parallel table
-    # The trainer's contextual features in token order (recsys-examples' dataset preprocessor's
-    # order); each names its table, data-parallel or dynamic.
-    contextual_features: tuple[str, ...] = ()
-    # Import without the trainer's contextual features (their tables are left out), as recsys-examples'
-    # own inference runs with disable_contextual_features; without either option such tables are refused.
-    skip_contextual: bool = False
-    iteration: int | None = None  # the iter<N> directory (default: the newest)
 
 
 def _refuse(message: str) -> None:
@@ -231,7 +218,7 @@ class Network:
         return self.num_context + 2 * self.max_history
 
 
-def read_network(trainer_config: Path, options: ImportOptions) -> Network:
+def read_network(trainer_config: Path, options: NvidiaOptions) -> Network:
     """The gin file's bindings, refused in one line where kvexport's model cannot take them."""
     gin = _gin(trainer_config)
     layers, heads = gin["NetworkArgs.num_layers"], gin["NetworkArgs.num_attention_heads"]
@@ -372,7 +359,7 @@ def fold_head(fold: _Fold, net: Network) -> None:
         )
 
 
-def fold_tables(fold: _Fold, net: Network, options: ImportOptions, directory: Path) -> str:
+def fold_tables(fold: _Fold, net: Network, options: NvidiaOptions, directory: Path) -> str:
     """The action, contextual and item tables, data-parallel or dumped dynamic ones; returns the
     config's model.item_ids (rows, or keys for a dynamic item table)."""
     flat = _flat_tables(fold.state, net.hidden, options.table_rows)
@@ -408,7 +395,7 @@ def fold_tables(fold: _Fold, net: Network, options: ImportOptions, directory: Pa
 
 
 def _fold_context(
-    fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor], dynamic: dict[str, Path]
+    fold: _Fold, net: Network, options: NvidiaOptions, flat: dict[str, torch.Tensor], dynamic: dict[str, Path]
 ) -> None:
     context_rows, context_keys = [], []
     for feature, table_name in enumerate(options.contextual_features):
@@ -434,7 +421,7 @@ def _fold_context(
 
 
 def _fold_items(
-    fold: _Fold, net: Network, options: ImportOptions, flat: dict[str, torch.Tensor], dynamic: dict[str, Path]
+    fold: _Fold, net: Network, options: NvidiaOptions, flat: dict[str, torch.Tensor], dynamic: dict[str, Path]
 ) -> str:
     if options.item_table in flat:
         fold.out["item_embedding.weight"] = flat.pop(options.item_table)
@@ -484,7 +471,7 @@ def _config(name: str, net: Network, out: dict[str, torch.Tensor], item_ids: str
     }
 
 
-def import_nvidia(source: Path, trainer_config: Path, options: ImportOptions, name: str) -> Imported:
+def import_nvidia(source: Path, trainer_config: Path, options: NvidiaOptions, name: str) -> Imported:
     """Maps a recsys-examples ranking checkpoint onto kvexport's model (docs/checkpoint.md), in
     stages: the network the gin file fixes, then the layers, positions, head and tables folded in,
     every key of the trainer's state checked before any table is read, and read."""
