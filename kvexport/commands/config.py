@@ -10,6 +10,7 @@ import click
 from kvexport.commands.arguments import config_argument
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import WritablePath
+from kvexport.options import INIT_SEED
 
 
 @click.command("show-config")
@@ -27,7 +28,7 @@ def show_config(config: Path) -> None:
 @click.command("init-checkpoint")
 @config_argument
 @click.option("-o", "--output", type=WritablePath(), required=True, help="Checkpoint file to write.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random initialisation.")
+@click.option("--seed", type=int, default=INIT_SEED, show_default=True, help="Seed of the random initialisation.")
 @handle_errors
 def init_checkpoint(config: Path, output: Path, seed: int) -> None:
     """Write a randomly initialised checkpoint (a state_dict) for CONFIG."""

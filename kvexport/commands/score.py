@@ -12,6 +12,7 @@ from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import WritablePath
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
 from kvexport.errors import UserError
+from kvexport.options import SampleOptions
 
 
 @click.command()
@@ -73,22 +74,18 @@ def run(
 @click.command()
 @config_argument
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Weights to load (default: seeded init).")
-@click.option("--batch-size", type=int, default=2, show_default=True, help="Users in the generated batch.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated batch.")
+@click.option(
+    "--batch-size", type=int, default=SampleOptions.num_users, show_default=True, help="Users in the generated batch."
+)
+@click.option("--seed", type=int, default=SampleOptions.seed, show_default=True, help="Seed of the generated batch.")
 @handle_errors
 def score(config: Path, checkpoint: Path | None, batch_size: int, seed: int) -> None:
     """Score a generated batch with the eager model (full recompute) and print the logits' shape."""
-    import torch
-
     from kvexport.config import load_config
-    from kvexport.model import build_model, random_batch
+    from kvexport.model import score_sample
 
     cfg = load_config(config)
     if not 1 <= batch_size <= cfg.serving.max_batch_size:
         raise UserError(f"--batch-size must be in 1..{cfg.serving.max_batch_size}, got {batch_size}")
-    model = build_model(cfg, checkpoint)
-    histories = [min(cfg.trace.max_trace_history_length, 8 * (i + 1)) for i in range(batch_size)]
-    batch = random_batch(cfg.model, seed, histories, [cfg.trace.num_candidates] * batch_size)
-    with torch.no_grad():
-        logits = model(batch)
+    logits = score_sample(cfg, checkpoint, SampleOptions(num_users=batch_size, seed=seed))
     click.echo(f"logits: {tuple(logits.shape)} {logits.dtype} for {batch_size} users")

@@ -6,6 +6,9 @@ import dataclasses
 
 import torch
 
+from kvexport.config import Config
+from kvexport.options import SampleOptions
+
 # Input order of the exported module and of every recorded request.
 SIGNATURE = (
     "user_ids",  # [B]
@@ -146,3 +149,11 @@ def random_batch(
         for i, (h, t) in enumerate(zip(history_lengths, num_candidates))
     ]
     return Batch.concat(users)
+
+
+def sample_batch(config: Config, options: SampleOptions) -> Batch:
+    """options.num_users seeded random users sized by the config's trace: user i with 8 (i + 1)
+    history events (at most trace.max_trace_history_length) and trace.num_candidates candidates."""
+    t = config.trace
+    histories = [min(t.max_trace_history_length, 8 * (i + 1)) for i in range(options.num_users)]
+    return random_batch(config.model, options.seed, histories, [t.num_candidates] * options.num_users)
