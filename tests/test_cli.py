@@ -13,6 +13,7 @@ from kvexport import __version__
 from kvexport.commands.cli import main
 from kvexport.config import load_config
 from kvexport.model import build_model
+from tests.helpers import ROOT
 from tests.helpers.configs import TINY
 
 
@@ -21,6 +22,18 @@ def test_help_lists_commands():
     assert result.exit_code == 0
     for command in ("init-checkpoint", "score", "show-config"):
         assert command in result.output
+
+
+def test_every_command_and_its_defaults_load_without_torch():
+    """The commands read their defaults from kvexport.options, which must not pull torch into
+    `kvexport --help` or any command's --help."""
+    code = (
+        "import sys; from click.testing import CliRunner; from kvexport.commands.cli import main; "
+        "assert all(CliRunner().invoke(main, [name, '--help']).exit_code == 0 for name in main.commands); "
+        "assert 'torch' not in sys.modules, 'torch'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_version():

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from kvexport.model import Batch, random_batch
+from kvexport.model.batch import sample_batch
 from kvexport.model.hstu import prefix_tokens
+from kvexport.options import SampleOptions
 from tests.helpers.reference import reference_forward
 
 SHAPES = [
@@ -26,6 +28,17 @@ def test_model_matches_reference(tiny_model, tiny_config, histories, candidates)
     assert got.shape == (sum(candidates), tiny_config.model.num_tasks)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sample_batch_is_sized_by_the_trace(tiny_config):
+    """User i has 8 (i + 1) events up to trace.max_trace_history_length (96) and
+    trace.num_candidates (8) candidates; the seed decides the ids."""
+    batch = sample_batch(tiny_config, SampleOptions(num_users=13, seed=1))
+    assert batch.user_ids.tolist() == list(range(13))
+    assert batch.history_lengths.tolist() == [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 96]
+    assert batch.num_candidates.tolist() == [8] * 13
+    assert torch.equal(sample_batch(tiny_config, SampleOptions(num_users=13, seed=1)).item_ids, batch.item_ids)
+    assert not torch.equal(sample_batch(tiny_config, SampleOptions(num_users=13, seed=2)).item_ids, batch.item_ids)
 
 
 def test_prefix_tokens_layout():
