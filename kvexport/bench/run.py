@@ -12,6 +12,7 @@ from kvexport.errors import UserError
 from kvexport.host.package import Package
 from kvexport.native.build import build_native
 from kvexport.native.paths import OPS_LIBRARY
+from kvexport.options import BenchOptions
 from kvexport.trace.soak import eager_model_for
 
 log = logging.getLogger(__name__)
@@ -22,8 +23,9 @@ CHEAP_REPEATS = 25
 PORTABLE_FMV = f"{kernel.PORTABLE_ISA}+fmv"  # the portable build with its multiversioned kernel loop
 
 
-def run_benchmarks(target: Path, lengths: list[int], warmup: int, repeats: int, checkpoint: Path | None = None) -> dict:
+def run_benchmarks(target: Path, options: BenchOptions, checkpoint: Path | None = None) -> dict:
     """target: a config (built here, cold and warm) or a built artifact directory (no build timing)."""
+    lengths, warmup, repeats = list(options.lengths), options.warmup, options.repeats
     with tempfile.TemporaryDirectory(prefix="kvexport-bench-") as tmp:
         workdir = Path(tmp)
         if target.is_dir():

@@ -10,9 +10,11 @@ from kvexport.commands.arguments import write_json
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import WritablePath
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
+from kvexport.options import BenchOptions
 
 
 def _lengths(ctx, param, value: str) -> list[int]:
+    """--lengths: comma-separated history lengths, each >= 1, swept in ascending order once each."""
     try:
         lengths = sorted({int(v) for v in value.split(",")})
     except ValueError:
@@ -28,13 +30,17 @@ def _lengths(ctx, param, value: str) -> list[int]:
 @click.option("--plot", "plot_path", type=WritablePath(), help="Write latency vs history as PNG.")
 @click.option(
     "--lengths",
-    default="64,256,1024,4096",
+    default=",".join(map(str, BenchOptions.lengths)),
     show_default=True,
     callback=_lengths,
     help="Cached history events L to sweep.",
 )
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed repetitions.")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repetitions.")
+@click.option(
+    "--warmup", type=click.IntRange(min=0), default=BenchOptions.warmup, show_default=True, help="Untimed repetitions."
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=BenchOptions.repeats, show_default=True, help="Timed repetitions."
+)
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="The checkpoint an artifact TARGET was built from.")
 @handle_errors
 @aoti_errors_filtered_unless_verbose
@@ -50,7 +56,7 @@ def bench(
     """Benchmark TARGET (a config, built here cold and warm, or a built artifact)."""
     from kvexport.bench.run import plot, run_benchmarks
 
-    results = run_benchmarks(target, lengths, warmup, repeats, checkpoint)
+    results = run_benchmarks(target, BenchOptions(lengths=tuple(lengths), warmup=warmup, repeats=repeats), checkpoint)
     for key in (
         "cache_speedup",
         "package_speedup_vs_eager",

@@ -20,6 +20,7 @@ from kvexport.commands.arguments import (
 from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import Route, WritablePath
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
+from kvexport.options import ReplayOptions, SoakOptions
 
 
 @click.command()
@@ -47,14 +48,14 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
 @click.option(
     "--repeat",
     type=click.IntRange(min=1),
-    default=1,
+    default=ReplayOptions.repeat,
     show_default=True,
     help="Replay the trace N times (from an empty cache each time) for latency percentiles.",
 )
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
-    default=1,
+    default=ReplayOptions.threads,
     show_default=True,
     help="Threads replaying the trace concurrently through one loaded package.",
 )
@@ -64,7 +65,7 @@ def verify(out: Path, json_path: Path | None, atol: float | None, rtol: float | 
 @click.option(
     "--route",
     type=click.Choice(["model", "step", "graphs"]),
-    default="model",
+    default=ReplayOptions.route,
     show_default=True,
     help="model: model.pt2 runs each whole request (as plain hosts do); step: the harness plans each "
     "request and runs step.pt2; graphs: step.pt2 replayed as CUDA graphs (GPU artifacts).",
@@ -87,18 +88,10 @@ def replay(
 
     if remote_password_file is not None:
         remote_url(remote, remote_password_file)  # its errors now, in the CLI's words; the harness reads it again
+    options = ReplayOptions(repeat=repeat, threads=threads, atol=atol, rtol=rtol, route=route)
     sys.exit(
         run_replay(
-            out,
-            json_path,
-            repeat,
-            threads,
-            atol,
-            rtol,
-            remote=remote,
-            remote_write=remote_write,
-            remote_password_file=remote_password_file,
-            route=route,
+            out, json_path, options, remote=remote, remote_write=remote_write, remote_password_file=remote_password_file
         )
     )
 
@@ -106,17 +99,22 @@ def replay(
 @click.command()
 @artifact_argument
 @click.option(
-    "--requests", "num_requests", type=click.IntRange(min=1), default=300, show_default=True, help="Requests to send."
+    "--requests",
+    "num_requests",
+    type=click.IntRange(min=1),
+    default=SoakOptions.num_requests,
+    show_default=True,
+    help="Requests to send.",
 )
 @click.option(
     "--users",
     "num_users",
     type=click.IntRange(min=1),
-    default=40,
+    default=SoakOptions.num_users,
     show_default=True,
     help="Distinct users in the population.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--seed", type=int, default=SoakOptions.seed, show_default=True, help="Workload seed.")
 @click.option(
     "--checkpoint",
     type=click.Path(path_type=Path),
@@ -127,7 +125,7 @@ def replay(
 @click.option(
     "--route",
     type=Route(),
-    default="0/1",
+    default="/".join(map(str, SoakOptions.route)),
     show_default=True,
     help="Score only the requests a seeded router sends to process I of N: N soaks with one seed "
     "and one --remote soak a fleet, each user's requests landing on any of them.",
@@ -150,9 +148,8 @@ def soak(
     from kvexport.trace.soak import soak as run_soak
 
     remote = remote_url(remote, remote_password_file)
-    report = run_soak(
-        out, num_requests, num_users, seed, checkpoint, remote=remote, remote_write=remote_write, route=route
-    )
+    options = SoakOptions(num_requests=num_requests, num_users=num_users, seed=seed, route=route)
+    report = run_soak(out, options, checkpoint, remote=remote, remote_write=remote_write)
     counters = ", ".join(f"{k} {v}" for k, v in report.counters.items())
     click.echo(
         f"requests {report.requests} (route {report.route} of {num_requests}), users {report.users}, "

@@ -16,6 +16,7 @@ from kvexport.host.package_file import LIBRARIES
 from kvexport.native.build import build_native
 from kvexport.native.paths import REPLAY_BINARY
 from kvexport.ops import jagged
+from kvexport.options import ReplayOptions
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy
 
 
@@ -45,15 +46,15 @@ def library_flags(required: list[str]) -> list[str]:
 def replay_command(
     out: Path,
     json_path: Path | None = None,
-    repeat: int = 1,
-    threads: int = 1,
-    atol: float | None = None,
-    rtol: float | None = None,
+    repeat: int = ReplayOptions.repeat,
+    threads: int = ReplayOptions.threads,
+    atol: float | None = ReplayOptions.atol,
+    rtol: float | None = ReplayOptions.rtol,
     *,
     remote: str | None = None,
     remote_write: str = DEFAULT_WRITE_POLICY,
     remote_password_file: Path | None = None,
-    route: str = "model",
+    route: str = ReplayOptions.route,
 ) -> list[str]:
     artifact = open_artifact(out)
     command = [
@@ -83,36 +84,32 @@ def replay_command(
 
 def run_replay(
     out: Path,
-    json_path: Path | None = None,
-    repeat: int = 1,
-    threads: int = 1,
-    atol: float | None = None,
-    rtol: float | None = None,
+    json_path: Path | None,
+    options: ReplayOptions,
     *,
     remote: str | None = None,
     remote_write: str = DEFAULT_WRITE_POLICY,
     remote_password_file: Path | None = None,
-    route: str = "model",
 ) -> int:
     """Runs the harness with inherited stdout/stderr; returns its exit code (0 pass, 1 mismatch, 2 unusable).
 
     remote, remote_write: the harness shares user caches through that remote tier (--remote URL);
-    remote_password_file: a file holding its password, which the harness reads itself. route:
+    remote_password_file: a file holding its password, which the harness reads itself. options.route:
     "model" (model.pt2, as plain hosts run it), "step" (step.pt2 after planning on the host) or
     "graphs" (step.pt2 as CUDA graphs; docs/design.md 3.9).
     """
-    if repeat < 1 or threads < 1:
+    if options.repeat < 1 or options.threads < 1:
         raise UserError("--repeat and --threads must be >= 1")
     command = replay_command(
         out,
         json_path,
-        repeat,
-        threads,
-        atol,
-        rtol,
+        options.repeat,
+        options.threads,
+        options.atol,
+        options.rtol,
         remote=remote,
         remote_write=remote_write,
         remote_password_file=remote_password_file,
-        route=route,
+        route=options.route,
     )
     return subprocess.run(command).returncode

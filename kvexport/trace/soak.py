@@ -15,6 +15,7 @@ from kvexport.artifact import Artifact, open_artifact, sha256_of
 from kvexport.errors import UserError
 from kvexport.model import build_model
 from kvexport.model.hstu import HSTURanker
+from kvexport.options import SoakOptions
 from kvexport.remote import DEFAULT_WRITE_POLICY
 from kvexport.trace.record import reference_model
 from kvexport.trace.verify import check_integrity, compare
@@ -84,23 +85,22 @@ def _largest_safe_batch(artifact: Artifact, max_history: int) -> int:
 
 def soak(
     out: Path,
-    num_requests: int,
-    num_users: int,
-    seed: int,
+    options: SoakOptions,
     checkpoint: Path | None = None,
     *,
     remote: str | None = None,
     remote_write: str = DEFAULT_WRITE_POLICY,
-    route: tuple[int, int] = (0, 1),
 ) -> SoakReport:
-    """Scores the seeded stream of num_requests requests, each checked against the float32 full recompute.
+    """Scores the seeded stream of options.num_requests requests, each checked against the float32
+    full recompute.
 
-    remote, remote_write: a shared remote KV tier, as kvexport.load takes them. route (I, N): score
-    only the requests a seeded router sends to process I of N; N processes with the same seed and
-    remote tier together score the whole stream, each user's requests landing on any of them.
+    remote, remote_write: a shared remote KV tier, as kvexport.load takes them. options.route (I, N):
+    score only the requests a seeded router sends to process I of N; N processes with the same seed
+    and remote tier together score the whole stream, each user's requests landing on any of them.
     """
     from kvexport.host.package import load
 
+    num_requests, num_users, seed, route = options.num_requests, options.num_users, options.seed, options.route
     if num_requests < 1 or num_users < 1:
         raise UserError("--requests and --users must be >= 1")
     if not 0 <= route[0] < route[1]:
