@@ -107,6 +107,31 @@ def test_kernel_over_fp8_pages_equals_reference_over_dequantised_pages(head_dim,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [128, 24])
+def test_kernel_over_fp8_pages_at_the_ends_of_the_scale_range(head_dim):
+    """Key rows up to 3e38 (scale 2^120, past what the kernel's fast decode multiplies by: its
+    other loop decodes them) and value rows near 1e-30 (scale 2^-108), every value exact."""
+    g = torch.Generator().manual_seed(7)
+    pages, page_size, heads, num_rows = 12, 16, 2, 40
+    kv_pages = torch.randn(pages, 2, page_size, heads, head_dim, generator=g)
+    keys = kv_pages[:, 0]
+    keys *= 3.0e38 / keys.abs().amax(dim=-1, keepdim=True)  # [P, ps, H, dh], each row's largest 3e38
+    values = kv_pages[:, 1]
+    values *= 1e-30 / values.abs().amax(dim=-1, keepdim=True)
+    byte_pages = reference_pages(kv_pages)
+    assert byte_pages[:, -2 * page_size * heads :].unique().tolist() == [127 - 108, 127 + 120]  # [P, 2 * ps * H]
+    dequantised = reference_round(kv_pages.reshape(-1, heads, head_dim)).view_as(kv_pages)
+    page_table = torch.randperm(pages, generator=g).view(1, pages)
+    row_keys = torch.randint(0, pages * page_size + 1, (num_rows,), generator=g)
+    row_candidate = torch.zeros(num_rows, dtype=torch.bool)
+    q = torch.randn(num_rows, heads, head_dim, generator=g) * 2.0**-126
+    args = (q, q, q, byte_pages, page_table, torch.zeros(num_rows, dtype=torch.int64), row_keys, row_candidate)
+    got = kv.hstu_paged_attention(*args, ALPHA, INV_S)
+    expected = reference_paged_attention(*args[:3], dequantised, *args[4:])
+    assert expected.abs().max() > 0 and torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
 def test_kernel_refuses_fp8_pages_of_another_shape():
     q = torch.randn(2, 2, 8)
     with pytest.raises(RuntimeError, match="FP8 pages"):

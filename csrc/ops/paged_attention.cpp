@@ -5,12 +5,16 @@
 #include <ATen/Parallel.h>
 #include <dirent.h>
 #include <fcntl.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -256,22 +260,42 @@ AttendBlock attend_block_for(int64_t head_dim) {
   }
 }
 
+// Asks for the cache lines of bytes [row, row + bytes) ahead of their use. A user's next page lies
+// anywhere in the cache (pages are taken as they come free), where no hardware prefetcher, which
+// follows strides, looks: a gather asks for the next page's rows while it reads the current one's,
+// a page of rows ahead. Without it a gather waits on each row's first load.
+inline __attribute__((always_inline)) void prefetch_bytes(const void* row, int64_t bytes) {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(row), end = begin + bytes;
+  for (uintptr_t line = begin & ~(kLine - 1); line < end; line += kLine) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+  }
+}
+
 // The rows of keys first..first+count-1 of one user and head into keys[j] and values[j], then
-// kKeyGroup - 1 more entries repeating the last key. `head` points at the head's slice of page 0,
-// slot 0; v follows k within a page. A float cache is read in place; any other dtype is converted
-// into `converted` (2 * count rows of head_dim floats). Multiversioned like attend_block: the
+// kKeyGroup - 1 more entries repeating the last key; the tile reads num_keys keys in all (the next
+// page is prefetched if it holds any of them). `head` points at the head's slice of page 0, slot 0;
+// v follows k within a page. A float cache is read in place; any other dtype is converted into
+// `converted` (2 * count rows of head_dim floats). Multiversioned like attend_block: the
 // conversions vectorise.
 template <typename scalar_t>
 KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* user_pages, int64_t first, int64_t count,
-                                         int64_t page_size, int64_t page_stride, int64_t row_stride, int64_t head_dim,
-                                         const float** keys, const float** values, float* converted) {
-  const int64_t value_offset = page_size * row_stride;
+                                         int64_t num_keys, int64_t page_size, int64_t page_stride, int64_t row_stride,
+                                         int64_t head_dim, const float** keys, const float** values, float* converted) {
+  const int64_t value_offset = page_size * row_stride, row_bytes = head_dim * sizeof(scalar_t);
   for (int64_t j = 0; j < count;) {  // page by page: one division per page, not per key
     const int64_t position = first + j;
     const int64_t slot = position % page_size;
     const int64_t in_page = std::min(page_size - slot, count - j);
     const scalar_t* key = head + user_pages[position / page_size] * page_stride + slot * row_stride;
+    const int64_t next_page = position / page_size + 1;
+    const scalar_t* next =
+        next_page * page_size < num_keys ? head + user_pages[next_page] * page_stride + slot * row_stride : nullptr;
     for (int64_t s = 0; s < in_page; ++s, ++j, key += row_stride) {
+      if (next != nullptr) {
+        prefetch_bytes(next + s * row_stride, row_bytes);
+        prefetch_bytes(next + s * row_stride + value_offset, row_bytes);
+      }
       if constexpr (std::is_same_v<scalar_t, float>) {
         keys[j] = key;
         values[j] = key + value_offset;
@@ -293,23 +317,53 @@ KVEXPORT_KERNEL_CLONES void gather_block(const scalar_t* head, const int64_t* us
   }
 }
 
-// An e4m3 byte as a float, in arithmetic the vectoriser takes (no table lookup): a normal value's
-// exponent and mantissa fields move into a float's and its exponent bias is added (7 -> 127), a
-// subnormal is its mantissa times 2^-9. NaN bytes, which the cache never stores, decode as 480.
-inline __attribute__((always_inline)) float e4m3_to_float(uint8_t byte) {
-  const uint32_t magnitude = byte & 0x7Fu;
-  const uint32_t normal_bits = (magnitude << 20) + (120u << 23);
-  float normal;
-  std::memcpy(&normal, &normal_bits, sizeof normal);
-  const float value = magnitude >= 8 ? normal : static_cast<float>(magnitude) * 0.001953125f;  // 2^-9
-  return byte & 0x80u ? -value : value;
+// n e4m3 bytes as floats times their row's power-of-two scale (the byte `scale_byte`), each value
+// exactly as runtime/fp8_pages.h decodes it: its table's float times the scale, in one rounding
+// (NaN bytes, which the cache never stores, decode as 480 times the scale).
+// With F16C (x86-64-v3 and up), sixteen at a time: a byte's magnitude fields moved up 7 bits are a
+// half's exponent and top mantissa bits (sign-extending the byte to 16 bits and clearing bit 14
+// leaves its sign in the half's), a half whose value is the byte's times 2^-8, subnormals
+// included; the hardware converts it to float exactly, and one multiply by 2^8 * scale, a power of
+// two, rounds as the table's float times the scale does. That factor is a float for every scale
+// up to 2^119, so for every row whose values stay below 448 * 2^119 (about 3e38). Other rows, a
+// row's last n % 16, and builds without F16C take the loop below, in integer arithmetic the
+// vectoriser takes: a normal byte's fields moved into a float's with the exponent bias raised
+// from 7 to 127, a subnormal's mantissa times 2^-9, picked by mask (a conditional keeps the loop
+// scalar: a mispredicted branch per value).
+inline __attribute__((always_inline)) void decode_e4m3(const uint8_t* bytes, int64_t n, uint8_t scale_byte,
+                                                       float* out) {
+  const float scale = runtime::fp8::scale_of(scale_byte);
+  int64_t d = 0;
+#if defined(__F16C__)
+  const float half_scale = scale * 256.0f;
+  if (std::isfinite(half_scale)) {
+    const __m256 factor = _mm256_set1_ps(half_scale);
+    const __m256i half_fields = _mm256_set1_epi16(static_cast<int16_t>(0xBF80));
+    for (; d + 16 <= n; d += 16) {
+      const __m128i chunk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d));
+      const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(chunk), 7), half_fields);
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), factor));
+      _mm256_storeu_ps(out + d + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), factor));
+    }
+  }
+#endif
+#pragma omp simd
+  for (int64_t i = d; i < n; ++i) {
+    const uint32_t byte = bytes[i], magnitude = byte & 0x7Fu;
+    const uint32_t normal = (magnitude << 20) + (120u << 23);
+    const uint32_t subnormal =
+        std::bit_cast<uint32_t>(static_cast<float>(static_cast<int32_t>(magnitude)) * 0.001953125f);
+    const uint32_t is_normal = 0u - static_cast<uint32_t>(magnitude >= 8);
+    const uint32_t bits = (normal & is_normal) | (subnormal & ~is_normal) | (byte & 0x80u) << 24;
+    out[i] = std::bit_cast<float>(bits) * scale;
+  }
 }
 
 // gather_block for FP8 pages (runtime/fp8_pages.h): the keys' and values' e4m3 bytes of head h,
-// decoded and multiplied by their row's power-of-two scale into `converted`, as a bfloat16 block is
-// converted. `cache` is one layer's pages [pages, page_bytes].
+// decoded with their row's power-of-two scale into `converted`, as a bfloat16 block is converted.
+// `cache` is one layer's pages [pages, page_bytes].
 KVEXPORT_KERNEL_CLONES void gather_fp8_block(const uint8_t* cache, const runtime::fp8::PageLayout& layout, int64_t h,
-                                             const int64_t* user_pages, int64_t first, int64_t count,
+                                             const int64_t* user_pages, int64_t first, int64_t count, int64_t num_keys,
                                              const float** keys, const float** values, float* converted) {
   const int64_t page_size = layout.page_size, head_dim = layout.head_dim, row_bytes = layout.row_bytes();
   const int64_t value_rows = page_size * row_bytes, value_scales = page_size * layout.num_heads;
@@ -320,16 +374,22 @@ KVEXPORT_KERNEL_CLONES void gather_fp8_block(const uint8_t* cache, const runtime
     const uint8_t* page = cache + user_pages[position / page_size] * layout.page_bytes();
     const uint8_t* key = page + slot * row_bytes + h * head_dim;
     const uint8_t* scale = page + layout.data_bytes() + slot * layout.num_heads + h;
+    const int64_t next_page = position / page_size + 1;
+    const uint8_t* next = nullptr;
+    if (next_page * page_size < num_keys) {
+      next = cache + user_pages[next_page] * layout.page_bytes();
+      prefetch_bytes(next + layout.data_bytes(), layout.rows_per_page() * layout.num_heads);  // its scales
+      next += slot * row_bytes + h * head_dim;
+    }
     for (int64_t s = 0; s < in_page; ++s, ++j, key += row_bytes, scale += layout.num_heads) {
-      const float key_scale = runtime::fp8::scale_of(scale[0]);
-      const float value_scale = runtime::fp8::scale_of(scale[value_scales]);
+      if (next != nullptr) {
+        prefetch_bytes(next + s * row_bytes, head_dim);
+        prefetch_bytes(next + s * row_bytes + value_rows, head_dim);
+      }
       float* k_row = converted + 2 * j * head_dim;
       float* v_row = k_row + head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) {
-        k_row[d] = e4m3_to_float(key[d]) * key_scale;
-        v_row[d] = e4m3_to_float(key[value_rows + d]) * value_scale;
-      }
+      decode_e4m3(key, head_dim, scale[0], k_row);
+      decode_e4m3(key + value_rows, head_dim, scale[value_scales], v_row);
       keys[j] = k_row;
       values[j] = v_row;
     }
@@ -544,11 +604,11 @@ class Attention {
     for (int64_t first = 0; first < n; first += block_keys_) {
       const int64_t count = std::min(block_keys_, n - first);
       if (fp8_cache_ != nullptr) {
-        gather_fp8_block(fp8_cache_, fp8_, h, user_pages, first, count, s.keys.data(), s.values.data(),
+        gather_fp8_block(fp8_cache_, fp8_, h, user_pages, first, count, n, s.keys.data(), s.values.data(),
                          s.converted.data());
       } else {
-        gather_block(cache_ + h * head_dim_, user_pages, first, count, page_size_, page_stride_, row_stride_, head_dim_,
-                     s.keys.data(), s.values.data(), s.converted.data());
+        gather_block(cache_ + h * head_dim_, user_pages, first, count, n, page_size_, page_stride_, row_stride_,
+                     head_dim_, s.keys.data(), s.values.data(), s.converted.data());
       }
       for (int64_t t = 0; t < tile.num_rows; ++t) {
         s.limits[t] = std::clamp<int64_t>(keys_[tile.first_row + t] - first, 0, count);

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -60,10 +61,10 @@ inline const std::array<float, 256>& e4m3_values() {
   return table;
 }
 
-// 2^(byte - 127) as a float (bytes 0 and 255 clamp to 2^-126 and 2^127).
+// 2^(byte - 127) as a float (bytes 0 and 255 clamp to 2^-126 and 2^127): e8m0 and float32 bias
+// their exponents alike, so the byte is the float's exponent field.
 inline float scale_of(uint8_t byte) {
-  const int exponent = std::clamp<int>(byte, 1, 254) - kScaleBias;
-  return std::ldexp(1.0f, exponent);
+  return std::bit_cast<float>(static_cast<uint32_t>(std::clamp<int>(byte, 1, 254)) << 23);
 }
 
 // The scale byte of values whose largest magnitude is amax: the smallest E with amax <= 448 * 2^E.
