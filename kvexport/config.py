@@ -25,7 +25,7 @@ import yaml
 from kvexport.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
-# kv_cache.dtype: the model's dtype (the default), or FP8 pages (docs/design.md §3.11).
+# kv_cache.dtype: the model's dtype (the default), or FP8 pages (docs/design.md §2.7).
 FP8_PAGES = "float8_e4m3"
 # Why a CUDA package cannot have FP8 pages yet (config check, runtime, build).
 FP8_CUDA_REFUSAL = "FP8 pages need the Hopper kernel's FP8 path, not built yet"
@@ -187,7 +187,7 @@ class KVCacheConfig:
     remote_read_budget_us: int = 5000
     remote_ttl_s: int = 86400
     # How pages store keys and values: the model's dtype (left out: filled in from model.dtype) or
-    # float8_e4m3 (docs/design.md §3.11).
+    # float8_e4m3 (docs/design.md §2.7).
     dtype: str = ""
 
     @property

@@ -1,4 +1,4 @@
-// FP8 pages (docs/design.md §3.11): a page of the cache as bytes, its keys' and values' rows in
+// FP8 pages (docs/design.md §2.7): a page of the cache as bytes, its keys' and values' rows in
 // float8 e4m3 (fn) with one power-of-two scale per row and head in a trailer after them.
 //
 // Page layout (page_bytes bytes; "rows" are the page's 2 * page_size k then v rows):

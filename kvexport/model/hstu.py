@@ -319,7 +319,7 @@ class HSTURanker(nn.Module):
         self.context_rows_see_prefix = m.context_rows_see_prefix
         # model.head: item_tower: checked candidate ids carry a query-time code in their low bits.
         self.candidates = TimeCodedCandidates(m) if m.head == "item_tower" else PlainCandidates()
-        # FP8 pages (docs/design.md §3.11): the model attends over FP8-rounded prefix keys and values
+        # FP8 pages (docs/design.md §2.7): the model attends over FP8-rounded prefix keys and values
         # on every route; the full recompute rounds them as the pages store them. None: unrounded.
         self.round_kv = kv.fp8_round if config.kv_cache.fp8_pages else None
         self.runtime_config = config.runtime_json()

@@ -361,7 +361,7 @@ def hstu_paged_attention(
     """The kernel behind paged_attention with every input explicit (no runtime state).
 
     cache [pages, 2, page_size, H, dh] in q's dtype, or FP8 pages [pages, page_bytes] of uint8
-    (docs/design.md §3.11); page_table [B, max_pages], row_user/row_keys/row_candidate [N].
+    (docs/design.md §2.7); page_table [B, max_pages], row_user/row_keys/row_candidate [N].
     """
     return _ops().hstu_paged_attention(
         q, k, v, cache, page_table, row_user, row_keys, row_candidate, alpha, inv_scaling_seqlen
@@ -386,7 +386,7 @@ def _hstu_paged_attention_fake(
 
 def fp8_round(x: torch.Tensor) -> torch.Tensor:
     """Rows x [N, H, dh] rounded as FP8 pages store them, in x's dtype: e4m3 with one power-of-two
-    scale per row and head (docs/design.md §3.11). The full recompute of a model with FP8 pages
+    scale per row and head (docs/design.md §2.7). The full recompute of a model with FP8 pages
     attends over these; its cached path reads the same values from its pages."""
     return _ops().fp8_round(x)
 

@@ -37,10 +37,10 @@ EXPECTED_CACHED = TRACE_KEYS["expected_cached"]
 EXPECTED_FULL = TRACE_KEYS["expected_full"]
 EXPECTED_REFERENCE = TRACE_KEYS["expected_reference"]
 # With FP8 pages: the float32 model with unrounded keys and values, the third reference (the FP8
-# pages' accuracy cost is the distance from it; docs/design.md §3.11).
+# pages' accuracy cost is the distance from it; docs/design.md §2.7).
 EXPECTED_UNROUNDED = TRACE_KEYS["expected_unrounded"]
 # A model with FP8 pages is refused when its logits lie further than this from the unrounded model's
-# on the trace: max |fp8 - unrounded| / max |unrounded| over a step's logits (docs/design.md §3.11).
+# on the trace: max |fp8 - unrounded| / max |unrounded| over a step's logits (docs/design.md §2.7).
 FP8_MAX_RELATIVE_ERROR = 0.05
 
 
