@@ -96,7 +96,10 @@ class RepositoryOptions:
     gpus: int = 1  # GPUs a CUDA package's shards spread over
     routing: bool = True  # a router sends each user to one shard (when there are several)
     batching: bool = True  # Triton's dynamic batcher merges concurrent users
-    threads: int = 1  # intra-op CPU threads of each model instance
+    # Intra-op CPU threads of each model instance. One: a server's concurrency comes from batching and
+    # instances, and torch's default (one thread per core) spins on a small request's work, doubling
+    # its CPU time for no gain in wall time.
+    threads: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -398,6 +398,7 @@ def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypat
     import logging
 
     from kvexport.errors import UserError
+    from kvexport.options import ServeOptions
     from kvexport.serving import triton, tritonserver
 
     own_prepare = tritonserver.prepare
@@ -409,9 +410,8 @@ def test_a_model_that_does_not_load_is_reported_at_once(tiny_artifact, monkeypat
 
     monkeypatch.setattr(tritonserver, "prepare", without_stub)
     ports = server_ports()
-    server = triton.Server(
-        tiny_artifact, address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc, metrics_port=ports.metrics
-    )
+    options = ServeOptions(address="127.0.0.1", http_port=ports.http, grpc_port=ports.grpc, metrics_port=ports.metrics)
+    server = triton.Server(tiny_artifact, options)
     started = time.monotonic()
     with caplog.at_level(logging.DEBUG, logger="kvexport"), pytest.raises(UserError) as failed:
         server.start()

@@ -13,44 +13,54 @@ from kvexport.commands.interrupts import handle_errors
 from kvexport.commands.params import PORT, ArtifactDirectory
 from kvexport.commands.stderr_filter import aoti_errors_filtered_unless_verbose
 from kvexport.errors import UserError
+from kvexport.options import RepositoryOptions, ServeOptions
 
 
-def threads_option(func):
+def threads_option(default: int):
     """--threads N: each Triton model instance's intra-op CPU threads."""
-    from kvexport.serving.repository import DEFAULT_THREADS
-
     return click.option(
         "--threads",
         type=click.IntRange(min=1),
-        default=DEFAULT_THREADS,
+        default=default,
         show_default=True,
         help="Intra-op CPU threads of each model instance (torch.set_num_threads); keep "
         "instances x threads within the cores the server may use.",
-    )(func)
+    )
 
 
 @click.command()
 @artifact_argument
 @click.option(
-    "--address", default="0.0.0.0", show_default=True, help="Address the HTTP, gRPC and metrics ports listen on."
+    "--address",
+    default=ServeOptions.address,
+    show_default=True,
+    help="Address the HTTP, gRPC and metrics ports listen on.",
 )
-@click.option("--http-port", type=PORT, default=8000, show_default=True, help="Triton's HTTP/REST port (KServe v2).")
-@click.option("--grpc-port", type=PORT, default=8001, show_default=True, help="Triton's gRPC port (KServe v2).")
+@click.option(
+    "--http-port",
+    type=PORT,
+    default=ServeOptions.http_port,
+    show_default=True,
+    help="Triton's HTTP/REST port (KServe v2).",
+)
+@click.option(
+    "--grpc-port", type=PORT, default=ServeOptions.grpc_port, show_default=True, help="Triton's gRPC port (KServe v2)."
+)
 @click.option(
     "--metrics-port",
     type=PORT,
-    default=8002,
+    default=ServeOptions.metrics_port,
     show_default=True,
     help="Triton's Prometheus metrics port: its own metrics and kvexport's cache and batch counters.",
 )
 @click.option(
     "--batching/--no-batching",
-    default=True,
+    default=ServeOptions.batching,
     show_default=True,
     help="Merge concurrent users into one package call (--no-batching: one request per call, "
     "to measure what batching brings).",
 )
-@threads_option
+@threads_option(ServeOptions.threads)
 @remote_options
 @handle_errors
 @aoti_errors_filtered_unless_verbose
@@ -94,9 +104,7 @@ def serve(
             f"grpc {address}:{grpc_port}, metrics {address}:{metrics_port}"
         )
 
-    run_server(
-        out,
-        ready,
+    options = ServeOptions(
         address=address,
         http_port=http_port,
         grpc_port=grpc_port,
@@ -106,6 +114,7 @@ def serve(
         remote=remote,
         remote_write=remote_write,
     )
+    run_server(out, ready, options)
     click.echo("stopped")
 
 
@@ -123,7 +132,7 @@ def serve(
 @click.option(
     "--instances",
     type=click.IntRange(min=1),
-    default=1,
+    default=RepositoryOptions.instances,
     show_default=True,
     help="Cache shards per GPU (or on the host, for a CPU package): each one model instance with its "
     "own cache. With more than one shard in all, a routing model named after the artifact sends "
@@ -132,13 +141,13 @@ def serve(
 @click.option(
     "--gpus",
     type=click.IntRange(min=1),
-    default=1,
+    default=RepositoryOptions.gpus,
     show_default=True,
     help="GPUs a CUDA package's shards spread over (shard i on GPU i mod N).",
 )
 @click.option(
     "--routing/--no-routing",
-    default=True,
+    default=RepositoryOptions.routing,
     show_default=True,
     help="Route each user to one shard (off: one model of K instances per GPU, Triton handing each "
     "request to whichever instance is free: no router hop, but a returning user finds their "
@@ -159,11 +168,11 @@ def serve(
 )
 @click.option(
     "--batching/--no-batching",
-    default=True,
+    default=RepositoryOptions.batching,
     show_default=True,
     help="Triton's dynamic batcher merges concurrent users (off: one user per model execution).",
 )
-@threads_option
+@threads_option(RepositoryOptions.threads)
 @remote_options
 @handle_errors
 def triton_repo(
@@ -195,9 +204,8 @@ def triton_repo(
         raise UserError("--remote-password-file needs --remote URL")
     paths = [str(p.resolve()) for p in python_path] + (tritonserver.site_packages() if this_python else [])
     tier = Remote(remote, remote_write, remote_password_file) if remote is not None else None
-    model = write_repository(
-        out, repo, name, instances, paths, batching, tier, threads=threads, gpus=gpus, routing=routing
-    )
+    options = RepositoryOptions(instances=instances, gpus=gpus, routing=routing, batching=batching, threads=threads)
+    model = write_repository(out, repo, name, options, python_path=paths, remote=tier)
     if not paths and sys.prefix != sys.base_prefix:
         click.echo(
             "warning: this Python is a virtual environment and neither --this-python nor --python-path was "

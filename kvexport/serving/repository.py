@@ -57,6 +57,7 @@ from pathlib import Path
 
 from kvexport.artifact import Artifact, open_artifact
 from kvexport.errors import UserError
+from kvexport.options import RepositoryOptions
 from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
 from kvexport.serving.signature import LOGITS, serving_signature
 from kvexport.serving.triton_router import ERRORS, PACK, ROUTE_KEY_FILE
@@ -72,10 +73,6 @@ exec {python} -m kvexport.serving.tritonserver "$(dirname "$0")" "$@"
 """
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
 ROUTER_FILE = Path(__file__).with_name("triton_router.py")
-# One intra-op thread per instance: a server's concurrency comes from batching and instances, and
-# torch's default (one thread per core) spins on a small request's work, doubling its CPU time for
-# no gain in wall time.
-DEFAULT_THREADS = 1
 # One execution of the model (a Triton batch) takes up to this many package calls' worth of users:
 # the Python-backend stub's round trip, comparable to a small package call, is then paid once for all
 # of them (kvexport.serving.batcher splits the batch into package calls), which raises throughput
@@ -204,23 +201,22 @@ def write_repository(
     out: Path | Artifact,
     repo: Path,
     name: str | None = None,
-    instances: int = 1,
+    options: RepositoryOptions | None = None,
     python_path: Sequence[str] = (),
-    batching: bool = True,
     remote: Remote | None = None,
     copy_artifact: bool = True,
-    threads: int = DEFAULT_THREADS,
-    gpus: int = 1,
-    routing: bool = True,
     drain_file: Path | None = None,
 ) -> Path:
     """Writes the repository for the artifact OUT (a path or an opened Artifact); returns the
     directory of the model clients call (the router's, with several shards). copy_artifact=False
     names OUT (resolved) in the `artifact` parameter instead of copying it, and leaves the check of
-    its files to the model's load (which checks them anyway). threads: each instance's intra-op CPU
-    threads. instances x gpus shards, each one instance with its own cache (gpus > 1: a CUDA
-    package's, shard i on GPU i mod gpus), behind the router; routing=False: one model of
-    `instances` instances on each GPU, Triton handing each request to whichever is free."""
+    its files to the model's load (which checks them anyway). options (None: the defaults): threads,
+    each instance's intra-op CPU threads; instances x gpus shards, each one instance with its own
+    cache (gpus > 1: a CUDA package's, shard i on GPU i mod gpus), behind the router; routing=False:
+    one model of `instances` instances on each GPU, Triton handing each request to whichever is free."""
+    options = options or RepositoryOptions()
+    instances, gpus, routing = options.instances, options.gpus, options.routing
+    batching, threads = options.batching, options.threads
     artifact = out if isinstance(out, Artifact) else open_artifact(out)
     if copy_artifact:
         from kvexport.trace.verify import check_integrity  # imports torch: not when the CLI starts

@@ -54,14 +54,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport.errors import UserError
-from kvexport.remote import DEFAULT_WRITE_POLICY, check_write_policy, split_password
+from kvexport.options import RepositoryOptions, ServeOptions
+from kvexport.remote import check_write_policy, split_password
 from kvexport.serving import tritonserver
 from kvexport.serving.triton_router import ROUTING_HEADER
 
 log = logging.getLogger(__name__)
 server_log = logging.getLogger("kvexport.serving.tritonserver")
 
-DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002  # Triton's own defaults
 STARTUP_TIMEOUT_S = 600  # tritonserver loading the model: the package checked, loaded and warmed up
 STARTUP_POLL_S = 0.05
 # The longest a stop waits for the model's unload: the requests in flight, then the stub's shutdown.
@@ -149,32 +149,21 @@ def _check_port_free(address: str, port: int, option: str) -> None:
 class Server:
     """One artifact behind tritonserver: start() returns once it serves; stop() drains and cleans up.
 
-    batching=False hands the package one request per call (Triton's max_batch_size 1), to measure
-    what batching brings. threads: the model instance's intra-op CPU threads. remote, remote_write:
-    a shared remote KV tier, as kvexport.load takes them.
+    options (None: the defaults): batching=False hands the package one request per call (Triton's
+    max_batch_size 1), to measure what batching brings; threads: the model instance's intra-op CPU
+    threads; remote, remote_write: a shared remote KV tier, as kvexport.load takes them.
     """
 
-    def __init__(
-        self,
-        out: Path,
-        *,
-        address: str = "0.0.0.0",
-        http_port: int = DEFAULT_HTTP_PORT,
-        grpc_port: int = DEFAULT_GRPC_PORT,
-        metrics_port: int = DEFAULT_METRICS_PORT,
-        batching: bool = True,
-        threads: int = 1,
-        remote: str | None = None,
-        remote_write: str = DEFAULT_WRITE_POLICY,
-    ):
-        ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
+    def __init__(self, out: Path, options: ServeOptions | None = None):
+        o = options or ServeOptions()
+        ports = {"--http-port": o.http_port, "--grpc-port": o.grpc_port, "--metrics-port": o.metrics_port}
         if len(set(ports.values())) != len(ports):
             raise UserError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
         self.out = Path(out)
-        self.address = address
-        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
-        self.batching, self.threads = batching, threads
-        self.remote, self.remote_write = remote, check_write_policy(remote_write, "--remote-write")
+        self.address = o.address
+        self.http_port, self.grpc_port, self.metrics_port = o.http_port, o.grpc_port, o.metrics_port
+        self.batching, self.threads = o.batching, o.threads
+        self.remote, self.remote_write = o.remote, check_write_policy(o.remote_write, "--remote-write")
         self.model_name = ""
         self.max_batch_size = 0  # users per Triton batch (one execution of the model)
         self.package_batch_size = 0  # users per package call
@@ -235,11 +224,10 @@ class Server:
         model = write_repository(
             artifact,
             self.workspace / "repository",
-            batching=self.batching,
+            options=RepositoryOptions(batching=self.batching, threads=self.threads),
             remote=remote,
             python_path=tritonserver.site_packages(),
             copy_artifact=False,
-            threads=self.threads,
             drain_file=self.workspace / DRAIN_FILE,
         )
         self.model_name = model.name
@@ -397,7 +385,7 @@ class Server:
         self.stop()
 
 
-def serve(out: Path, ready: Callable[[Server], None], **options) -> None:
+def serve(out: Path, ready: Callable[[Server], None], options: ServeOptions) -> None:
     """Runs a Server (options as Server's) until SIGTERM or SIGINT, then drains it and returns.
 
     ready(server) is called once it serves. Raises UserError when it cannot start or when
@@ -406,7 +394,7 @@ def serve(out: Path, ready: Callable[[Server], None], **options) -> None:
     stop = threading.Event()
     previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with Server(out, **options) as server:
+        with Server(out, options) as server:
             ready(server)
             while not stop.wait(MONITOR_S):
                 if not server.alive():
