@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from kvexport.artifact import open_artifact
 from kvexport.commands.cli import main
 from kvexport.config import FP8_CUDA_REFUSAL, ConfigError
 from kvexport.errors import UserError
@@ -294,6 +296,33 @@ def test_cached_equals_recompute_with_fp8_pages_under_eviction():
     assert moved > 100 * atol, moved
     assert stats["device_evictions"] > 0 and stats["offloads"] > 0 and stats["onboards"] > 0
     assert stats["prefix_truncations"] > 0 and stats["hit_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
+    """hstu-tiny with FP8 pages, built from the session's checkpoint."""
+    from kvexport.export.build import build_artifact
+
+    workdir = tmp_path_factory.mktemp("fp8")
+    raw = tiny_raw(name="hstu-tiny-fp8", kv_cache={"dtype": "float8_e4m3"})
+    return build_artifact(write_config(raw, workdir / "hstu-tiny-fp8.yaml"), workdir / "hstu-tiny-fp8", tiny_checkpoint)
+
+
+@pytest.mark.slow
+def test_soak_of_an_fp8_package_has_no_mismatch_under_eviction(fp8_artifact, tiny_checkpoint, tmp_path):
+    """The package against the float32 full recompute over FP8-rounded k/v, every tier exercised; the
+    package's tolerance is tighter than the distance to the unrounded model, so the soak tells them apart."""
+    report_path = tmp_path / "soak.json"
+    arguments = ["--requests", "250", "--users", "40", "--seed", "3", "--checkpoint", str(tiny_checkpoint)]
+    result = CliRunner().invoke(main, ["soak", str(fp8_artifact), *arguments, "--json", str(report_path)])
+    assert result.exit_code == 0, result.output
+    assert "verdict: PASS" in result.output
+    report = json.loads(report_path.read_text())
+    assert report["mismatches"] == 0 and report["requests"] == 250
+    for name in ("hit_tokens", "device_evictions", "offloads", "onboards", "host_evictions", "prefix_truncations"):
+        assert report["counters"][name] > 10, name
+    manifest = open_artifact(fp8_artifact).manifest
+    assert manifest["tolerance"]["atol"] < manifest["fp8_distance"]["max_abs"], manifest
 
 
 # ---- config and refusals ----------------------------------------------------------------------------
