@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from kvexport.bench.suite import SweepRequests
+from kvexport.cached import CachedRanker
 from kvexport.config import config_from_dict
 from kvexport.model.hstu import HSTURanker
 from kvexport.ops import wrappers as kv
@@ -52,25 +53,26 @@ def measure(
         config, cached_events, batch_size, first_user=0, new_events=new_events, candidates=candidates
     )
     name, placement = config.name, model.position_embedding.weight
+    limits, runtime_config = config.request_limits_json(), config.runtime_json()
     check_us, begin_us, step_us = [], [], []
     with torch.no_grad():
-        model.forward_cached(requests.variant(0), name)
+        CachedRanker(model, name).run(requests.variant(0))
         batch = requests.variant(1)
         for _ in range(repeats):
             if gap_ms > 0:
                 time.sleep(gap_ms / 1e3)
             started = time.perf_counter()
             user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-                name, model.request_limits, *batch.tensors()
+                name, limits, *batch.tensors()
             )
             checked = time.perf_counter()
-            kv.begin_batch(name, model.runtime_config, user_ids, token_ids, token_lengths, num_candidates, placement)
+            kv.begin_batch(name, runtime_config, user_ids, token_ids, token_lengths, num_candidates, placement)
             planned = time.perf_counter()
             kv.abort_batch(name)
             stepped = time.perf_counter()
             kv.begin_step(
                 name,
-                model.runtime_config,
+                runtime_config,
                 user_ids,
                 token_ids,
                 token_lengths,

@@ -13,7 +13,6 @@ compiles in: this module only follows them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import importlib.resources
 import json
@@ -57,15 +56,69 @@ def sha256_of(path: Path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Manifest:
+    """OUT/manifest.json, read once: each field hosts and tools read, typed, with what an older
+    manifest lacks filled in here; `fields` keeps the whole document for the contract's
+    field-by-field checks."""
+
+    name: str
+    device: str  # the device the package was built for ("cpu", "cuda")
+    runtime_name: str
+    config: Config
+    signature: dict[str, Any]  # {"inputs": [{"name", "dtype", "shape"}, ...], "output": {...}}
+    dims: dict[str, Any]
+    tolerance: dict[str, float]
+    versions: dict[str, Any]
+    required_libraries: tuple[str, ...]
+    isa: dict[str, Any]  # the instruction sets the package's machine code needs
+    weights: dict[str, Any]  # where the weights came from (a seed, a checkpoint)
+    step_program: dict[str, Any] | None  # step.pt2's entry, for CUDA packages
+    trace_steps: list[dict[str, Any]]
+    files: dict[str, str]  # sha256 by relative path
+    fp8_distance: dict[str, float] | None  # FP8 pages' distance from the unrounded model
+    timings_seconds: dict[str, float]
+    fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> Manifest:
+        """A manifest whose shape the contract's checks passed (open_artifact)."""
+        config = config_from_dict(fields["config"])
+        return cls(
+            name=fields.get("name") or config.name,
+            device=fields.get("device") or config.serving.device,
+            runtime_name=fields["runtime_name"],
+            config=config,
+            signature=fields.get("signature", {}),
+            dims=fields["dims"],
+            tolerance=fields["tolerance"],
+            versions=fields.get("versions", {}),
+            required_libraries=tuple(fields["required_libraries"]),
+            isa=fields.get("isa", {}),
+            weights=fields.get("weights", {"source": "seed", "seed": 0}),
+            step_program=fields.get("step_program"),
+            trace_steps=fields["trace"][TRACE_KEYS["steps"]],
+            files=fields["files"],
+            fp8_distance=fields.get("fp8_distance"),
+            timings_seconds=fields.get("timings_seconds", {}),
+            fields=fields,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Artifact:
-    """A built artifact directory and its parsed manifest."""
+    """A built artifact directory and its manifest."""
 
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
-    @functools.cached_property
+    @property
     def config(self) -> Config:
-        return config_from_dict(self.manifest["config"])
+        return self.manifest.config
+
+    @property
+    def device(self) -> str:
+        """The device the package was built for."""
+        return self.manifest.device
 
     @property
     def package(self) -> Path:
@@ -74,23 +127,23 @@ class Artifact:
     @property
     def step_package(self) -> Path | None:
         """The step program (docs/design.md 3.9), when the artifact has one."""
-        return self.root / STEP_PACKAGE if "step_program" in self.manifest else None
+        return self.root / STEP_PACKAGE if self.manifest.step_program is not None else None
 
     @property
     def trace_steps(self) -> list[dict[str, Any]]:
-        return self.manifest["trace"][TRACE_KEYS["steps"]]
+        return self.manifest.trace_steps
 
     @property
     def tolerance(self) -> dict[str, float]:
-        return self.manifest["tolerance"]
+        return self.manifest.tolerance
 
     @property
     def runtime_name(self) -> str:
-        return self.manifest["runtime_name"]
+        return self.manifest.runtime_name
 
     @property
-    def required_libraries(self) -> list[str]:
-        return self.manifest["required_libraries"]
+    def required_libraries(self) -> tuple[str, ...]:
+        return self.manifest.required_libraries
 
 
 def open_artifact(root: str | Path) -> Artifact:
@@ -107,10 +160,9 @@ def open_artifact(root: str | Path) -> Artifact:
         raise contract_failure("manifest_invalid", path=path) from exc
     _check_manifest_shape(manifest, path)
     try:
-        config_from_dict(manifest["config"])
+        return Artifact(root, Manifest.of(manifest))
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from exc
-    return Artifact(root, manifest)
 
 
 def _check_manifest_shape(manifest: Any, path: Path) -> None:
@@ -168,7 +220,7 @@ def check_files(artifact: Artifact) -> int:
 
     Returns how many files were checked; raises the contract's failure (naming the file) otherwise.
     """
-    expected: dict[str, str] = artifact.manifest["files"]
+    expected = artifact.manifest.files
     root = artifact.root
     for rel, digest in sorted(expected.items()):
         if not (root / rel).is_file():
@@ -232,7 +284,7 @@ def same_json(a: Any, b: Any) -> bool:
 def check_manifest_against_package(artifact: Artifact, metadata: dict[str, str]) -> None:
     """manifest.json must agree with the metadata compiled into model.pt2, field by field as the
     contract pairs them; the first that differs is named (VerificationError)."""
-    m = artifact.manifest
+    m = artifact.manifest.fields
     for pair in CONTRACT["package_metadata"]:
         if not same_json(m.get(pair["field"]), _metadata_value(metadata, pair["key"], pair["encoding"])):
             raise contract_failure("metadata_mismatch", field=pair["field"])

@@ -275,7 +275,7 @@ def test_properties_come_from_the_artifact(pkg, tiny_artifact, tiny_config):
     artifact = open_artifact(tiny_artifact)
     assert pkg.name == "hstu-tiny" and pkg.runtime_name == artifact.runtime_name
     assert pkg.config == tiny_config and pkg.max_batch_size == 4 and pkg.num_tasks == 3
-    assert pkg.signature == artifact.manifest["signature"]
+    assert pkg.signature == artifact.manifest.signature
     assert [i["name"] for i in pkg.signature["inputs"]] == list(kvexport.model.SIGNATURE)
     assert pkg.signature["output"]["dtype"] == "float32"
     assert pkg.device == torch.device("cpu") and pkg.path == tiny_artifact

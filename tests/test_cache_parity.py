@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from kvexport.cached import CachedRanker
 from kvexport.model import build_model
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.workload import Workload, WorkloadSpec
@@ -75,7 +76,7 @@ def test_cached_equals_recompute_under_eviction(switches):
             batch = workload.next_batch(batch_size=1 + step % 3)
             before = cache.stats()
             with torch.no_grad():
-                cached = model.forward_cached(batch)
+                cached = CachedRanker(model).run(batch)
                 full = model(batch)
             after = cache.stats()
             assert torch.allclose(cached, full, rtol=0, atol=1e-4), f"request {step}: cached != recompute"
@@ -115,10 +116,10 @@ def test_a_combined_event_whose_action_changed_is_recomputed():
     changed[6] = (changed[6] + 1) % config.model.action_vocab_size
     try:
         with torch.no_grad():
-            model.forward_cached(batch)
+            CachedRanker(model).run(batch)
             before = cache.stats()
             second = dataclasses.replace(batch, action_ids=changed)
-            cached, full = model.forward_cached(second), model(second)
+            cached, full = CachedRanker(model).run(second), model(second)
         after = cache.stats()
     finally:
         cache.close()

@@ -90,7 +90,7 @@ def test_inputs_on_two_devices_are_refused(cuda_artifact, tiny_config, tiny_chec
     mixed = dict(good, item_ids=good["item_ids"].to("cuda"))
     with kvexport.load(cuda_artifact) as package:
         with pytest.raises(RuntimeError):
-            package._compiled(*(mixed[name] for name in names))
+            package._loaded.program(*(mixed[name] for name in names))
         code, message = torch.ops.kvexport.last_error(package.runtime_name)
         assert code == "invalid_request" and message.startswith("item_ids is on cuda:0: "), message
         logits = package.score(good).cpu()
@@ -124,7 +124,7 @@ def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
     """A package takes its request on the host; a host that hands it GPU tensors gets one line and
     the invalid_request code from the first op (called directly, and through the package)."""
     from kvexport.config import load_config
-    from kvexport.host.package import _load_compiled
+    from kvexport.host.program import load_program
     from kvexport.model.batch import random_batch
     from kvexport.ops import wrappers as kv
 
@@ -136,7 +136,7 @@ def test_a_request_on_the_gpu_is_refused_in_one_line(cuda_artifact):
     with pytest.raises(ValueError, match=re.escape(expected)):
         kv.check_request(runtime, config.request_limits_json(), *on_gpu)
     assert kv.last_error(runtime) == ("invalid_request", expected)
-    compiled = _load_compiled(cuda_artifact / "model.pt2", 0)
+    compiled = load_program(cuda_artifact / "model.pt2", 0)
     kv.create_runtime(runtime, compiled.get_metadata()["kvexport.runtime_config"], "cuda")
     with pytest.raises(RuntimeError):
         compiled(*on_gpu)
@@ -167,7 +167,7 @@ def test_no_request_op_calls_a_synchronising_torch_function(cuda_artifact):
                     cuda_artifact / step[TRACE_KEYS["file"]], expect_outputs=TRACE_KEYS["expect_error"] not in step
                 )
                 try:
-                    runs.append((package._compiled(*(request[name] for name in SIGNATURE)), expected))
+                    runs.append((package._loaded.program(*(request[name] for name in SIGNATURE)), expected))
                 except RuntimeError:
                     assert kv.last_error(package.runtime_name)[0] == step.get(TRACE_KEYS["expect_error"]), step
         finally:

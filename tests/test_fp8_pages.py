@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from kvexport.artifact import open_artifact
+from kvexport.cached import CachedRanker
 from kvexport.commands.cli import main
 from kvexport.config import FP8_CUDA_REFUSAL, ConfigError
 from kvexport.errors import UserError
@@ -172,10 +173,10 @@ def run_batch(runtime: str, config: str, users: dict[int, list[int]], rows_of) -
     user_ids = torch.tensor(list(users))
     tokens = torch.tensor([t for ts in users.values() for t in ts])
     lengths = torch.tensor([len(ts) for ts in users.values()])
-    new_index, _ = kv.begin_batch(
+    new = kv.begin_batch(
         runtime, config, user_ids, tokens, lengths, torch.ones(len(users), dtype=torch.int64), torch.empty(0)
-    ).tolist()
-    new_tokens = tokens[new_index].tolist()
+    )
+    new_tokens = tokens[new.index].tolist()
     for layer in range(2):
         rows = torch.cat([torch.zeros(len(users), 2, 8), rows_of(new_tokens, layer)])
         kv.paged_attention(runtime, layer, rows, rows, rows, 1.0, 1.0)
@@ -287,7 +288,7 @@ def test_cached_equals_recompute_with_fp8_pages_under_eviction():
         for step in range(50):
             batch = workload.next_batch(batch_size=1 + step % 3)
             with torch.no_grad():
-                cached, full = model.forward_cached(batch), model(batch)
+                cached, full = CachedRanker(model).run(batch), model(batch)
                 moved = max(moved, float((unrounded(batch) - full).abs().max()))
             assert torch.allclose(cached, full, rtol=0, atol=atol), f"request {step}: cached != recompute"
         stats = cache.stats()
@@ -322,7 +323,7 @@ def test_soak_of_an_fp8_package_has_no_mismatch_under_eviction(fp8_artifact, tin
     for name in ("hit_tokens", "device_evictions", "offloads", "onboards", "host_evictions", "prefix_truncations"):
         assert report["counters"][name] > 10, name
     manifest = open_artifact(fp8_artifact).manifest
-    assert manifest["tolerance"]["atol"] < manifest["fp8_distance"]["max_abs"], manifest
+    assert manifest.tolerance["atol"] < manifest.fp8_distance["max_abs"], manifest.fp8_distance
 
 
 # ---- config and refusals ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import kvexport
+from kvexport.cached import CachedRanker
 from kvexport.commands.cli import main
 from kvexport.config import config_from_dict, load_config
 from kvexport.importers import nvidia_ranking
@@ -123,7 +124,7 @@ def test_the_imported_model_is_recsys_examples_forward(imported):
                 expected = reference(state, tables, gin_file, users, features)
                 batch = batch_of(users, features)
                 torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(model.forward_cached(batch), expected, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(CachedRanker(model).run(batch), expected, rtol=1e-5, atol=1e-5)
         assert cache.stats()["hit_tokens"] > 0
     finally:
         cache.close()

@@ -235,7 +235,7 @@ def test_the_manifest_records_what_the_artifact_was_built_for(tiny_artifact):
     assert recorded["package"]["march"] == "native"
     isa.check_host(recorded)
     with Package(open_artifact(tiny_artifact), check_files=True) as package:  # the metadata agrees
-        assert json.loads(package._compiled.get_metadata()["kvexport.isa"]) == recorded
+        assert json.loads(package._loaded.program.get_metadata()["kvexport.isa"]) == recorded
 
 
 @pytest.mark.slow

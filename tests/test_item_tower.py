@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from kvexport.cached import CachedRanker
 from kvexport.config import ConfigError, config_from_dict
 from kvexport.errors import RequestError
 from kvexport.host.requests import check_user_request
@@ -111,7 +112,9 @@ def test_cached_path_matches_recompute_as_the_query_time_moves(tower_model, towe
                 context = batch.context_ids.clone()
                 context[:, -1] += 3600 * hours
                 request = Batch(**{**batch.to_dict(), "context_ids": context})
-                torch.testing.assert_close(tower_model.forward_cached(request), tower_model(request), rtol=0, atol=1e-5)
+                torch.testing.assert_close(
+                    CachedRanker(tower_model).run(request), tower_model(request), rtol=0, atol=1e-5
+                )
         stats = cache.stats()
     finally:
         cache.close()

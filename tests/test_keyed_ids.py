@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvexport.cached import CachedRanker
 from kvexport.config import MAX_CONTEXT_KEY, MAX_ITEM_KEY, ConfigError
 from kvexport.model import build_model, random_batch
 from kvexport.model.batch import Batch, UserRequest
@@ -104,7 +105,7 @@ def test_cached_equals_recompute_with_keys_under_eviction():
         seen_known += sum(int(i) in keys for i in batch.item_ids.tolist())
         seen_unknown += sum(int(i) not in keys for i in batch.item_ids.tolist())
         with torch.no_grad():
-            cached, full = model.forward_cached(batch), model(batch)
+            cached, full = CachedRanker(model).run(batch), model(batch)
         assert torch.allclose(cached, full, rtol=0, atol=1e-4), f"request {step}: cached != recompute"
     stats = cache.stats()
     cache.close()
@@ -125,7 +126,7 @@ def test_keys_mode_refuses_only_ids_outside_int64s_non_negative_range(item, mess
     batch = random_batch(config.model, seed=1, history_lengths=[3], num_candidates=[2])
     batch.item_ids[1] = item
     with pytest.raises(ValueError, match=message):
-        kv.check_request("keyed-refusal", model.request_limits, *batch.tensors())
+        kv.check_request("keyed-refusal", model.config.request_limits_json(), *batch.tensors())
 
 
 def test_context_keys_stop_below_two_to_the_56():
@@ -137,14 +138,16 @@ def test_context_keys_stop_below_two_to_the_56():
         match=r"^context_ids has 72057594037927936, outside the context vocabulary "
         r"\[0, 72057594037927935\]",
     ):
-        kv.check_request("keyed-refusal", model.request_limits, *batch.tensors())
+        kv.check_request("keyed-refusal", model.config.request_limits_json(), *batch.tensors())
 
 
 def test_a_large_key_is_a_valid_request():
     config = keyed_config()
     model = build_model(config, seed=0)
     batch = Batch.concat([user(0, [2**62, 1], [2**62 + 5])])
-    _, _, token_ids, _, candidate_ids = kv.check_request("keyed-valid", model.request_limits, *batch.tensors())
+    _, _, token_ids, _, candidate_ids = kv.check_request(
+        "keyed-valid", model.config.request_limits_json(), *batch.tensors()
+    )
     assert token_ids.tolist() == [1, 2, 3, 2**62, 0, 1, 1] and candidate_ids.tolist() == [2**62 + 5]
 
 

@@ -36,6 +36,7 @@ LAYERS = (
     ("native", ("kvexport.native",)),
     ("ops", ("kvexport.ops",)),
     ("model", ("kvexport.model",)),
+    ("cached", ("kvexport.cached",)),
     ("importers", ("kvexport.importers",)),
     ("host", ("kvexport.host",)),
     ("trace", ("kvexport.trace",)),
@@ -49,7 +50,7 @@ SIBLINGS = {"export": "serving", "serving": "export"}
 # The build lifecycle: what runs a package reads where native code lies and what it needs
 # (paths, elf, isa) but never imports the code that builds it.
 BUILD_MODULES = ("kvexport.native.build", "kvexport.native.toolchain", "kvexport.native.selftest")
-RUNTIME_LAYERS = ("ops", "model", "host", "serving")
+RUNTIME_LAYERS = ("ops", "model", "cached", "host", "serving")
 # The package's root is its public facade (kvexport.load, kvexport.Package): it imports the host
 # layer lazily, and is imported only for __version__.
 FACADE = "kvexport"

@@ -128,8 +128,9 @@ def test_stateful_ops_match_reference_attention(runtime, layout):
     g = torch.Generator().manual_seed(0)
     rows = 3 + 7  # candidates first, then every prefix token (cold cache)
     q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
-    new_tokens = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
-    assert new_tokens.tolist() == [list(range(7)), [0, 1, 2, 3, 0, 1, 2]]  # a cold cache: every token is new
+    new = kv.begin_batch(runtime, CONFIG, user_ids, token_ids, token_lengths, num_candidates, host_placement())
+    assert new.index.tolist() == list(range(7))  # a cold cache: every token is new
+    assert new.positions.tolist() == [0, 1, 2, 3, 0, 1, 2]
     got = kv.paged_attention(runtime, 0, *(strided_like(t, layout) for t in (q, k, v)), ALPHA, INV_S)
     kv.end_batch(runtime, user_ids, got)
     # Dense reference: user 0 = prefix rows 3..6 + candidates 0, 1; user 1 = prefix rows 7..9 + candidate 2.

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from kvexport.cached import CachedRanker
 from kvexport.ops import wrappers as kv
 from tests.helpers.runtime import CONFIG, host_placement, kv_values, request, scratch_runtime, scratch_runtime_name
 
@@ -200,14 +201,14 @@ def test_refused_request_records_why_and_holds_nothing(tiny_config, tiny_model):
     try:
         with pytest.raises(ValueError, match="candidate_ids has 10000, outside the item vocabulary"):
             with torch.no_grad():
-                tiny_model.forward_cached(bad, name)  # refused by check_request, before begin_batch
+                CachedRanker(tiny_model, name).run(bad)  # refused by check_request, before begin_batch
         assert kv.last_error(name) == (
             "invalid_request",
             "candidate_ids has 10000, outside the item vocabulary [0, 9999]",
         )
         assert _in_thread(lambda: kv.last_error(name)).is_alive() is False
         with torch.no_grad():
-            tiny_model.forward_cached(good, name)
+            CachedRanker(tiny_model, name).run(good)
         assert kv.last_error(name) == ("ok", "")  # every request starts by clearing it
         stats = []
         assert not _in_thread(lambda: stats.append(kv.runtime_stats(name))).is_alive()

@@ -36,7 +36,7 @@ def _us(samples: list[float]) -> float:
 def phases(package, batch_size: int, args) -> dict:
     """StepRunner.run's phases on a bucket already captured, each timed on the host's clock (the
     last, device_wait, is the synchronisation that ends the request)."""
-    runner, config = package._step, package.config
+    runner, config = package._loaded.step, package.config
     requests = SweepRequests(
         config,
         args.length,
@@ -151,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     with kvexport.load(artifact, step_program=True, cuda_graphs=True) as package:
-        if package._step is None or not package._step._graphs_on:
+        if package._loaded.step is None or not package._loaded.step._graphs_on:
             raise SystemExit(f"error: {args.artifact} has no step program on a GPU (build it with --device cuda)")
         rows = [phases(package, int(b), args) for b in args.batch.split(",")]
     result = {

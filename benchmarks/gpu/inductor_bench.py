@@ -38,7 +38,7 @@ from kvexport.config import load_config
 from kvexport.export.build import runtime_name_for
 from kvexport.export.compile import compile_package
 from kvexport.export.wrap import CachedRanker, export_cached
-from kvexport.host.package import _load_compiled
+from kvexport.host.program import load_program
 from kvexport.model import build_model
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
@@ -161,7 +161,7 @@ def main() -> int:
             started = time.perf_counter()
             try:
                 compile_package(program, path, {"kvexport.runtime_config": config.runtime_json()}, dict(options))
-                packages[name] = _load_compiled(path, device.index if device.index is not None else -1)
+                packages[name] = load_program(path, device.index if device.index is not None else -1)
             except Exception as exc:  # noqa: BLE001 — a setting this torch refuses is a result too
                 if name == "default":
                     raise

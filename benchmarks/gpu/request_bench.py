@@ -37,8 +37,9 @@ import kvexport
 from kvexport.artifact import open_artifact
 from kvexport.bench.suite import SweepRequests
 from kvexport.bench.timing import summary, timed_ms
+from kvexport.cached import CachedRanker
 from kvexport.errors import UserError
-from kvexport.host.package import package_device
+from kvexport.host.loading import package_device
 from kvexport.host.requests import check_batch
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
@@ -195,8 +196,9 @@ def bench_batch(package, model, eager_runtime: str | None, args, batch_size: int
     if eager_runtime is not None:
         with torch.no_grad():
             kv.reset_runtime(eager_runtime)
-            model.forward_cached(variants[0], eager_runtime)
-            eager = times(lambda i: model.forward_cached(variants[i + 1], eager_runtime), args.warmup, args.repeats)
+            cached = CachedRanker(model, eager_runtime)
+            cached.run(variants[0])
+            eager = times(lambda i: cached.run(variants[i + 1]), args.warmup, args.repeats)
         row["eager_cached_ms"] = summary(eager)
         row["package_speedup_vs_eager"] = round(row["eager_cached_ms"]["median"] / row["cached_ms"]["median"], 2)
     if device.type == "cuda":

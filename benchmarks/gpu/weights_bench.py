@@ -48,14 +48,14 @@ LOAD_AND_RUN = """
 import json, sys, time, torch
 from kvexport.bench.suite import SweepRequests
 from kvexport.config import load_config
-from kvexport.host.package import _load_compiled
+from kvexport.host.program import load_program
 from kvexport.ops import library, wrappers as kv
 config_path, package, device, runtime, logits_path = sys.argv[1:]
 config = load_config(config_path)
 library.load()
 device = torch.device(device)
 started = time.perf_counter()
-compiled = _load_compiled(package, device.index if device.index is not None else -1)
+compiled = load_program(package, device.index if device.index is not None else -1)
 load_s = time.perf_counter() - started
 kv.create_runtime(runtime, compiled.get_metadata()["kvexport.runtime_config"], device)
 batch = SweepRequests(config, 256, 2, first_user=0, new_events=8, candidates=16).variant(0)
@@ -96,14 +96,14 @@ def built_variant(root: Path, config, device: str) -> dict:
     built = open_artifact(root)
     if built.config.to_dict() != config.to_dict():
         raise UserError(f"{root} was built from another config than {config.name}'s")
-    if built.manifest["weights"].get("source") != "seed":
+    if built.manifest.weights.get("source") != "seed":
         raise UserError(f"{root} was built with a checkpoint; this script compares the seeded weights")
-    if torch.device(built.manifest["device"]).type != torch.device(device).type:
-        raise UserError(f"{root} was built for {built.manifest['device']}, not {device}")
+    if torch.device(built.device).type != torch.device(device).type:
+        raise UserError(f"{root} was built for {built.device}, not {device}")
     return {
         "package": built.package,
         "runtime": built.runtime_name,
-        "compile_s": built.manifest["timings_seconds"]["compile"],
+        "compile_s": built.manifest.timings_seconds["compile"],
         "compiled_by": "kvexport build",
     }
 

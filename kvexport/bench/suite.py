@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvexport.bench.timing import paired, timed_ms
+from kvexport.cached import CachedRanker
 from kvexport.config import Config
 from kvexport.errors import UserError
 from kvexport.host.package import Package
@@ -177,13 +178,14 @@ def _package_vs_eager_row(
     requests = SweepRequests(runner.config, cached_events, batch_size, first_user=10_000)
     eager.reset()
     kv.reset_runtime(runner.artifact.runtime_name)
+    cached = CachedRanker(model, eager.name)
     with torch.no_grad():
-        model.forward_cached(requests.variant(0), eager.name)
+        cached.run(requests.variant(0))
     runner.score(requests.variant(0))
 
     def eager_ms(r: int) -> float:
         with torch.no_grad():
-            return timed_ms(model.forward_cached, requests.variant(r + 1), eager.name)
+            return timed_ms(cached.run, requests.variant(r + 1))
 
     def package_ms(r: int) -> float:
         return timed_ms(runner.run, check_batch(requests.variant(r + 1), runner.config))

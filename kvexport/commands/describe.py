@@ -6,19 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvexport.artifact import MANIFEST, PACKAGE, open_artifact
+from kvexport.artifact import MANIFEST, PACKAGE, Manifest, open_artifact
 from kvexport.errors import UserError
 from kvexport.host.package_file import read_package
 
 
-def _signature(metadata: dict[str, str], manifest: dict | None) -> dict:
+def _signature(metadata: dict[str, str], manifest: Manifest | None) -> dict:
     """Inputs and output with dtype, shape and device: the manifest's, or derived from the package's
     own config and device."""
     from kvexport.config import config_from_dict
     from kvexport.export.build import signature
 
-    if manifest is not None and "signature" in manifest:
-        return manifest["signature"]
+    if manifest is not None and manifest.signature:
+        return manifest.signature
     if "kvexport.config" not in metadata:
         return {}
     return signature(config_from_dict(json.loads(metadata["kvexport.config"])), metadata.get("kvexport.device", "cpu"))
@@ -51,14 +51,14 @@ def describe(target: Path) -> dict:
     if manifest is not None:
         info.update(
             {
-                "dims": manifest["dims"],
-                "versions": manifest["versions"],
-                "tolerance": manifest["tolerance"],
-                "trace_steps": len(manifest["trace"]["steps"]),
-                "step_program": manifest.get("step_program"),
-                "timings_seconds": manifest.get("timings_seconds", {}),
+                "dims": manifest.dims,
+                "versions": manifest.versions,
+                "tolerance": manifest.tolerance,
+                "trace_steps": len(manifest.trace_steps),
+                "step_program": manifest.step_program,
+                "timings_seconds": manifest.timings_seconds,
                 "artifact_bytes": sum(
-                    (target / rel).stat().st_size for rel in manifest["files"] if (target / rel).is_file()
+                    (target / rel).stat().st_size for rel in manifest.files if (target / rel).is_file()
                 )
                 + (target / MANIFEST).stat().st_size,
             }

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from kvexport import __version__, artifact
+from kvexport.cached import CachedRanker, StepProgram
 from kvexport.config import Config, load_config
 from kvexport.errors import UserError
 from kvexport.export import selftest
 from kvexport.export.compile import check_package_ops, compile_package, graph_custom_ops, required_libraries
-from kvexport.export.wrap import CachedRanker, StepProgram, export_cached, export_step
+from kvexport.export.wrap import export_cached, export_step
 from kvexport.host import step_runner
 from kvexport.host.package_file import check_shared_objects
 from kvexport.io import cleaned_up_on_abrupt_exit, exclusive_lock, remove_stale_staging, rename_no_replace

@@ -1,50 +1,16 @@
-"""The exportable KV-cached module and its torch.export call (docs/design.md §3.3)."""
+"""torch.export of the KV-cached module and of the step program (kvexport.cached), with their
+dynamic shapes and examples (docs/design.md §3.3)."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.export import Dim, ExportedProgram
 
+from kvexport.cached import CachedRanker, StepProgram
 from kvexport.config import Config
 from kvexport.model import SIGNATURE, random_batch
-from kvexport.model.hstu import HSTURanker
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
-
-
-class _RuntimeProgram(nn.Module):
-    """The model as a program that runs through the named cache runtime."""
-
-    def __init__(self, model: HSTURanker, runtime_name: str):
-        super().__init__()
-        self.model = model
-        self.runtime_name = runtime_name
-
-
-class CachedRanker(_RuntimeProgram):
-    """Plain tensors in (the batch signature), logits out, through the named cache runtime."""
-
-    def forward(
-        self,
-        user_ids: torch.Tensor,
-        history_lengths: torch.Tensor,
-        item_ids: torch.Tensor,
-        action_ids: torch.Tensor,
-        context_ids: torch.Tensor,
-        num_candidates: torch.Tensor,
-        candidate_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.model.cached_logits(
-            self.runtime_name,
-            user_ids,
-            history_lengths,
-            item_ids,
-            action_ids,
-            context_ids,
-            num_candidates,
-            candidate_ids,
-        )
 
 
 def dynamic_shapes(config: Config) -> dict[str, dict[int, Dim]]:
@@ -70,30 +36,6 @@ def export_cached(module: CachedRanker, config: Config) -> ExportedProgram:
     with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
         example = example_batch(config).tensors()
         return torch.export.export(module.eval(), example, dynamic_shapes=dynamic_shapes(config), strict=False)
-
-
-class StepProgram(_RuntimeProgram):
-    """The device part of a cached request as a program of its own (docs/design.md 3.9):
-    begin_step's inputs and plan in (StepInputs, then StepPlan), logits of every candidate row out."""
-
-    def forward(
-        self,
-        candidate_ids: torch.Tensor,
-        candidate_positions: torch.Tensor,
-        new_ids: torch.Tensor,
-        new_positions: torch.Tensor,
-        page_table: torch.Tensor,
-        row_user: torch.Tensor,
-        row_keys: torch.Tensor,
-        row_candidate: torch.Tensor,
-        write_slots: torch.Tensor,
-        value_slots: torch.Tensor,
-        row_order: torch.Tensor,
-        tiles: torch.Tensor,
-    ) -> torch.Tensor:
-        inputs = kv.StepInputs(candidate_ids, candidate_positions, new_ids, new_positions)
-        plan = kv.StepPlan(page_table, row_user, row_keys, row_candidate, write_slots, value_slots, row_order, tiles)
-        return self.model.step_logits(self.runtime_name, inputs, plan)
 
 
 # A step program's example for export: sizes distinct from each other (no two dimensions unify).

@@ -5,13 +5,13 @@
         per_user = pkg.score_users([request, ...])  # one dict per user, merged into one batch
         counters = pkg.stats()                  # named cache counters
 
-The CLI's verify, run and soak score through the same class.
+The CLI's verify, run and soak score through the same class. Loading (checks, the op library,
+the programs, the cache runtime) is kvexport.host.loading's; a Package scores what it loaded.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -20,61 +20,16 @@ from typing import Any
 
 import torch
 
-from kvexport.artifact import LIB_DIR, Artifact, check_manifest_against_package, open_artifact, sha256_of
-from kvexport.artifact import check_files as check_artifact_files
+from kvexport.artifact import Artifact, open_artifact
 from kvexport.config import Config
 from kvexport.errors import RequestError, RequestFailed, UserError
-from kvexport.host.package_file import check_shared_objects
-from kvexport.host.program import load_program
+from kvexport.host.loading import attach_remote, load_package
 from kvexport.host.requests import check_structure, check_user_request, where
-from kvexport.host.step_runner import StepRunner
-from kvexport.io import first_line
 from kvexport.model.batch import Batch, UserRequest
-from kvexport.native.isa import check_device, check_host
-from kvexport.native.paths import OPS_LIBRARY_NAME
-from kvexport.ops import jagged, library
 from kvexport.ops import wrappers as kv
 from kvexport.remote import DEFAULT_WRITE_POLICY, FLUSH_TIMEOUT_MS, check_write_policy
 
 log = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=1)
-def _loaded_library_digest(loaded: Path) -> str:
-    return sha256_of(loaded)  # the loaded .so cannot change within a process
-
-
-def _load_shipped_library(artifact: Artifact) -> None:
-    """Python runs the package with the op library loaded in this process: the artifact's own
-    (lib/) when the process has none yet, else one identical to it, or what runs would not be what
-    is deployed (an artifact built for a portable baseline ships a library of its own)."""
-    shipped = artifact.root / LIB_DIR / OPS_LIBRARY_NAME
-    if not shipped.is_file():
-        raise UserError(f"artifact {artifact.root} is incomplete: {LIB_DIR}/{OPS_LIBRARY_NAME} is missing")
-    loaded = library.load(shipped)
-    if sha256_of(shipped) != _loaded_library_digest(loaded):
-        raise UserError(
-            f"{shipped} differs from the op library loaded here ({loaded}); rebuild the artifact "
-            "with this kvexport, or check it with `kvexport replay`, which uses the shipped one"
-        )
-
-
-def package_device(artifact: Artifact) -> torch.device:
-    """The device the package was built for: the manifest's, else the config's serving.device."""
-    return torch.device(artifact.manifest.get("device") or artifact.config.serving.device)
-
-
-def _resolve_device(artifact: Artifact, device: torch.device | str | None) -> torch.device:
-    own = package_device(artifact)
-    if device is None:
-        return own
-    try:
-        wanted = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"device {device!r} is not a torch device") from None
-    if wanted.type != own.type:
-        raise UserError(f"{artifact.root} is a {own} package; it cannot run on device {wanted}")
-    return own if wanted.index is None or own.type == "cpu" else wanted
 
 
 class Package:
@@ -100,40 +55,16 @@ class Package:
         step_program: bool = True,
         cuda_graphs: bool = True,
     ):
+        self._loaded = load_package(
+            artifact,
+            device,
+            check_files=check_files,
+            remote=remote,
+            remote_write=remote_write,
+            step_program=step_program,
+            cuda_graphs=cuda_graphs,
+        )
         self.artifact = artifact
-        self._device = _resolve_device(artifact, device)
-        check_write_policy(remote_write)
-        if check_files:
-            check_artifact_files(artifact)
-        check_host(artifact.manifest.get("isa", {}))  # before any of its machine code is loaded
-        check_device(artifact.manifest.get("isa", {}), self._device)
-        _load_shipped_library(artifact)
-        if jagged.FBGEMM_LIBRARY in artifact.required_libraries and not jagged.HAVE_FBGEMM:
-            raise UserError(f"{artifact.package} needs {jagged.FBGEMM_LIBRARY} but fbgemm_gpu is not importable")
-        kv.drop_runtime(artifact.runtime_name)
-        index = self._device.index if self._device.index is not None else -1
-        check_shared_objects(artifact.package)  # a truncated one would kill this process in the loader
-        try:
-            self._compiled = _load_compiled(artifact.package, index)
-        except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
-            raise UserError(f"cannot load {artifact.package}: {first_line(exc)}") from exc
-        metadata = self._compiled.get_metadata()
-        if check_files:
-            check_manifest_against_package(artifact, metadata)
-        # The runtime config travels inside the package, as every host reads it.
-        kv.create_runtime(artifact.runtime_name, metadata["kvexport.runtime_config"], self._device)
-        self._step = None
-        if step_program and artifact.step_package is not None:
-            try:
-                self._step = StepRunner(artifact.step_package, self._device, cuda_graphs=cuda_graphs)
-            except Exception as exc:  # noqa: BLE001 — any load failure means an unusable package
-                raise UserError(f"cannot load {artifact.step_package}: {first_line(exc)}") from exc
-            if self._step.runtime_name != artifact.runtime_name:
-                raise UserError(
-                    f"{artifact.step_package} is not this artifact's step program (its runtime is "
-                    f"{self._step.runtime_name}, the package's {artifact.runtime_name})"
-                )
-        self._remote = _attach_remote(artifact.runtime_name, remote, remote_write) if remote is not None else None
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
@@ -143,7 +74,7 @@ class Package:
     @property
     def name(self) -> str:
         """The model's name (the config's `name`)."""
-        return self.artifact.manifest.get("name") or self.config.name
+        return self.artifact.manifest.name
 
     @property
     def runtime_name(self) -> str:
@@ -168,12 +99,12 @@ class Package:
     @property
     def signature(self) -> dict[str, Any]:
         """{"inputs": [{"name", "dtype", "shape"}, ...], "output": {...}} from the manifest (a copy)."""
-        return copy.deepcopy(self.artifact.manifest["signature"])
+        return copy.deepcopy(self.artifact.manifest.signature)
 
     @property
     def device(self) -> torch.device:
         """Where the package runs: the device it was built for."""
-        return self._device
+        return self._loaded.device
 
     @property
     def path(self) -> Path:
@@ -183,7 +114,8 @@ class Package:
     @property
     def cuda_graphs(self) -> int:
         """CUDA graphs of the step program captured and kept (0 without a step program or a GPU)."""
-        return self._step.num_graphs if self._step is not None else 0
+        step = self._loaded.step
+        return step.num_graphs if step is not None else 0
 
     @property
     def closed(self) -> bool:
@@ -193,7 +125,7 @@ class Package:
     def remote(self) -> str | None:
         """The remote tier's URL while it is attached, its credentials as ***; None without one (or
         when its server did not answer at load time)."""
-        return self._remote
+        return self._loaded.remote
 
     def attach_remote(self, url: str, write_policy: str = DEFAULT_WRITE_POLICY) -> str | None:
         """Attaches a shared remote KV tier to a loaded package, as kvexport.load(remote=...) does at
@@ -203,10 +135,10 @@ class Package:
         attached already: UserError (a bad URL or a refusal also drops the runtime: load the
         package again)."""
         check_write_policy(write_policy)
-        if self._remote is not None:
-            raise UserError(f"a remote tier is attached already: {self._remote}")
-        self._remote = _attach_remote(self.runtime_name, url, write_policy)
-        return self._remote
+        if self._loaded.remote is not None:
+            raise UserError(f"a remote tier is attached already: {self._loaded.remote}")
+        self._loaded.remote = attach_remote(self.runtime_name, url, write_policy)
+        return self._loaded.remote
 
     # -- scoring -----------------------------------------------------------------------------
 
@@ -286,10 +218,11 @@ class Package:
                 return
             self._closed = True
             self._state.wait_for(lambda: self._in_flight == 0)
-        if self._remote is not None and not kv.flush_remote(self.runtime_name, FLUSH_TIMEOUT_MS):
-            log.warning("remote tier %s: writes still queued after %d ms were dropped", self._remote, FLUSH_TIMEOUT_MS)
+        remote = self._loaded.remote
+        if remote is not None and not kv.flush_remote(self.runtime_name, FLUSH_TIMEOUT_MS):
+            log.warning("remote tier %s: writes still queued after %d ms were dropped", remote, FLUSH_TIMEOUT_MS)
         kv.drop_runtime(self.runtime_name)
-        self._compiled = self._step = None
+        self._loaded.program = self._loaded.step = None
 
     def __enter__(self) -> Package:
         return self
@@ -299,7 +232,7 @@ class Package:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<kvexport.Package {self.name} at {self.path} on {self._device} ({state})>"
+        return f"<kvexport.Package {self.name} at {self.path} on {self._loaded.device} ({state})>"
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -313,9 +246,10 @@ class Package:
         """The request's one value check is the package's own (model.pt2's check_request, or the
         step runner's before it plans); a refusal's code and message come from the runtime."""
         try:
-            if self._step is not None:
-                return self._step.run(batch)
-            return self._compiled(*batch.tensors())
+            step = self._loaded.step
+            if step is not None:
+                return step.run(batch)
+            return self._loaded.program(*batch.tensors())
         except (RuntimeError, ValueError) as exc:  # ValueError: the step path's host ops refused it
             # Why comes from the runtime, never from the exception's text (it differs between torch versions).
             code, message = kv.last_error(self.runtime_name)
@@ -324,33 +258,6 @@ class Package:
             if code == "invalid_request":
                 raise RequestError(f"{where(index)}{message}") from exc
             raise RequestFailed(code, message) from exc
-
-
-def _load_compiled(package: Path, device_index: int):
-    """The AOTInductor package through torch's loader, as a C++ host loads it.
-
-    torch._inductor.aoti_load_package first compares the CPU ISA and compute capability the package
-    records with this host's, only to log a warning, and finds this host's ISA by compiling and
-    running probe programs, seconds of compiling with an empty inductor cache, before the package is
-    opened. kvexport checks the host itself, and refuses rather than warns (check_host,
-    check_device), so it skips that probe. The loader's arguments are those aoti_load_package
-    passes for a package path (model "model", one runner), and its call spec is read once
-    (kvexport.host.program).
-    """
-    return load_program(package, device_index)
-
-
-def _attach_remote(runtime: str, url: str, write_policy: str) -> str | None:
-    """Attaches the remote tier to the new runtime; its URL (credentials as ***), or None when the
-    server did not answer (the runtime runs without it; kv.attach_remote logs that once). A bad URL,
-    a server that refuses the connection (a wrong or missing password), or an op library built
-    without the remote tier: UserError, and the runtime is dropped."""
-    try:
-        attached = kv.attach_remote(runtime, url, write_policy)
-    except ValueError as exc:
-        kv.drop_runtime(runtime)
-        raise UserError(first_line(exc)) from None
-    return kv.redact_url(url) if attached else None
 
 
 class _InFlight:

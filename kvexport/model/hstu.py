@@ -1,5 +1,6 @@
-"""HSTU ranking model (inference): the math of docs/design.md §1, with a full-recompute path and a
-KV-cached path that computes only each user's uncached suffix plus its candidates.
+"""HSTU ranking model (inference): the math of docs/design.md §1. forward is the full recompute;
+the KV-cached routes (kvexport.cached) drive the same embeddings, layer stack and head through the
+cache runtime's ops, each with its own attention.
 
 Token order of one user: [ctx_1..ctx_C][i_1, a_1, ..., i_h, a_h][cand_1..cand_T]. The first
 C + 2h tokens are the user's *prefix* (cacheable); candidates all share position C + 2h (or,
@@ -15,6 +16,7 @@ candidate id, (item << time_code_bits) | code (kvexport::check_request, time_cod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,6 +28,8 @@ from kvexport.ops import jagged
 from kvexport.ops import wrappers as kv
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A route's attention in the layer stack: (layer index, q, k, v) -> o, each [N, H, dh].
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The item_tower head's norms (DLRMv3's postprocessor and prediction MLP use LayerNorm's default).
 HEAD_EPS = 1e-5
 
@@ -322,8 +326,6 @@ class HSTURanker(nn.Module):
         # FP8 pages (docs/design.md §2.7): the model attends over FP8-rounded prefix keys and values
         # on every route; the full recompute rounds them as the pages store them. None: unrounded.
         self.round_kv = kv.fp8_round if config.kv_cache.fp8_pages else None
-        self.runtime_config = config.runtime_json()
-        self.request_limits = config.request_limits_json()
         self.context_embedding = nn.Embedding(m.context_vocab_size, m.hidden_size)
         if m.context_ids == "keys":
             # (feature << CONTEXT_FEATURE_SHIFT) | key of rows 0..V-2, ascending; the last row is every
@@ -387,6 +389,14 @@ class HSTURanker(nn.Module):
         """Final candidate states [T, d] of checked candidate ids [T] -> float32 logits [T, num_tasks]."""
         return self.head.score(candidate_states, candidate_ids, self).float()
 
+    def run_layers(self, x: torch.Tensor, attend: Attention) -> torch.Tensor:
+        """The layer stack over rows x [N, d]: each layer projects, attends through `attend`
+        (layer index, q, k, v -> o, the route's attention) and updates the residual."""
+        for i, layer in enumerate(self.layers):
+            u, v, q, k = layer.project(x)
+            x = layer.finish(x, u, attend(i, q, k, v))
+        return x
+
     def forward(self, batch: Batch) -> torch.Tensor:
         """Full recompute: every token of every user, no cache."""
         token_ids, positions, token_lengths, _ = prefix_tokens(
@@ -403,100 +413,20 @@ class HSTURanker(nn.Module):
         rows, offsets = _user_major_rows(token_lengths, num_candidates)
         x = torch.cat([prefix, candidates])[rows]  # [N, d] user-major: prefix_b, candidates_b
         is_prefix = (rows < prefix.shape[0]).view(-1, 1, 1)  # [N, 1, 1]
-        for layer in self.layers:
-            u, v, q, k = layer.project(x)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self.round_kv is not None:
                 # Rounded as the cache stores the prefix; a candidate's own k/v are never cached.
                 k = torch.where(is_prefix, self.round_kv(k), k)
                 v = torch.where(is_prefix, self.round_kv(v), v)
-            o = jagged_attention(
+            return jagged_attention(
                 q, k, v, offsets, token_lengths, self.alpha, self.scaling_seqlen, self.context_rows_see_prefix
             )
-            x = layer.finish(x, u, o)
+
+        x = self.run_layers(x, attend)
         candidate_rows = torch.empty_like(rows)
         candidate_rows[rows] = torch.arange(rows.shape[0], device=rows.device)
         return self.score(x[candidate_rows[prefix.shape[0] :]], candidate_ids)
-
-    def forward_cached(self, batch: Batch, runtime: str | None = None) -> torch.Tensor:
-        """KV-cached path through the runtime named `runtime` (default: the config's name).
-
-        A request interrupted between two ops (KeyboardInterrupt) is aborted, so this thread does
-        not keep the runtime until kv_cache.stall_timeout_ms; failing ops release it themselves.
-        """
-        name = runtime or self.config.name
-        try:
-            return self.cached_logits(name, *batch.tensors())
-        except BaseException:
-            kv.abort_batch(name)
-            raise
-
-    def cached_logits(
-        self,
-        runtime: str,
-        user_ids: torch.Tensor,
-        history_lengths: torch.Tensor,
-        item_ids: torch.Tensor,
-        action_ids: torch.Tensor,
-        context_ids: torch.Tensor,
-        num_candidates: torch.Tensor,
-        candidate_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        """Computes only each user's uncached prefix suffix plus its candidates.
-
-        New rows are [all candidates][uncached prefix tokens], the layout the runtime ops expect;
-        cached tokens are neither re-embedded nor re-projected. The request's tensors are on the
-        host: they are checked inside the op library first, and laid out in the same C++ pass
-        (check_request's token_ids, the host counterpart of prefix_tokens); everything after reads
-        what it returns, and the batch is planned there too; on a GPU, what the model computes
-        with is then uploaded at once, so no op waits for the device.
-        """
-        placement = self.position_embedding.weight  # the runtime lives on the model's device
-        user_ids, token_lengths, token_ids, num_candidates, candidate_ids = kv.check_request(
-            runtime,
-            self.request_limits,
-            user_ids,
-            history_lengths,
-            item_ids,
-            action_ids,
-            context_ids,
-            num_candidates,
-            candidate_ids,
-        )
-        # The uncached tokens' index and positions [2, N_new], users in order, positions ascending:
-        # the runtime's row order.
-        new = kv.begin_batch(
-            runtime, self.runtime_config, user_ids, token_ids, token_lengths, num_candidates, placement
-        )
-        new_ids, new_positions = token_ids[new[0]], new[1]
-        if placement.device.type != "cpu":
-            new_ids, new_positions, candidate_ids, token_lengths, num_candidates = kv.upload(
-                runtime, [new_ids, new_positions, candidate_ids, token_lengths, num_candidates], placement
-            )
-        new_tokens = self.embed_prefix(new_ids, new_positions)
-        candidates = self.embed_candidates(candidate_ids, token_lengths, num_candidates)
-        x = torch.cat([candidates, new_tokens])  # [T + N_new, d]
-        for i, layer in enumerate(self.layers):
-            u, v, q, k = layer.project(x)
-            o = kv.paged_attention(runtime, i, q, k, v, self.alpha, 1.0 / self.scaling_seqlen)
-            x = layer.finish(x, u, o)
-        logits = self.score(x[: candidate_ids.shape[0]], candidate_ids)
-        kv.end_batch(runtime, user_ids, logits)
-        return logits
-
-    def step_logits(self, runtime: str, inputs: kv.StepInputs, plan: kv.StepPlan) -> torch.Tensor:
-        """The device part of a cached request, planned by begin_step (docs/design.md 3.9): inputs
-        and plan on the model's device, padded to a bucket; returns logits [Tp, num_tasks] of every
-        candidate row, the batch's first. No host work and no synchronisation, so a CUDA graph of
-        it serves every batch of the bucket."""
-        candidates = self.embed_candidates_at(inputs.candidate_ids, inputs.candidate_positions)
-        x = torch.cat([candidates, self.embed_prefix(inputs.new_ids, inputs.new_positions)])  # [Tp + Np, d]
-        for i, layer in enumerate(self.layers):
-            u, v, q, k = layer.project(x)
-            o = kv.paged_attention_step(
-                runtime, i, q, k, v, plan, self.max_prefix_length, self.alpha, 1.0 / self.scaling_seqlen
-            )
-            x = layer.finish(x, u, o)
-        return self.score(x[: inputs.candidate_ids.shape[0]], inputs.candidate_ids)
 
 
 def _keyed_rows(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

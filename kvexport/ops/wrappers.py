@@ -28,6 +28,16 @@ def _ops():
     return torch.ops.kvexport
 
 
+class CheckedRequest(NamedTuple):
+    """A request as check_request returns it, on the host: what the rest of the graph reads."""
+
+    user_ids: torch.Tensor  # [B]
+    token_lengths: torch.Tensor  # [B] each user's prefix length P
+    token_ids: torch.Tensor  # [sum(P)] the users' prefix tokens, one user after another
+    num_candidates: torch.Tensor  # [B]
+    candidate_ids: torch.Tensor  # [sum(T)] checked (with model.head item_tower, time-coded)
+
+
 def check_request(
     runtime: str,
     limits_json: str,
@@ -38,7 +48,7 @@ def check_request(
     context_ids: torch.Tensor,
     num_candidates: torch.Tensor,
     candidate_ids: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
+) -> CheckedRequest:
     """Checks a request (host tensors) against the package's limits (Config.request_limits_json)
     inside the op library, and lays out its prefix tokens in the same pass over its events.
 
@@ -51,16 +61,18 @@ def check_request(
     refused. A refused request raises ValueError and records ("invalid_request", message) for
     last_error(runtime); every request starts by clearing it.
     """
-    return _ops().check_request(
-        runtime,
-        limits_json,
-        user_ids,
-        history_lengths,
-        item_ids,
-        action_ids,
-        context_ids,
-        num_candidates,
-        candidate_ids,
+    return CheckedRequest(
+        *_ops().check_request(
+            runtime,
+            limits_json,
+            user_ids,
+            history_lengths,
+            item_ids,
+            action_ids,
+            context_ids,
+            num_candidates,
+            candidate_ids,
+        )
     )
 
 
@@ -102,6 +114,14 @@ def stat_names() -> list[str]:
     return list(_ops().stat_names())
 
 
+class NewTokens(NamedTuple):
+    """The tokens of a request not served from the cache (begin_batch), users in order, positions
+    ascending: the runtime's row order."""
+
+    index: torch.Tensor  # [N_new] into the request's token_ids
+    positions: torch.Tensor  # [N_new] absolute positions
+
+
 def begin_batch(
     runtime: str,
     config_json: str,
@@ -110,18 +130,18 @@ def begin_batch(
     token_lengths: torch.Tensor,
     num_candidates: torch.Tensor,
     placement: torch.Tensor,
-) -> torch.Tensor:
+) -> NewTokens:
     """Plans a request: reuses each user's longest cached common prefix, evicts and allocates.
 
     user_ids [B], token_ids [sum(P)] (each user's prefix tokens, jagged), token_lengths [B] (P),
     num_candidates [B], all on the host. placement: any tensor on the runtime's device (the model
-    passes a weight); the runtime is created there from `config_json` on first use. Returns
-    new_tokens [2, N_new] on the host for the tokens not served from the cache (each user's tokens
-    after its longest cached prefix), users in order, positions ascending: row 0 their index into
-    token_ids, row 1 their positions. The model then computes new rows laid out as
-    [all candidates][token_ids[new_tokens[0]]], which paged_attention relies on.
+    passes a weight); the runtime is created there from `config_json` on first use. Returns, on the
+    host, the tokens not served from the cache (each user's tokens after its longest cached prefix).
+    The model then computes new rows laid out as [all candidates][token_ids[new.index]], which
+    paged_attention relies on.
     """
-    return _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
+    new = _ops().begin_batch(runtime, config_json, user_ids, token_ids, token_lengths, num_candidates, placement)
+    return NewTokens(new[0], new[1])
 
 
 @library.fake("begin_batch")

@@ -230,7 +230,7 @@ def write_repository(
         raise UserError(f"--instances must be >= 1, got {instances}")
     if threads < 1:
         raise UserError(f"--threads must be >= 1, got {threads}")
-    device = artifact.manifest.get("device", config.serving.device)
+    device = artifact.device
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if gpus > 1 and device != "cuda":

@@ -57,7 +57,6 @@ from kvexport.errors import UserError
 from kvexport.options import RepositoryOptions, ServeOptions
 from kvexport.remote import check_write_policy, split_password
 from kvexport.serving import tritonserver
-from kvexport.serving.triton_router import ROUTING_HEADER
 
 log = logging.getLogger(__name__)
 server_log = logging.getLogger("kvexport.serving.tritonserver")
@@ -170,7 +169,7 @@ class Server:
         self._device = "cpu"
         self.workspace: Path | None = None
         self._shm_prefix = f"kvexport{os.getpid()}-{id(self):x}-"
-        self._process: subprocess.Popen | None = None
+        self._server: tritonserver.Supervisor | None = None
         self._reader: threading.Thread | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=SERVER_LOG_TAIL)
         self._serving = False
@@ -191,14 +190,13 @@ class Server:
             self.workspace = Path(tempfile.mkdtemp(prefix="kvexport-serve-"))
             log.debug("workspace %s", self.workspace)
             model = self._write_repository()
-            command, env = tritonserver.prepare(self.workspace)
-            self._launch(command, env, model)
+            self._launch(model)
             self._wait_until_ready()
         except BaseException:
             self.stop()
             raise
         self._tail.clear()  # from now on: what tritonserver says while serving
-        self._stubs = tritonserver.stubs(self.workspace)
+        self._stubs = self._server.watch.find()
         if not self._stubs:  # the drain and the watch both wait on them
             self.stop()
             raise RuntimeError(f"kvexport bug: no Python-backend stub of {self.model_name} found once it was ready")
@@ -233,13 +231,11 @@ class Server:
         self.model_name = model.name
         self.max_batch_size = triton_batch_size(artifact.config.serving.max_batch_size, self.batching)
         self.package_batch_size = artifact.config.serving.max_batch_size if self.batching else 1
-        self._device = artifact.manifest.get("device", artifact.config.serving.device)
+        self._device = artifact.device
         return model
 
-    def _launch(self, command: list[str], env: dict[str, str], model: Path) -> None:
+    def _launch(self, model: Path) -> None:
         arguments = [
-            "--model-repository",
-            str(model.parent),
             "--model-control-mode",
             "explicit",
             "--load-model",
@@ -270,29 +266,24 @@ class Server:
             f"{RESTRICTED_APIS}:{CLOSED}",
             "--grpc-restricted-protocol",
             f"{RESTRICTED_APIS}:{CLOSED}",
-            # The routing header reaches the model as a request parameter, which checks it against user_id.
-            "--http-header-forward-pattern",
-            f"^{ROUTING_HEADER}$",
-            "--grpc-header-forward-pattern",
-            f"^{ROUTING_HEADER}$",
             "--backend-config",
             f"python,shm-region-prefix-name={self._shm_prefix}",
             "--log-verbose",
             "0",
         ]
-        self._process = subprocess.Popen(
-            [*command, *arguments],
-            env=env,
+        self._server = tritonserver.Supervisor(
+            self.workspace,
+            model.parent,
+            arguments,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            process_group=0,
         )
         self._reader = threading.Thread(target=self._read_output, name="tritonserver-output", daemon=True)
         self._reader.start()
 
     def _read_output(self) -> None:
-        for raw in self._process.stdout:
+        for raw in self._server.process.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self._tail.append(line)
             server_log.debug("%s", line)
@@ -301,9 +292,9 @@ class Server:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         url = f"http://{self._local_host()}:{self.http_port}/v2/health/ready"
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+            if not self._server.alive():
                 self._reader.join(timeout=5)  # the rest of its output
-                reason = failure_reason(list(self._tail)) or f"tritonserver exited {self._process.returncode}"
+                reason = failure_reason(list(self._tail)) or f"tritonserver exited {self._server.process.returncode}"
                 raise UserError(f"Triton did not start serving {self.model_name}: {reason[:500]}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(url, timeout=1) as ready:
@@ -320,12 +311,14 @@ class Server:
 
     def alive(self) -> bool:
         """False once tritonserver has exited."""
-        return self._process is not None and self._process.poll() is None
+        return self._server is not None and self._server.alive()
 
     def dead_stub(self) -> int | None:
-        """The pid of a stub of the model that has died while serving, else None. Triton does not
-        restart it: its /v2/health/ready stays true while every request fails."""
-        return next((stub.pid for stub in self._stubs if not stub.running()), None)
+        """The pid of a stub of the model that has died while serving (tritonserver.StubWatch),
+        else None. Triton does not restart it: its /v2/health/ready stays true while every request
+        fails."""
+        dead = self._server.dead_stub() if self._server is not None else None
+        return dead.pid if dead is not None else None
 
     def server_log_tail(self) -> list[str]:
         return list(self._tail)
@@ -346,32 +339,25 @@ class Server:
         log.warning("%s was still unloading after %d s; stopping tritonserver", self.model_name, DRAIN_TIMEOUT_S)
 
     def _stop_triton(self) -> None:
-        process, self._process = self._process, None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S)
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    "tritonserver did not exit within %d s; killing it", TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S
-                )
-                process.kill()
-                process.wait()
+        server, self._server = self._server, None
+        server.stop(TRITON_EXIT_TIMEOUT_S + TRITON_EXIT_WAIT_S)
         if self._reader is not None:
             self._reader.join(timeout=5)
-        process.stdout.close()
+        server.process.stdout.close()
 
     def stop(self) -> None:
         """Drains and stops: requests in flight are answered, then everything started is released
         (tritonserver and its stub, the workspace, the ports). Idempotent."""
         with self._stopping:
-            if self._serving and self.alive() and self.dead_stub() is None:  # a dead stub cannot drain
+            if (
+                self._serving and self.alive() and all(stub.running() for stub in self._stubs)
+            ):  # a dead one cannot drain
                 try:
                     self._drain()
                 except OSError as exc:  # stopping goes on: tritonserver waits for what is in flight
                     log.warning("could not ask %s to unload before stopping tritonserver: %s", self.model_name, exc)
             self._serving = False
-            if self._process is not None:
+            if self._server is not None:
                 self._stop_triton()
             if self.workspace is not None:
                 end_leftovers(self.workspace, self._shm_prefix)

@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from kvexport.errors import UserError
+from kvexport.serving.triton_router import ROUTING_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -145,83 +146,117 @@ def _stat(process: Path) -> list[str]:
     return (process / "stat").read_text().rsplit(")", 1)[1].split()
 
 
-def _watch(process: subprocess.Popen, workdir: Path, stopping: list[int]) -> int:
-    """Waits for tritonserver, looking at its stubs every WATCH_S; a stub that died stops it
-    (SIGTERM, SIGKILL after STOP_WAIT_S): DEAD_STUB_EXIT then, else tritonserver's exit status."""
-    seen: dict[int, Stub] = {}  # every stub whose region exists: a stub that dies stays here
-    suspects: set[int] = set()  # ended with their region left: dead if still so one look later
-    while True:
-        try:
-            return process.wait(timeout=WATCH_S)
-        except subprocess.TimeoutExpired:
-            pass
-        for stub in stubs(workdir):
-            seen.setdefault(stub.pid, stub)
-        seen = {pid: stub for pid, stub in seen.items() if stub.has_region()}
-        # A model being unloaded may end its stub a moment before Triton removes the region.
-        ended = {pid for pid, stub in seen.items() if not stub.running()}
-        dead = next((seen[pid] for pid in ended & suspects), None)
-        suspects = ended
-        if dead is None or stopping:
-            continue
-        log.error(
-            "error: the Python-backend stub of %s (pid %d) died; Triton would keep reporting ready while "
-            "its requests fail: stopping tritonserver",
-            dead.model,
-            dead.pid,
+class StubWatch:
+    """The rule for a dead Python-backend stub, for both hosts of tritonserver: a stub that has
+    ended while its shared-memory region is still there (a model Triton unloads ends its stub and
+    removes the region, a moment later; a killed stub leaves it), on two looks in a row."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.seen: dict[int, Stub] = {}  # every stub whose region exists: a stub that dies stays here
+        self.suspects: set[int] = set()  # ended with their region left at the last look
+
+    def find(self) -> list[Stub]:
+        """Records the stubs running now; returns every stub recorded. A host that knows its models
+        are loaded finds them at once, so that a stub killed before the next look is not missed."""
+        for stub in stubs(self.workdir):
+            self.seen.setdefault(stub.pid, stub)
+        return list(self.seen.values())
+
+    def look(self) -> Stub | None:
+        """A stub found dead at this look and the one before, else None."""
+        self.find()
+        self.seen = {pid: stub for pid, stub in self.seen.items() if stub.has_region()}
+        ended = {pid for pid, stub in self.seen.items() if not stub.running()}
+        dead = next((self.seen[pid] for pid in ended & self.suspects), None)
+        self.suspects = ended
+        return dead
+
+
+class Supervisor:
+    """tritonserver on a model repository: its backend laid out in `workdir`, the routing header
+    forwarded to the model (which checks it), in a process group of its own (a terminal's Ctrl-C
+    reaches whoever supervises it, once), its stubs watched (StubWatch). `kvexport serve` and a
+    repository's launcher both run tritonserver through it. popen: subprocess.Popen's other
+    arguments (where its output goes)."""
+
+    def __init__(self, workdir: Path, repository: Path, options: list[str], **popen):
+        command, env = prepare(workdir)
+        self.process = subprocess.Popen(
+            [
+                *command,
+                "--model-repository",
+                str(repository.resolve()),
+                "--http-header-forward-pattern",
+                f"^{ROUTING_HEADER}$",
+                "--grpc-header-forward-pattern",
+                f"^{ROUTING_HEADER}$",
+                *options,
+            ],
+            env=env,
+            process_group=0,
+            **popen,
         )
-        process.terminate()
-        try:
-            process.wait(timeout=STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        return DEAD_STUB_EXIT
+        self.watch = StubWatch(workdir)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def dead_stub(self) -> Stub | None:
+        """A stub of its models that died (StubWatch); Triton would keep reporting ready."""
+        return self.watch.look()
+
+    def stop(self, wait_s: float) -> int:
+        """SIGTERM, then SIGKILL when it has not exited within wait_s; its exit status."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not exit within %d s; killing it", wait_s)
+                self.process.kill()
+        return self.process.wait()
 
 
 def run(repo: Path, options: list[str]) -> int:
-    """tritonserver --model-repository REPO OPTIONS, its backend laid out in a temporary directory
-    removed when it exits, the routing header forwarded to the model (which checks it); SIGTERM and
-    SIGINT passed on (it runs in its own process group, so a terminal's Ctrl-C reaches it once); its
-    exit status, or DEAD_STUB_EXIT once a stub died (_watch). Any other way out of here stops it first."""
-    from kvexport.serving.triton_router import ROUTING_HEADER
-
+    """tritonserver --model-repository REPO OPTIONS through a Supervisor whose backend lies in a
+    temporary directory removed when it exits; SIGTERM and SIGINT passed on; its exit status, or
+    DEAD_STUB_EXIT once a stub died: tritonserver is then stopped (SIGKILL after STOP_WAIT_S). Any
+    other way out of here stops it first."""
     if not repo.is_dir():
         raise UserError(f"{repo}: no such model repository")
     received: list[int] = []
-    process: subprocess.Popen | None = None
+    server: Supervisor | None = None
 
     def pass_on(signum, _frame):
         received.append(signum)
-        if process is not None:
-            process.send_signal(signum)
+        if server is not None:
+            server.process.send_signal(signum)
 
     previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         with tempfile.TemporaryDirectory(prefix="kvexport-tritonserver-") as work:
-            command, env = prepare(Path(work))
-            process = subprocess.Popen(
-                [
-                    *command,
-                    "--model-repository",
-                    str(repo.resolve()),
-                    "--http-header-forward-pattern",
-                    f"^{ROUTING_HEADER}$",
-                    "--grpc-header-forward-pattern",
-                    f"^{ROUTING_HEADER}$",
-                    *options,
-                ],
-                env=env,
-                process_group=0,
-            )
+            server = Supervisor(Path(work), repo, options)
             try:
                 if received:  # a signal that came before the server did
-                    process.send_signal(received[0])
-                return _watch(process, Path(work), received)
+                    server.process.send_signal(received[0])
+                while True:
+                    try:
+                        return server.process.wait(timeout=WATCH_S)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    dead = server.dead_stub()
+                    if dead is not None and not received:
+                        log.error(
+                            "error: the Python-backend stub of %s (pid %d) died; Triton would keep reporting "
+                            "ready while its requests fail: stopping tritonserver",
+                            dead.model,
+                            dead.pid,
+                        )
+                        server.stop(STOP_WAIT_S)
+                        return DEAD_STUB_EXIT
             finally:
-                if process.poll() is None:
-                    process.terminate()
-                    process.wait()
+                server.stop(STOP_WAIT_S)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvexport.artifact import TRACE_KEYS
+from kvexport.cached import CachedRanker
 from kvexport.config import Config
 from kvexport.errors import UserError
 from kvexport.io import load_tensor_file
@@ -71,6 +72,7 @@ class _Script:
 
     def __init__(self, config: Config, model: HSTURanker, cache: KVCacheManager):
         self.config, self.model, self.cache = config, model, cache
+        self.cached = CachedRanker(model, cache.name)
         self.workload = _trace_workload(config, model)
         self.steps: list[tuple[TraceStep, torch.Tensor | None]] = []
         self.next_user = 0
@@ -87,7 +89,7 @@ class _Script:
             requests.append(self.workload.request(user, self.config.trace.num_candidates))
         batch = Batch.concat(requests)
         with torch.no_grad():
-            cached = self.model.forward_cached(batch, self.cache.name).cpu()
+            cached = self.cached.run(batch).cpu()
         self.steps.append((TraceStep(description, batch), cached))
         self.progress.step()
 
@@ -102,7 +104,7 @@ class _Script:
         before = self.cache.stats()
         try:
             with torch.no_grad():
-                self.model.forward_cached(batch, self.cache.name)
+                self.cached.run(batch)
         except ValueError:
             if kv.last_error(self.cache.name)[0] != error:
                 raise

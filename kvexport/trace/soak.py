@@ -61,7 +61,7 @@ def remote_hit_ratio(counters: dict[str, int]) -> float | None:
 
 def eager_model_for(artifact: Artifact, checkpoint: Path | None) -> HSTURanker:
     """The eager model with the weights the package was built from (checked by sha256)."""
-    weights = artifact.manifest.get("weights", {"source": "seed", "seed": 0})
+    weights = artifact.manifest.weights
     config = artifact.config
     if weights["source"] == "checkpoint":
         if checkpoint is None:

@@ -96,7 +96,7 @@ def check_integrity(artifact: Artifact) -> int:
     check_manifest_against_package.
     """
     files_checked = check_files(artifact)
-    check_host(artifact.manifest.get("isa", {}))
+    check_host(artifact.manifest.isa)
     check_manifest_against_package(artifact, read_package(artifact.package)[0])
     return files_checked
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvexport.bench.remote import RedisServer
+from kvexport.cached import CachedRanker
 from kvexport.config import Config
 from kvexport.ops import wrappers as kv
 from tests.helpers.configs import tiny_config
@@ -221,7 +222,7 @@ def remote_worker(spec_json: str) -> None:
     kv.attach_remote(config.name, spec["url"], "on_evict")
     batch = returning_user(config, spec["num_appended"])
     with torch.no_grad():
-        cached = model.forward_cached(batch)
+        cached = CachedRanker(model).run(batch)
         full = model(batch)
     cache.evict_user(7)
     stats = wait_for(config.name, "remote_writes", 1)

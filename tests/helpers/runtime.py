@@ -61,9 +61,8 @@ def request(runtime: str, users: dict[int, list[int]], num_candidates: int = 1, 
     tokens = torch.tensor([t for ts in users.values() for t in ts], dtype=torch.int64)
     lengths = torch.tensor([len(ts) for ts in users.values()], dtype=torch.int64)
     candidates = torch.full((len(users),), num_candidates, dtype=torch.int64)
-    new_index, new_positions = kv.begin_batch(
-        runtime, config, user_ids, tokens, lengths, candidates, host_placement()
-    ).tolist()
+    new = kv.begin_batch(runtime, config, user_ids, tokens, lengths, candidates, host_placement())
+    new_index, new_positions = new.index.tolist(), new.positions.tolist()
     firsts = [sum(len(ts) for ts in list(users.values())[:b]) for b in range(len(users))]
     cached = [
         len(ts) - sum(first <= i < first + len(ts) for i in new_index) for first, ts in zip(firsts, users.values())
