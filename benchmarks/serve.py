@@ -42,7 +42,9 @@ import tritonclient.grpc as grpcclient
 
 from kvexport.artifact import open_artifact
 from kvexport.model.batch import random_user
+from kvexport.options import ServeOptions
 from kvexport.serving.repository import shard_names
+from kvexport.serving.triton import serve_command
 
 START_TIMEOUT_S = 120
 CONCURRENCY = (1, 4, 16)
@@ -75,23 +77,9 @@ class Served:
         self.http = http = free_port()
         flag = "--batching" if batching else "--no-batching"
         if route == "serve":
+            options = ServeOptions(address="127.0.0.1", http_port=http, grpc_port=self.grpc, metrics_port=self.metrics)
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvexport",
-                    "serve",
-                    str(artifact),
-                    "--address",
-                    "127.0.0.1",
-                    "--http-port",
-                    str(http),
-                    "--grpc-port",
-                    str(self.grpc),
-                    "--metrics-port",
-                    str(self.metrics),
-                    flag,
-                ],
+                serve_command(artifact, options, flag),
                 stdout=subprocess.PIPE,
                 text=True,
                 start_new_session=True,

@@ -32,6 +32,7 @@ from kvexport.commands.cli import main
 from kvexport.errors import RequestError
 from kvexport.model.batch import UserRequest, random_user
 from kvexport.serving.batcher import BatchScorer, take_batch
+from kvexport.serving.triton import serve_command
 from kvexport.serving.tritonserver import STUB
 from tests.helpers.serving import (
     ATOL,
@@ -64,23 +65,7 @@ class Served:
         self.stdout, self.stderr = logs / "serve.out", logs / "serve.err"
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvexport",
-                    *(["-v"] if verbose else []),
-                    "serve",
-                    str(artifact),
-                    "--address",
-                    "127.0.0.1",
-                    "--http-port",
-                    str(ports.http),
-                    "--grpc-port",
-                    str(ports.grpc),
-                    "--metrics-port",
-                    str(ports.metrics),
-                    *extra,
-                ],
+                serve_command(artifact, ports.options(), *extra, verbose=verbose),
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
@@ -562,21 +547,7 @@ def test_a_tampered_artifact_is_refused_in_one_line_and_nothing_is_left(tiny_art
     ports = server_ports()
     before = set(Path(tempfile.gettempdir()).glob("kvexport-serve-*"))
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvexport",
-            "serve",
-            str(artifact),
-            "--address",
-            "127.0.0.1",
-            "--http-port",
-            str(ports.http),
-            "--grpc-port",
-            str(ports.grpc),
-            "--metrics-port",
-            str(ports.metrics),
-        ],
+        serve_command(artifact, ports.options()),
         capture_output=True,
         text=True,
         timeout=START_TIMEOUT_S,

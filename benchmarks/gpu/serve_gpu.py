@@ -31,6 +31,8 @@ import torch
 from kvexport.artifact import open_artifact
 from kvexport.host.package import load
 from kvexport.model.batch import Batch, UserRequest
+from kvexport.options import ServeOptions
+from kvexport.serving.triton import serve_command
 from kvexport.trace.record import load_trace_step
 
 START_TIMEOUT_S = 600
@@ -49,22 +51,11 @@ class Server:
         self.http = free_port()
         self.log_path = work / "serve.log"
         self._log = self.log_path.open("w")
+        options = ServeOptions(
+            address="127.0.0.1", http_port=self.http, grpc_port=free_port(), metrics_port=free_port()
+        )
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvexport",
-                "serve",
-                str(artifact),
-                "--address",
-                "127.0.0.1",
-                "--http-port",
-                str(self.http),
-                "--grpc-port",
-                str(free_port()),
-                "--metrics-port",
-                str(free_port()),
-            ],
+            serve_command(artifact, options),
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )

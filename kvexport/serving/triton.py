@@ -45,6 +45,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -399,3 +400,25 @@ def serve(out: Path, ready: Callable[[Server], None], options: ServeOptions) -> 
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def serve_command(out: Path, options: ServeOptions, *flags: str, verbose: bool = False) -> list[str]:
+    """The `kvexport serve OUT` command line, run by this Python, at the options' address and ports
+    (then `flags`): for a process that runs a server of its own outside this one."""
+    return [
+        sys.executable,
+        "-m",
+        "kvexport",
+        *(["-v"] if verbose else []),
+        "serve",
+        str(out),
+        "--address",
+        options.address,
+        "--http-port",
+        str(options.http_port),
+        "--grpc-port",
+        str(options.grpc_port),
+        "--metrics-port",
+        str(options.metrics_port),
+        *flags,
+    ]

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from kvexport.commands.cli import main
 from kvexport.model import Batch, build_model
 from kvexport.model.batch import UserRequest, random_user
+from kvexport.options import ServeOptions
 from tests.helpers.network import free_ports
 
 ATOL = 1e-5  # served vs eager full recompute in float32: far above float32 rounding, far below a wrong result
@@ -44,6 +45,10 @@ class Ports:
     http: int
     grpc: int
     metrics: int
+
+    def options(self) -> ServeOptions:
+        """`kvexport serve`'s options on loopback at these ports."""
+        return ServeOptions(address="127.0.0.1", http_port=self.http, grpc_port=self.grpc, metrics_port=self.metrics)
 
 
 def server_ports() -> Ports:
