@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,17 @@ def routed(access_log: Path) -> list[tuple[int, list[str]]]:
     return rows
 
 
+def routed_when(access_log: Path, count: int, timeout_s: float = 10.0) -> list[tuple[int, list[str]]]:
+    """The routed rows once there are `count` of them (or timeout_s passed): nginx logs a request
+    after it has answered it, so the client may have its answer before the line is written."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = routed(access_log)
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.01)
+
+
 @needs_pytriton
 @needs_nginx
 @pytest.mark.slow
@@ -112,7 +124,7 @@ def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(
 
             try:
                 got = send(first)
-                before_stop = len(routed(tmp_path / "access.log"))
+                before_stop = len(routed_when(tmp_path / "access.log", len(first)))
                 a_process.terminate()  # server a goes away mid-run
                 a_process.wait(timeout=60)
                 got += send(second)
@@ -120,7 +132,7 @@ def test_a_consistent_hash_on_the_routing_header_keeps_each_user_on_one_server(
                 client.close()
     for k, (g, w) in enumerate(zip(got, expected)):
         np.testing.assert_allclose(g, w, rtol=0, atol=ATOL, err_msg=f"request {k}")
-    rows = routed(tmp_path / "access.log")
+    rows = routed_when(tmp_path / "access.log", len(first) + len(second))
     assert len(rows) == len(first) + len(second)
     a_addr, b_addr = f"127.0.0.1:{a.http}", f"127.0.0.1:{b.http}"
     server_of: dict[int, set[str]] = {}
