@@ -319,6 +319,9 @@ def main() -> None:
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    failed = [point["error"] for row in results["rows"] for point in row["rounds"] if "error" in point]
+    if failed:
+        raise SystemExit(f"perf_analyzer failed at {len(failed)} point(s): {failed[0]}")
 
 
 if __name__ == "__main__":
