@@ -224,7 +224,9 @@ def crossing(args, config, binary: Path, env: dict, data: Path, work: Path) -> d
                 if "p50_ms" in row[protocol]:
                     row[protocol]["overhead_p50_ms"] = round(row[protocol]["p50_ms"] - row["in_process_p50_ms"], 3)
                 floor = perf_analyzer(binary, env, NULL_MODEL, f"127.0.0.1:{port}", protocol, 1, data)
-                row[protocol]["null_model_p50_ms"] = floor.get("p50_ms", floor.get("error"))
+                row[protocol]["null_model_p50_ms"] = floor.get("p50_ms")
+                if "error" in floor:
+                    row[protocol].setdefault("error", f"null model: {floor['error']}")
             rounds.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -319,7 +321,9 @@ def main() -> None:
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    failed = [point["error"] for row in results["rows"] for point in row["rounds"] if "error" in point]
+    points = [point for row in results["rows"] for point in row["rounds"]]
+    points += [row[p] for row in results.get("crossing", []) for p in args.protocols.split(",") if p in row]
+    failed = [point["error"] for point in points if "error" in point]
     if failed:
         raise SystemExit(f"perf_analyzer failed at {len(failed)} point(s): {failed[0]}")
 

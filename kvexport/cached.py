@@ -1,7 +1,8 @@
 """The model driven through the cache runtime (docs/design.md §3.1): the KV-cached module that
 `kvexport build` exports, the step program's device part, and the eager cached route the trace
-and benchmarks run. The model (kvexport.model.hstu) holds the math; the runtime's op sequence is
-here, once per route."""
+and benchmarks run. The model (kvexport.model.hstu) holds the math; the modules that drive it
+through the runtime's ops are here, one per route (the step route's host part, planning and
+committing a request, is kvexport.host.step_runner's)."""
 
 from __future__ import annotations
 
