@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import kvexport
 from kvexport.cached import CachedRanker
 from kvexport.commands.cli import main
-from kvexport.config import config_from_dict, load_config
+from kvexport.config import FP8_PAGES, config_from_dict, load_config
 from kvexport.importers import nvidia_ranking
 from kvexport.importers.nvidia import read_gin
 from kvexport.importers.nvidia_ranking import import_nvidia
@@ -23,6 +23,7 @@ from kvexport.model import build_model
 from kvexport.model.batch import Batch, UserRequest
 from kvexport.ops.manager import KVCacheManager
 from kvexport.options import NvidiaOptions
+from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, unrounded_model
 from tests.helpers import nvidia_fixture as fx
 from tests.helpers.nvidia_reference import nvidia_ranking_forward
 
@@ -128,6 +129,23 @@ def test_the_imported_model_is_recsys_examples_forward(imported):
         assert cache.stats()["hit_tokens"] > 0
     finally:
         cache.close()
+
+
+def test_fp8_pages_of_the_imported_checkpoint_keep_the_invariant_within_the_bound(imported):
+    """The imported checkpoint with kv_cache.dtype float8_e4m3: the cached path equals the full
+    recompute (both over FP8-rounded prefix k/v), the rounding reaches the logits, and they stay
+    within the build's FP8 bound of recsys-examples' own forward (unrounded)."""
+    out, gin_file, state, tables, features = imported
+    raw = load_config(out / "model.yaml").to_dict()
+    config = config_from_dict({**raw, "kv_cache": {**raw["kv_cache"], "dtype": FP8_PAGES}})
+    model = build_model(config, out / "model.pt")
+    batch = batch_of(USERS, features)
+    with torch.no_grad():
+        full = model(batch)
+        torch.testing.assert_close(CachedRanker(model).run(batch), full, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(full, unrounded_model(model)(batch))
+    unrounded = reference(state, tables, gin_file, USERS, features)
+    assert float((full - unrounded).abs().max() / unrounded.abs().max()) < FP8_MAX_RELATIVE_ERROR
 
 
 @pytest.mark.slow

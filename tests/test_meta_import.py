@@ -23,12 +23,13 @@ from click.testing import CliRunner
 from kvexport.artifact import TRACE_KEYS
 from kvexport.cached import CachedRanker
 from kvexport.commands.cli import main
-from kvexport.config import load_config
+from kvexport.config import FP8_PAGES, config_from_dict, load_config
 from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model import build_model
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops.manager import KVCacheManager
 from kvexport.options import MetaOptions
+from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, unrounded_model
 from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.helpers import ROOT
 from tests.helpers.artifacts import assert_verifies_and_replays
@@ -160,6 +161,25 @@ def test_eager_full_and_cached_match_the_reference(imported):
         assert cache.stats()["hit_tokens"] > 0
     finally:
         cache.close()
+
+
+def test_fp8_pages_of_the_imported_checkpoint_keep_the_invariant_within_the_bound(imported):
+    """The imported checkpoint with kv_cache.dtype float8_e4m3: the cached path equals the full
+    recompute (both over FP8-rounded prefix k/v), the rounding reaches the logits, and they stay
+    within the build's FP8 bound of the trainer's own forward (unrounded)."""
+    out, _ = imported
+    raw = load_config(out / "dlrm.yaml").to_dict()
+    config = config_from_dict({**raw, "kv_cache": {**raw["kv_cache"], "dtype": FP8_PAGES}})
+    model = build_model(config, out / "dlrm.pt")
+    spec = WorkloadSpec(4, min_history_length=4, max_history_length=MAX_HISTORY, max_new_events=3, num_candidates=4)
+    context_keys = [list(range(TABLE_ROWS[t])) for t in FEATURES.contextual_tables]
+    batch = Workload(config.model, spec, seed=2, context_keys=context_keys).next_batch(4)
+    with torch.no_grad():
+        full = model(batch)
+        torch.testing.assert_close(CachedRanker(model).run(batch), full, rtol=0, atol=TOLERANCE)
+        assert not torch.equal(full, unrounded_model(model)(batch))
+    unrounded = reference(batch, config)
+    assert float((full - unrounded).abs().max() / unrounded.abs().max()) < FP8_MAX_RELATIVE_ERROR
 
 
 def noise(t: torch.Tensor) -> torch.Tensor:
