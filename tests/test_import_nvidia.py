@@ -21,6 +21,7 @@ from kvexport.importers.nvidia import read_gin
 from kvexport.importers.nvidia_ranking import import_nvidia
 from kvexport.model import build_model
 from kvexport.model.batch import Batch, UserRequest
+from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.options import NvidiaOptions
 from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, unrounded_model
@@ -140,10 +141,13 @@ def test_fp8_pages_of_the_imported_checkpoint_keep_the_invariant_within_the_boun
     config = config_from_dict({**raw, "kv_cache": {**raw["kv_cache"], "dtype": FP8_PAGES}})
     model = build_model(config, out / "model.pt")
     batch = batch_of(USERS, features)
-    with torch.no_grad():
-        full = model(batch)
-        torch.testing.assert_close(CachedRanker(model).run(batch), full, rtol=1e-5, atol=1e-5)
-        assert not torch.equal(full, unrounded_model(model)(batch))
+    try:
+        with torch.no_grad():
+            full = model(batch)
+            torch.testing.assert_close(CachedRanker(model, "nvidia-fp8").run(batch), full, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(full, unrounded_model(model)(batch))
+    finally:
+        kv.drop_runtime("nvidia-fp8")
     unrounded = reference(state, tables, gin_file, USERS, features)
     assert float((full - unrounded).abs().max() / unrounded.abs().max()) < FP8_MAX_RELATIVE_ERROR
 

@@ -27,6 +27,7 @@ from kvexport.config import FP8_PAGES, config_from_dict, load_config
 from kvexport.importers import meta_dlrmv3 as meta
 from kvexport.model import build_model
 from kvexport.model.batch import SIGNATURE, Batch, random_batch
+from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.options import MetaOptions
 from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, unrounded_model
@@ -174,10 +175,13 @@ def test_fp8_pages_of_the_imported_checkpoint_keep_the_invariant_within_the_boun
     spec = WorkloadSpec(4, min_history_length=4, max_history_length=MAX_HISTORY, max_new_events=3, num_candidates=4)
     context_keys = [list(range(TABLE_ROWS[t])) for t in FEATURES.contextual_tables]
     batch = Workload(config.model, spec, seed=2, context_keys=context_keys).next_batch(4)
-    with torch.no_grad():
-        full = model(batch)
-        torch.testing.assert_close(CachedRanker(model).run(batch), full, rtol=0, atol=TOLERANCE)
-        assert not torch.equal(full, unrounded_model(model)(batch))
+    try:
+        with torch.no_grad():
+            full = model(batch)
+            torch.testing.assert_close(CachedRanker(model, "meta-fp8").run(batch), full, rtol=0, atol=TOLERANCE)
+            assert not torch.equal(full, unrounded_model(model)(batch))
+    finally:
+        kv.drop_runtime("meta-fp8")
     unrounded = reference(batch, config)
     assert float((full - unrounded).abs().max() / unrounded.abs().max()) < FP8_MAX_RELATIVE_ERROR
 
