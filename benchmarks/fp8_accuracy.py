@@ -26,6 +26,7 @@ from kvexport.config import FP8_PAGES, load_config
 from kvexport.model import Batch, build_model
 from kvexport.ops import library
 from kvexport.ops import wrappers as kv
+from kvexport.trace.ranking import roc_auc
 from kvexport.trace.workload import Workload, WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,14 +43,6 @@ def configs(own_dtype: str):
         base, model=model, serving=serving, kv_cache=dataclasses.replace(base.kv_cache, dtype=own_dtype)
     )
     return own, dataclasses.replace(own, kv_cache=dataclasses.replace(own.kv_cache, dtype=FP8_PAGES))
-
-
-def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mann-Whitney AUC (ties count half)."""
-    positive, negative = scores[labels], scores[~labels]
-    greater = (positive[:, None] > negative[None, :]).double().sum()
-    ties = (positive[:, None] == negative[None, :]).double().sum()
-    return float((greater + 0.5 * ties) / (positive.numel() * negative.numel()))
 
 
 def accuracy(args) -> dict:

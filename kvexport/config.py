@@ -4,7 +4,8 @@ Layout of a config file::
 
     name: hstu-tiny
     model:    {num_layers, hidden_size, num_heads, head_dim, ...}
-    kv_cache: {page_size, device_pages, host_pages, remote_read_budget_us, remote_ttl_s, dtype}
+    kv_cache: {page_size, device_pages, host_pages, remote_read_budget_us, remote_ttl_s, dtype,
+               fp8_max_ranking_drop}
     serving:  {max_batch_size, device, cpu_isa}
     trace:    {seed, num_users, ...}
 
@@ -189,6 +190,9 @@ class KVCacheConfig:
     # How pages store keys and values: the model's dtype (left out: filled in from model.dtype) or
     # float8_e4m3 (docs/design.md §2.7).
     dtype: str = ""
+    # With FP8 pages, how far their top-10 order kept and ROC-AUC may fall below the model's own
+    # dtype's on the build's ranking check before the build is refused (kvexport/trace/ranking.py).
+    fp8_max_ranking_drop: float = 0.001
 
     @property
     def fp8_pages(self) -> bool:
@@ -216,6 +220,8 @@ class TraceConfig:
     max_trace_history_length: int = 64
     max_new_events: int = 8
     num_candidates: int = 8
+    # Fresh users of the FP8 ranking check (FP8 pages only; kvexport/trace/ranking.py).
+    ranking_users: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,6 +467,8 @@ def _check(config: Config) -> None:
     _positive("kv_cache", remote_read_budget_us=c.remote_read_budget_us)
     if c.remote_ttl_s < 0:
         raise ConfigError(f"kv_cache.remote_ttl_s must be >= 0 (0: entries never expire), got {c.remote_ttl_s}")
+    if not (math.isfinite(c.fp8_max_ranking_drop) and 0 <= c.fp8_max_ranking_drop <= 1):
+        raise ConfigError(f"kv_cache.fp8_max_ranking_drop must be a number in [0, 1], got {c.fp8_max_ranking_drop}")
     pages_per_user = c.pages_for(m.max_prefix_length)
     if c.device_pages < pages_per_user:
         raise ConfigError(
@@ -479,6 +487,7 @@ def _check(config: Config) -> None:
         min_history_length=t.min_history_length,
         max_new_events=t.max_new_events,
         num_candidates=t.num_candidates,
+        ranking_users=t.ranking_users,
     )
     if not t.min_history_length <= t.max_trace_history_length <= m.max_history_length:
         raise ConfigError(

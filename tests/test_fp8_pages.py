@@ -324,6 +324,8 @@ def test_soak_of_an_fp8_package_has_no_mismatch_under_eviction(fp8_artifact, tin
         assert report["counters"][name] > 10, name
     manifest = open_artifact(fp8_artifact).manifest
     assert manifest.tolerance["atol"] < manifest.fp8_distance["max_abs"], manifest.fp8_distance
+    ranking = manifest.fields["fp8_ranking"]  # the build's ranking check ran, and passed
+    assert ranking["users"] == 64 and ranking["top10_drop"]["lower"] <= ranking["bound"], ranking
 
 
 # ---- config and refusals ----------------------------------------------------------------------------

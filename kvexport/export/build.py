@@ -35,6 +35,7 @@ from kvexport.native.build import build_native
 from kvexport.native.paths import NATIVE_ISA, OPS_LIBRARY, OPS_LIBRARY_NAME
 from kvexport.native.selftest import run_self_test
 from kvexport.ops import library
+from kvexport.trace.ranking import measure_ranking
 from kvexport.trace.record import record_trace
 
 log = logging.getLogger(__name__)
@@ -249,6 +250,20 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
         ops = graph_custom_ops(program)
     with stages.stage("trace", "recording requests with eager cached, full-recompute and float32 reference outputs"):
         trace = record_trace(config, model, staging / artifact.TRACE_DIR)
+        ranking = measure_ranking(config, model, torch.device(device), log) if config.kv_cache.fp8_pages else None
+        if ranking is not None:
+            log.info(
+                "  FP8 ranking check, %d users: top-10 order kept %.4f (own dtype %.4f); drop %.4f "
+                "(95%% lower end %.4f); worst task's ROC-AUC drop %.4f (%.4f)",
+                ranking.users,
+                ranking.top10_kept["fp8"],
+                ranking.top10_kept["own"],
+                ranking.top10_drop.estimate,
+                ranking.top10_drop.lower,
+                ranking.auc_drop.estimate,
+                ranking.auc_drop.lower,
+            )
+            ranking.check(config.name)
         steps = trace.steps
         trace_files = artifact.hash_files(staging)
     libraries = required_libraries(ops)
@@ -303,6 +318,7 @@ def _write_artifact(config: Config, staging: Path, checkpoint: Path | None, devi
             **({"step_program": step} if step else {}),
             "trace": {"steps": steps},
             **({"fp8_distance": trace.unrounded_distance} if trace.unrounded_distance else {}),
+            **({"fp8_ranking": ranking.fields()} if ranking else {}),
             "files": artifact.hash_files(staging),
         }
     with stages.stage("self-test", "a refused request through the package in a fresh process"):
