@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,16 @@ from kvexport.commands.cli import main
 from kvexport.config import FP8_CUDA_REFUSAL, ConfigError
 from kvexport.errors import UserError
 from kvexport.model import build_model
+from kvexport.model.batch import Batch
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, Fp8Distance
+from kvexport.trace.replay import replay_command
+from kvexport.trace.verify import verify_artifact
 from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.helpers.attention import ALPHA, INV_S, reference_paged_attention
 from tests.helpers.configs import tiny_config, tiny_raw, write_config
+from tests.helpers.hostile import good_request, package_corpus, run_plain_host
 from tests.helpers.runtime import scratch_runtime
 
 E4M3_MAX = 448.0
@@ -326,6 +331,41 @@ def test_soak_of_an_fp8_package_has_no_mismatch_under_eviction(fp8_artifact, tin
     assert manifest.tolerance["atol"] < manifest.fp8_distance["max_abs"], manifest.fp8_distance
     ranking = manifest.fields["fp8_ranking"]  # the build's ranking check ran, and passed
     assert ranking["users"] == 64 and ranking["top10_drop"]["lower"] <= ranking["bound"], ranking
+
+
+@pytest.fixture(scope="module")
+def fp8_corpus(fp8_artifact, tiny_checkpoint, tmp_path_factory) -> Path:
+    """Hostile requests, and valid ones with the FP8 model's eager full recompute (no cache)."""
+    config = open_artifact(fp8_artifact).manifest.config
+    model = build_model(config, checkpoint=tiny_checkpoint)
+    good = []
+    for first_user in (100, 200, 300, 400):
+        request = good_request(config, first_user)
+        with torch.no_grad():
+            good.append([request, model(Batch(**request))])
+    path = tmp_path_factory.mktemp("fp8-corpus") / "corpus.pt"
+    torch.save({"hostile": [list(entry) for entry in package_corpus(config)], "good": good}, path)
+    return path
+
+
+@pytest.mark.slow
+def test_plain_torch_host_on_eight_threads_scores_an_fp8_package_exactly(fp8_artifact, fp8_corpus):
+    """A host of plain torch and the op library (no kvexport): valid requests equal the eager FP8
+    recompute, hostile ones are refused, on eight threads at once."""
+    assert run_plain_host(fp8_artifact, fp8_corpus, "threads")["failures"] == []
+
+
+@pytest.mark.slow
+def test_fp8_package_verifies_in_python_and_replays_in_the_cpp_harness(fp8_artifact, tmp_path):
+    python = verify_artifact(fp8_artifact).to_json()
+    report_path = tmp_path / "replay.json"
+    result = subprocess.run(replay_command(fp8_artifact, report_path), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    cpp = json.loads(report_path.read_text())
+    assert python["passed"] and cpp["passed"]
+    assert [c["description"] for c in cpp["steps"]] == [p["description"] for p in python["steps"]]
+    for c, p in zip(cpp["steps"], python["steps"]):
+        assert c["vs_full"]["max_abs"] == pytest.approx(p["vs_full"]["max_abs"], abs=1e-7), c["description"]
 
 
 # ---- config and refusals ----------------------------------------------------------------------------
