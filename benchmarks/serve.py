@@ -243,9 +243,9 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     latencies: list[list[float]] = [[] for _ in range(clients)]
     time.sleep(0.2)  # the model publishes its counters a moment after each batch
     batches, users = served.metric("kvexport_batches_total"), served.metric("kvexport_batch_users_total")
-    # Triton's counters of the models that score: the shards behind a router, or the one model.
-    scoring = tuple(shard_names(model, served.shards)) if served.shards > 1 else (model,)
-    triton = {name: served.metric(name, scoring) for name in TRITON_COUNTERS}
+    # Triton's counters of the models that score: the router (shard 0) and the other shards, or the one model.
+    scoring = (model, *shard_names(model, served.shards))
+    triton = {(m, name): served.metric(name, (m,)) for m in scoring for name in TRITON_COUNTERS}
     server_cpu, client_cpu = served.cpu_seconds(), time.process_time()
     start = time.monotonic()
     stop = start + seconds
@@ -271,12 +271,14 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     server_cpu, client_cpu = served.cpu_seconds() - server_cpu, time.process_time() - client_cpu
     flat = np.array([value for values in latencies for value in values]) * 1e3
     time.sleep(0.2)
-    triton = {name: served.metric(name, scoring) - before for name, before in triton.items()}
-    # Triton adds a batch's compute time once per request of the batch: once per execution is the busy time.
-    busy_us = (
-        triton["nv_inference_compute_infer_duration_us"]
-        * triton["nv_inference_exec_count"]
-        / max(triton["nv_inference_request_success"], 1)
+    triton = {key: served.metric(key[1], (key[0],)) - before for key, before in triton.items()}
+    # Triton adds a batch's compute time once per request of the batch: once per execution is the
+    # busy time, model by model (the router's waves and its shards' packs are counted apart).
+    busy_us = sum(
+        triton[m, "nv_inference_compute_infer_duration_us"]
+        * triton[m, "nv_inference_exec_count"]
+        / max(triton[m, "nv_inference_request_success"], 1)
+        for m in scoring
     )
     batches = served.metric("kvexport_batches_total") - batches
     users = served.metric("kvexport_batch_users_total") - users

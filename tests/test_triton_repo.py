@@ -345,32 +345,31 @@ def test_a_request_that_makes_the_model_raise_fails_alone(tiny_artifact, tmp_pat
     assert log_text.count("kvexport: a request failed unexpectedly") == 1
 
 
-def test_with_several_shards_a_router_fronts_one_instance_per_shard_and_the_artifact_is_copied_once(
+def test_with_several_shards_the_router_holds_shard_0_and_one_instance_per_other_shard_and_the_artifact_is_copied_once(
     tiny_artifact, tmp_path
 ):
     repo = tmp_path / "repo"
     write_repo(tiny_artifact, repo, "--instances", "3", "--python-path", str(tmp_path))
     assert sorted(p.name for p in repo.iterdir()) == [
         "hstu-tiny",
-        "hstu-tiny_shard0",
         "hstu-tiny_shard1",
         "hstu-tiny_shard2",
         "tritonserver",
     ]
     router = (repo / "hstu-tiny" / "config.pbtxt").read_text()
-    assert (
-        'parameters: { key: "shards" value: { string_value: "hstu-tiny_shard0,hstu-tiny_shard1,hstu-tiny_shard2" } }'
-        in router
-    )
+    assert 'parameters: { key: "shards" value: { string_value: "hstu-tiny_shard1,hstu-tiny_shard2" } }' in router
+    assert 'key: "artifact" value: { string_value: "../artifact" }' in router
+    assert 'key: "route_key" value: { string_value: "../route.key" }' in router and "routed" not in router
     assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in router
-    assert (repo / "hstu-tiny" / "1" / "model.py").read_text().startswith('"""kvexport\'s routing model')
+    assert (repo / "hstu-tiny" / "1" / "model.py").read_text().startswith('"""kvexport\'s model for Triton')
     assert (repo / "hstu-tiny" / "artifact" / "manifest.json").is_file()
-    for i in range(3):
+    assert (repo / "hstu-tiny" / "1" / "../artifact").resolve() == (repo / "hstu-tiny" / "artifact").resolve()
+    for i in (1, 2):
         shard = repo / f"hstu-tiny_shard{i}"
         config = (shard / "config.pbtxt").read_text()
         assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in config
         assert 'key: "artifact" value: { string_value: "../../hstu-tiny/artifact" }' in config
-        assert 'key: "routed" value: { string_value: "true" }' in config
+        assert 'key: "routed" value: { string_value: "true" }' in config and 'key: "shards"' not in config
         assert not (shard / "1" / "artifact").exists()
         # The parameter is relative to model.py's folder, as the model reads it.
         assert (shard / "1" / "../../hstu-tiny/artifact").resolve() == (repo / "hstu-tiny" / "artifact").resolve()
@@ -505,14 +504,14 @@ def test_no_shard_answers_a_client_and_the_public_model_still_answers_exactly(
     expected = "pack: this model takes packs from the model hstu-tiny only; send each user's request to hstu-tiny"
     with plain_tritonserver(tiny_artifact, tmp_path, options=("--instances", "2")) as (ports, server_log, _):
         for protocol in ("http", "grpc"):
-            client = Client(protocol, ports, "hstu-tiny_shard0")
+            client = Client(protocol, ports, "hstu-tiny_shard1")
             try:
                 for name, array in crafted.items():
                     for parameters in (None, {ROUTE_KEY_PARAMETER: "0" * 64}):
                         tensor = client.module.InferInput(PACK, list(array.shape), "INT64")
                         tensor.set_data_from_numpy(array)
                         with pytest.raises(InferenceServerException) as refused:
-                            client.client.infer("hstu-tiny_shard0", [tensor], parameters=parameters)
+                            client.client.infer("hstu-tiny_shard1", [tensor], parameters=parameters)
                         message = refused.value.message()
                         assert message.endswith(expected), (protocol, name, message)
                         assert len(message.splitlines()) == 1 and ".py" not in message and "/" not in message
@@ -528,10 +527,16 @@ def test_no_shard_answers_a_client_and_the_public_model_still_answers_exactly(
         scrape = settled_scrape(ports.metrics)
     assert max(float(np.abs(g - w).max()) for g, w in zip(got, eager(requests))) <= ATOL
     served = [
-        metric(scrape, "kvexport_requests_total", instance=f"hstu-tiny_shard{i}_0_0", result="ok") for i in range(2)
+        metric(scrape, "kvexport_requests_total", instance=instance, result="ok")
+        for instance in shard_instances("hstu-tiny", 2)
     ]
     assert sum(served) == 3
     assert "Traceback" not in server_log.read_text()
+
+
+def shard_instances(model: str, shards: int) -> list[str]:
+    """The Triton instance names of shards 0..K-1: the router's one instance, then each shard model's."""
+    return [f"{model}_0_0", *(f"{model}_shard{i}_0_0" for i in range(1, shards))]
 
 
 @needs_pytriton
@@ -539,7 +544,7 @@ def test_no_shard_answers_a_client_and_the_public_model_still_answers_exactly(
 def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager_recompute(
     tiny_artifact, tiny_config, tmp_path, eager
 ):
-    """16 clients, 24 returning users, 3 shards behind the router: every answer equals the eager
+    """16 clients, 24 returning users, 3 shards (the router's own and two behind it): every answer equals the eager
     full recompute, each shard scored exactly the requests of the users that hash to it (its
     instance's kvexport counters), and a refusal is still the client's 400, alone."""
     from tritonclient.utils import InferenceServerException
@@ -557,8 +562,8 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
 
         def served(text: str) -> list[float]:  # the requests each shard's one instance scored
             return [
-                metric(text, "kvexport_requests_total", instance=f"hstu-tiny_shard{i}_0_0", result="ok")
-                for i in range(3)
+                metric(text, "kvexport_requests_total", instance=instance, result="ok")
+                for instance in shard_instances("hstu-tiny", 3)
             ]
 
         after = scrape_when(ports.metrics, lambda text: "kvexport_requests_total" in text and sum(served(text)) >= 160)
@@ -653,7 +658,7 @@ def test_a_users_requests_in_flight_together_run_in_arrival_order_on_their_shard
 
     def truncations_and_lookups(text: str) -> tuple[float, float]:
         return tuple(
-            sum(metric(text, f"kvexport_cache_{name}_total", instance=f"hstu-tiny_shard{i}_0_0") for i in range(2))
+            sum(metric(text, f"kvexport_cache_{name}_total", instance=i) for i in shard_instances("hstu-tiny", 2))
             for name in ("prefix_truncations", "lookups")
         )
 

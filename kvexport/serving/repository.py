@@ -11,24 +11,26 @@
                                     the `artifact` parameter names it where it is
 
 With several shards (--instances K on the host, or --gpus N, each GPU a shard: K x N of them) the
-clients' model is a router (kvexport/serving/triton_router.py, one instance) in front of the shards:
-    REPO/<name>/1/model.py          kvexport/serving/triton_router.py: each user's requests to the
-                                    shard their user id hashes to, so they meet their cache
+clients' model is the router, which holds shard 0 and sends each other user to the shard their id
+hashes to (kvexport/serving/triton_router.py), so a user's requests meet their cache:
+    REPO/<name>/1/model.py          kvexport/serving/triton_model.py, one instance (on GPU 0 for a
+                                    CUDA package), its `shards` parameter naming the other shards
     REPO/<name>/artifact/           the artifact, copied once (a model's non-numeric folder, which
                                     Triton does not read as a version)
     REPO/<name>/route.key           the router's key, which every pack it sends a shard carries: a
                                     shard refuses any other request (clients can call any model)
-    REPO/<name>_shard<i>/           one instance (on GPU i mod N for a CUDA package) of the model
-                                    above, taking the router's packs of users (shard_config), its
-                                    `artifact` parameter the router's copy, relative
+    REPO/<name>_shard<i>/           i = 1..K-1: one instance (on GPU i mod N for a CUDA package) of
+                                    the same model, taking the router's packs of users
+                                    (shard_config), its `artifact` parameter the router's copy
 
 The model's parameters (Triton's `parameters`, strings; triton_model.py reads them):
     artifact                the artifact's path (relative: to model.py's folder), when it is not
                             copied beside model.py
-    shards                  the router's: its shard models' names, in shard order (shard_names)
+    shards                  the router's: the other shards' model names, shards 1..K-1 in order
     routed                  "true" in a shard: it takes the router's packs of users, and only them
-    router, route_key       a shard's: its router's name, and the router's key file (relative to the
-                            shard's model.py), which a pack must carry (triton_router.ROUTE_KEY_FILE)
+    router                  a shard's: its router's name (named in its refusals)
+    route_key               the router's key file (relative to model.py's folder), which the router's
+                            packs carry and a shard requires (triton_router.ROUTE_KEY_FILE)
     drain_file              a file whose appearance asks the model to unload itself (`kvexport serve`'s
                             stop; needs Triton's explicit model control)
     python_path             site directories for the Python backend's interpreter (os.pathsep)
@@ -72,7 +74,6 @@ LAUNCHER_SCRIPT = """#!/bin/sh
 exec {python} -m kvexport.serving.tritonserver "$(dirname "$0")" "$@"
 """
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
-ROUTER_FILE = Path(__file__).with_name("triton_router.py")
 # One execution of the model (a Triton batch) takes up to this many package calls' worth of users:
 # the Python-backend stub's round trip, comparable to a small package call, is then paid once for all
 # of them (kvexport.serving.batcher splits the batch into package calls), which raises throughput
@@ -154,8 +155,8 @@ def model_config(
 
 
 def shard_names(name: str, shards: int) -> list[str]:
-    """The shard models' names behind the router of model `name`, in shard order."""
-    return [f"{name}_shard{i}" for i in range(shards)]
+    """The internal shard models' names of the router `name` (which holds shard 0): shards 1..K-1."""
+    return [f"{name}_shard{i}" for i in range(1, shards)]
 
 
 def _parameter_lines(parameters: dict[str, str]) -> list[str]:
@@ -268,26 +269,34 @@ def write_repository(
             if copy_artifact:
                 shutil.copytree(artifact.root, model / "1" / "artifact")
         else:
+            # The public model holds shard 0 and gathers a wave (one request without batching); the
+            # other shards split their packs in package calls.
             names = shard_names(name, shards)
-            # The router gathers a wave (one request without batching); a shard splits its pack in package calls.
+            if copy_artifact:
+                shutil.copytree(artifact.root, model / "artifact")
+                parameters["artifact"] = os.path.join("..", "artifact")
+            write_route_key(model / ROUTE_KEY_FILE)
+            public = {**parameters, "shards": ",".join(names), "route_key": os.path.join("..", ROUTE_KEY_FILE)}
             (model / "config.pbtxt").write_text(
                 model_config(
                     name,
                     triton_batch_size(max_batch_size) * shards if batching else 1,
                     *dims,
-                    "cpu",
+                    device,
                     1,
-                    {"shards": ",".join(names), "threads": str(threads), **common},
-                    batching=True,
+                    public,
+                    True,
+                    range(1),
                 )
             )
-            shutil.copyfile(ROUTER_FILE, model / "1" / "model.py")
-            if copy_artifact:
-                shutil.copytree(artifact.root, model / "artifact")
-                parameters["artifact"] = os.path.join("..", "..", name, "artifact")
-            write_route_key(model / ROUTE_KEY_FILE)
-            parameters.update(routed="true", router=name, route_key=os.path.join("..", "..", name, ROUTE_KEY_FILE))
-            for i, shard in enumerate(names):
+            shutil.copyfile(MODEL_FILE, model / "1" / "model.py")
+            parameters.update(
+                routed="true",
+                router=name,
+                artifact=os.path.join("..", "..", name, "artifact") if copy_artifact else parameters["artifact"],
+                route_key=os.path.join("..", "..", name, ROUTE_KEY_FILE),
+            )
+            for i, shard in enumerate(names, start=1):
                 (staging / shard / "1").mkdir(parents=True)
                 (staging / shard / "config.pbtxt").write_text(
                     shard_config(shard, config.model.num_tasks, device, parameters, gpu=i % gpus)

@@ -11,14 +11,17 @@ adds site directories (a virtual environment's) to the stub's interpreter first.
 Triton batch as calls of distinct users in arrival order (kvexport.serving.batcher) and answers
 every request alone: its logits, or its own error — a refused request its one-line message with
 INVALID_ARG (HTTP 400), a capacity refusal UNAVAILABLE (HTTP 503, retryable), an unexpected failure
-INTERNAL, logged once with its traceback. A shard behind kvexport's router (the `routed`
-parameter) takes packs instead, several users in the package's batch format, and answers each pack
-with their logits and refusals (kvexport.serving.triton_router). A moment after each batch (at most
+INTERNAL, logged once with its traceback. With several shards the model clients call is the router
+(the `shards` parameter names the others): it scores shard 0's users and sends each other shard its
+users in one pack a wave; a shard (the `routed` parameter) takes packs instead, several users in the
+package's batch format, and answers each pack with their logits and refusals
+(kvexport.serving.triton_router). A moment after each batch (at most
 every 50 ms), a thread publishes kvexport's counters (the cache's, the batches', the requests')
 through the Python backend's custom metrics API, on Triton's own metrics port
 (kvexport.serving.metrics names them).
 """
 
+import asyncio
 import hmac
 import json
 import os
@@ -75,11 +78,19 @@ class TritonPythonModel:
         self.package = load_warm(artifact, remote, parameters.get("remote_write") or DEFAULT_WRITE_POLICY, device)
         self.scorer = BatchScorer(self.package)
         self.num_tasks = self.package.num_tasks
-        if self.routed:  # the router's key (triton_router.ROUTE_KEY_FILE), named relative to this folder
+        # The public model of several shards holds shard 0 and sends the other shards their users.
+        self.other_shards = [n for n in parameters.get("shards", "").split(",") if n]
+        if self.routed or self.other_shards:  # the key (triton_router.ROUTE_KEY_FILE), relative to this folder
             here = os.path.dirname(os.path.abspath(__file__))
             self.route_key = triton_router.read_route_key(os.path.join(here, parameters["route_key"]))
             self.router_name = parameters.get("router", "the router")
             self.context_width = self.package.config.model.context_width
+        if self.other_shards:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # Shard 0's users are scored on this thread while the event loop carries the other
+            # shards' packs: the package call releases the GIL.
+            self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvexport-shard0")
         self.metric_families, self.published = {}, {}
         self._publish_metrics()
         self.scored, self.finalizing = threading.Event(), threading.Event()
@@ -97,6 +108,8 @@ class TritonPythonModel:
     def execute(self, requests):
         """Each request's answer. A failure outside any one request's scoring (a bug) fails the
         batch's requests with one line each; the server's log has its traceback."""
+        if self.other_shards:
+            return self._route(requests)  # a coroutine: the stub runs it on its event loop
         try:
             if self.routed:
                 return [self._execute_pack(request) for request in requests]
@@ -117,6 +130,52 @@ class TritonPythonModel:
         results = [next(scored) if result is None else result for result in results]
         self.scored.set()
         return [self._response(result) for result in results]
+
+    async def _route(self, requests):
+        """The public model of K shards: each user to the shard their id hashes to, shard 0's here,
+        the others' packed per shard and sent at once (BLS), answered as each shard answered."""
+        try:
+            return await self._route_wave(requests)
+        except Exception as exc:  # noqa: BLE001 — logged; a client never sees the server's files
+            self.logger.log_error(f"kvexport: a wave failed unexpectedly\n{traceback.format_exc()}")
+            error = pb_utils.TritonError(self._message(exc), pb_utils.TritonError.INTERNAL)
+            return [pb_utils.InferenceResponse(error=error) for _ in requests]
+
+    async def _route_wave(self, requests):
+        torch, router = self.torch, self.router
+        inputs = [{name: self._array(request, name) for name in self.input_names} for request in requests]
+        responses = [None] * len(requests)
+        members = {}  # shard -> its requests' indices, in arrival order
+        for index, (request, one) in enumerate(zip(requests, inputs)):
+            user_id = int(one["user_id"].reshape(-1)[0])
+            mismatch = router.routing_key_error(request.parameters(), user_id)
+            if mismatch is not None:
+                responses[index] = self._response(self.request_error(mismatch))
+                continue
+            members.setdefault(router.shard_of(user_id, len(self.other_shards) + 1), []).append(index)
+        local = members.pop(0, [])
+        calls = []
+        for shard, indices in members.items():
+            packed = router.pack(torch, [{k: torch.from_numpy(v) for k, v in inputs[i].items()} for i in indices])
+            calls.append(
+                pb_utils.InferenceRequest(
+                    model_name=self.other_shards[shard - 1],
+                    inputs=[pb_utils.Tensor.from_dlpack(router.PACK, packed)],
+                    requested_output_names=[self.output_name, router.ERRORS],
+                    parameters={router.ROUTE_KEY_PARAMETER: self.route_key},
+                ).async_exec()
+            )
+        scoring = asyncio.get_running_loop().run_in_executor(self.local, self._score, [inputs[i] for i in local])
+        scored, *answers = await asyncio.gather(scoring, *calls)
+        for index, result in zip(local, scored):
+            responses[index] = self._response(result)
+        for indices, answer in zip(members.values(), answers):
+            counts = [inputs[i]["candidate_ids"].size for i in indices]
+            answered = router.pack_responses(pb_utils, torch, answer, counts, self.output_name)
+            for index, response in zip(indices, answered):
+                responses[index] = response
+        self.scored.set()
+        return responses
 
     def _score(self, inputs):
         """Each user's logits or exception (kvexport.serving.batcher), in the order given."""
@@ -243,4 +302,6 @@ class TritonPythonModel:
         # they crash it (SIGSEGV in MetricFamily's destructor, seen with gdb).
         self.published.clear()
         self.metric_families.clear()
+        if self.other_shards:
+            self.local.shutdown()
         self.package.close()

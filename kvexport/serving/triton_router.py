@@ -1,37 +1,34 @@
-"""kvexport's routing model for Triton's Python backend. With several shards, `kvexport triton-repo`
-copies this file as REPO/<name>/1/model.py, in front of the shard models REPO/<name>_shard<i> (one
-instance each, kvexport/serving/triton_model.py, each with its own cache), and clients keep calling
-<name>. Every request goes to the shard its user id hashes to (shard_of), so a user's requests reach
-the one cache that holds their history, wherever Triton's scheduler would have sent them.
+"""Routing users to cache shards, for kvexport's Triton model (kvexport/serving/triton_model.py). With
+several shards, `kvexport triton-repo` writes the model clients call, REPO/<name> (one instance),
+which holds shard 0's cache, and the internal shard models REPO/<name>_shard<i>, i = 1..K-1 (one
+instance each, each with its own cache). Every user goes to the shard their user id hashes to
+(shard_of), so a user's requests reach the one cache that holds their history, wherever Triton's
+scheduler would have sent them.
 
-A wave: each execution of this model takes the requests Triton's dynamic batcher gathered (in
-arrival order), packs each shard's users into one request of the package's batch format
-(PACK: their histories and candidates concatenated, with their lengths, in one tensor), sends the shards
-their packs at once (Triton's BLS API, async_exec) and answers each client from its shard's pack:
+A wave: each execution of the public model takes the requests Triton's dynamic batcher gathered (in
+arrival order), packs each other shard's users into one request of the package's batch format
+(PACK: their histories and candidates concatenated, with their lengths, in one tensor), sends those
+shards their packs at once (Triton's BLS API, async_exec), scores shard 0's users itself meanwhile
+(on a thread: the package call releases the GIL) and answers each client from its shard's answer:
 its logits, or its own refusal with its code (a BLS response loses an error's code, so the pack
-carries each refused user's code and message in an `errors` output, JSON bytes). One BLS call per
-shard and wave, not per user: the hop costs the pack, not each request.
+carries each refused user's code and message in an `errors` output, JSON bytes; pack_responses).
+One BLS call per shard and wave, not per user: the hop costs the pack, not each request.
 
-Clients can call any model of a repository, the shards too: each pack carries the router's key
-(ROUTE_KEY_FILE, read at load time by the router and its shards) as a request parameter, and a shard
-refuses any request without it. Nothing a client may see names a server file (client_line).
+Clients can call any model of a repository, the shards too: each pack carries the public model's key
+(ROUTE_KEY_FILE, read at load time by it and its shards) as a request parameter, and a shard refuses
+any request without it. Nothing a client may see names a server file (client_line).
 
-Order: this model has one instance, so waves run one after the other; a shard has one instance and
-no batcher, so it scores its packs in the order they came; within a pack, two requests of one user
-are scored one after the other (kvexport.serving.batcher). A user's requests run in arrival order.
+Order: the public model has one instance, so waves run one after the other, and shard 0's users of a
+wave are scored before the next wave starts; a shard has one instance and no batcher, so it scores
+its packs in the order they came; within a pack, two requests of one user are scored one after the
+other (kvexport.serving.batcher). A user's requests run in arrival order.
 
-The router loads no package: it applies the `python_path` parameter (a virtual environment's site
-directory) first, then imports torch and the backend's utilities. Tensors cross through DLPack and
-torch, as in the shards (the stub's own numpy conversion assumes the numpy ABI it was built with,
-and its DLPack import of a numpy array logs a traceback per tensor).
+This module imports nothing beyond the standard library: the model passes in torch, numpy and the
+backend's utilities.
 """
 
-import asyncio
 import json
-import os
 import re
-import site
-import traceback
 
 _MASK = (1 << 64) - 1
 # A shard's request: one int64 tensor PACK holding its users in the package's batch format
@@ -149,87 +146,22 @@ def unpack(numpy, packed, width: int | None = None) -> list[dict]:
     ]
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-        for directory in filter(None, parameters.get("python_path", "").split(os.pathsep)):
-            site.addsitedir(directory)
-        import torch
-        import triton_python_backend_utils as pb_utils
-
-        self.pb, self.torch = pb_utils, torch
-        torch.set_num_threads(int(parameters.get("threads") or 1))  # as the shards: packing needs no team
-        self.shards = parameters["shards"].split(",")
-        self.input_names = [spec["name"] for spec in config["input"]]
-        self.output_name = config["output"][0]["name"]
-        folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # REPO/<name>
-        self.route_key = {ROUTE_KEY_PARAMETER: read_route_key(os.path.join(folder, ROUTE_KEY_FILE))}
-
-    async def execute(self, requests):
-        """Each request's answer; a failure of the router itself fails the wave's requests with one
-        line each, its traceback in the server's log only."""
-        try:
-            return await self._route(requests)
-        except Exception as exc:  # noqa: BLE001 — a bug: logged, and no client sees the server's files
-            self.pb.Logger.log_error(f"kvexport: the router failed\n{traceback.format_exc()}")
-            error = self.pb.TritonError(f"internal error: {client_line(f'{type(exc).__name__}: {exc}')}")
-            return [self.pb.InferenceResponse(error=error) for _ in requests]
-
-    async def _route(self, requests):
-        pb, torch = self.pb, self.torch
-        members: dict[int, list[int]] = {}  # shard -> its requests' indices, in arrival order
-        users = []
-        responses = [None] * len(requests)
-        for index, request in enumerate(requests):
-            tensors = {
-                name: torch.from_dlpack(pb.get_input_tensor_by_name(request, name).to_dlpack())
-                for name in self.input_names
-            }
-            users.append(tensors)
-            user_id = int(tensors["user_id"].reshape(-1)[0])
-            mismatch = routing_key_error(request.parameters(), user_id)
-            if mismatch is not None:
-                responses[index] = pb.InferenceResponse(error=pb.TritonError(mismatch, pb.TritonError.INVALID_ARG))
-                continue
-            members.setdefault(shard_of(user_id, len(self.shards)), []).append(index)
-        calls = []
-        for shard, indices in members.items():
-            inputs = [pb.Tensor.from_dlpack(PACK, pack(torch, [users[i] for i in indices]))]
-            calls.append(
-                pb.InferenceRequest(
-                    model_name=self.shards[shard],
-                    inputs=inputs,
-                    requested_output_names=[self.output_name, ERRORS],
-                    parameters=self.route_key,
-                ).async_exec()
-            )
-        answers = await asyncio.gather(*calls)
-        for indices, answer in zip(members.values(), answers):
-            for index, response in zip(indices, self._split(answer, [users[i] for i in indices])):
-                responses[index] = response
-        return responses
-
-    def _split(self, answer, users):
-        """Each user's response from its shard's answer to their pack."""
-        pb, torch = self.pb, self.torch
-        if answer.has_error():  # the whole pack failed (Triton's error, e.g. the shard is not loaded)
-            message = client_line(answer.error().message())
-            return [pb.InferenceResponse(error=pb.TritonError(message)) for _ in users]
-        logits = torch.from_dlpack(pb.get_output_tensor_by_name(answer, self.output_name).to_dlpack())
-        errors = torch.from_dlpack(pb.get_output_tensor_by_name(answer, ERRORS).to_dlpack())
-        refused = {e["index"]: e for e in json.loads(bytes(errors.numpy().tobytes()) or b"[]")}
-        rows = logits.split([u["candidate_ids"].numel() for u in users])
-        out = []
-        for index, user_logits in enumerate(rows):
-            error = refused.get(index)
-            if error is not None:
-                code = getattr(pb.TritonError, TRITON_CODES.get(error["code"], "INTERNAL"))
-                out.append(pb.InferenceResponse(error=pb.TritonError(client_line(error["message"]), code)))
-            else:
-                out.append(
-                    pb.InferenceResponse(
-                        output_tensors=[pb.Tensor.from_dlpack(self.output_name, user_logits[None].contiguous())]
-                    )
-                )
-        return out
+def pack_responses(pb, torch, answer, counts: list[int], output_name: str) -> list:
+    """Each user's response from their shard's answer to a pack (users of `counts` candidates):
+    their logits, or their refusal with its code."""
+    if answer.has_error():  # the whole pack failed (Triton's error, e.g. the shard is not loaded)
+        message = client_line(answer.error().message())
+        return [pb.InferenceResponse(error=pb.TritonError(message)) for _ in counts]
+    logits = torch.from_dlpack(pb.get_output_tensor_by_name(answer, output_name).to_dlpack())
+    errors = torch.from_dlpack(pb.get_output_tensor_by_name(answer, ERRORS).to_dlpack())
+    refused = {e["index"]: e for e in json.loads(bytes(errors.numpy().tobytes()) or b"[]")}
+    out = []
+    for index, user_logits in enumerate(logits.split(counts)):
+        error = refused.get(index)
+        if error is not None:
+            code = getattr(pb.TritonError, TRITON_CODES.get(error["code"], "INTERNAL"))
+            out.append(pb.InferenceResponse(error=pb.TritonError(client_line(error["message"]), code)))
+        else:
+            tensor = pb.Tensor.from_dlpack(output_name, user_logits[None].contiguous())
+            out.append(pb.InferenceResponse(output_tensors=[tensor]))
+    return out
