@@ -135,8 +135,9 @@ def serve(
     default=RepositoryOptions.instances,
     show_default=True,
     help="Cache shards per GPU (or on the host, for a CPU package): each one model instance with its "
-    "own cache. With more than one shard in all, a routing model named after the artifact sends "
-    "every request to the shard its user id hashes to, so a user's requests meet their cache.",
+    "own cache. With more than one shard in all, the model named after the artifact holds shard 0 "
+    "and sends every other request to the shard its user id hashes to, so a user's requests meet "
+    "their cache.",
 )
 @click.option(
     "--gpus",
