@@ -6,6 +6,7 @@ the built package and the C++ replay."""
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from kvexport.model.batch import Batch, UserRequest
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.options import NvidiaOptions
+from kvexport.trace.ranking import measure_ranking
 from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, unrounded_model
 from tests.helpers import nvidia_fixture as fx
 from tests.helpers.nvidia_reference import nvidia_ranking_forward
@@ -150,6 +152,8 @@ def test_fp8_pages_of_the_imported_checkpoint_keep_the_invariant_within_the_boun
         kv.drop_runtime("nvidia-fp8")
     unrounded = reference(state, tables, gin_file, USERS, features)
     assert float((full - unrounded).abs().max() / unrounded.abs().max()) < FP8_MAX_RELATIVE_ERROR
+    # The build's ranking check on the trainer's checkpoint: FP8 pages keep its top 10 and AUC.
+    measure_ranking(config, model, torch.device("cpu"), logging.getLogger(__name__)).check(config.name)
 
 
 @pytest.mark.slow

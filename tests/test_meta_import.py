@@ -30,6 +30,7 @@ from kvexport.model.batch import SIGNATURE, Batch, random_batch
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.options import MetaOptions
+from kvexport.trace.ranking import measure_ranking
 from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, unrounded_model
 from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.helpers import ROOT
@@ -184,6 +185,8 @@ def test_fp8_pages_of_the_imported_checkpoint_keep_the_invariant_within_the_boun
         kv.drop_runtime("meta-fp8")
     unrounded = reference(batch, config)
     assert float((full - unrounded).abs().max() / unrounded.abs().max()) < FP8_MAX_RELATIVE_ERROR
+    # The build's ranking check on the trainer's checkpoint: FP8 pages keep its top 10 and AUC.
+    measure_ranking(config, model, torch.device("cpu"), logging.getLogger(__name__)).check(config.name)
 
 
 def noise(t: torch.Tensor) -> torch.Tensor:
