@@ -177,13 +177,13 @@ def measure_ranking(config: Config, model: HSTURanker, device: torch.device, log
     own.round_kv = None
     batches = ranking_workload(config, model)
     outputs: dict[str, list[torch.Tensor]] = {"reference": [], "own": [], "fp8": []}
-    progress = Progress("FP8 ranking check (three full recomputes)", len(batches), log)
+    progress = Progress("FP8 ranking check (users, three full recomputes each)", config.trace.ranking_users, log)
     for batch in batches:
         request = batch.to(device)
         with torch.no_grad():
             for name, variant in (("reference", reference), ("own", own), ("fp8", model)):
                 outputs[name].append(variant(request).cpu().double())
-        progress.step()
+        progress.step(batch.batch_size)
     progress.finish()
     ref, own_logits, fp8_logits = (torch.cat(outputs[n]) for n in ("reference", "own", "fp8"))
     counts = [c for batch in batches for c in batch.num_candidates.tolist()]
