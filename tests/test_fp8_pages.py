@@ -333,6 +333,26 @@ def test_soak_of_an_fp8_package_has_no_mismatch_under_eviction(fp8_artifact, tin
     assert ranking["users"] == 64 and ranking["top10_drop"]["lower"] <= ranking["bound"], ranking
 
 
+@pytest.mark.slow
+def test_soak_of_a_bfloat16_fp8_package_has_no_mismatch_under_eviction(tmp_path):
+    """bfloat16 with FP8 pages: the package against the eager recompute under eviction, the tolerance
+    the build derived from the model's own rounding; FP8's rounding steps stay inside it."""
+    from kvexport.export.build import build_artifact
+
+    raw = tiny_raw(name="hstu-tiny-bf16-fp8", model={"dtype": "bfloat16"}, kv_cache={"dtype": "float8_e4m3"})
+    artifact = build_artifact(write_config(raw, tmp_path / "bf16-fp8.yaml"), tmp_path / "bf16-fp8")
+    report_path = tmp_path / "soak.json"
+    arguments = ["--requests", "200", "--users", "40", "--seed", "1", "--json", str(report_path)]
+    result = CliRunner().invoke(main, ["soak", str(artifact), *arguments])
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["mismatches"] == 0 and report["requests"] == 200
+    for name in ("device_evictions", "onboards", "prefix_truncations"):
+        assert report["counters"][name] > 10, name
+    manifest = open_artifact(artifact).manifest
+    assert manifest.fp8_distance["max_abs"] > 0 and manifest.fields["fp8_ranking"]["users"] == 64
+
+
 @pytest.fixture(scope="module")
 def fp8_corpus(fp8_artifact, tiny_checkpoint, tmp_path_factory) -> Path:
     """Hostile requests, and valid ones with the FP8 model's eager full recompute (no cache)."""
