@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from click.testing import CliRunner
 from kvexport.commands.cli import main
 from kvexport.model.batch import UserRequest
 from kvexport.serving.tritonserver import WATCH_S
+from tests.helpers.artifacts import edit_manifest
 from tests.helpers.serving import (
     ATOL,
     START_TIMEOUT_S,
@@ -381,6 +383,22 @@ def test_with_several_shards_the_router_holds_shard_0_and_one_instance_per_other
     other = tmp_path / "other"
     write_repo(tiny_artifact, other, "--instances", "2")
     assert (other / "hstu-tiny" / "route.key").read_text().strip() != key
+
+
+def test_a_cuda_package_spreads_its_shards_over_the_gpus_the_routers_own_on_gpu_0(tiny_artifact, tmp_path):
+    """--instances 2 --gpus 2: four shards, shard i on GPU i mod 2 (the router holds shard 0)."""
+    from kvexport.options import RepositoryOptions
+    from kvexport.serving.repository import write_repository
+
+    cuda = Path(shutil.copytree(tiny_artifact, tmp_path / "cuda"))
+    edit_manifest(cuda, lambda manifest: manifest.update(device="cuda"))
+    repo = tmp_path / "repo"
+    write_repository(cuda, repo, options=RepositoryOptions(instances=2, gpus=2), copy_artifact=False)
+    names = ["hstu-tiny", "hstu-tiny_shard1", "hstu-tiny_shard2", "hstu-tiny_shard3"]
+    assert sorted(p.name for p in repo.iterdir()) == [*names, "tritonserver"]
+    for shard, name in enumerate(names):
+        config = (repo / name / "config.pbtxt").read_text()
+        assert f"instance_group [ {{ kind: KIND_GPU count: 1 gpus: [ {shard % 2} ] }} ]" in config, name
 
 
 def test_without_routing_k_instances_share_one_model(tiny_artifact, tmp_path):
