@@ -190,8 +190,9 @@ class KVCacheConfig:
     # How pages store keys and values: the model's dtype (left out: filled in from model.dtype) or
     # float8_e4m3 (docs/design.md §2.7).
     dtype: str = ""
-    # With FP8 pages, how far their top-10 order kept and ROC-AUC may fall below the model's own
-    # dtype's on the build's ranking check before the build is refused (kvexport/trace/ranking.py).
+    # With FP8 pages, the build's ranking check refuses them when the lower end of a drop's one-sided
+    # 95% bootstrap interval (top-10 order kept, or a task's ROC-AUC, below the model's own dtype's)
+    # passes this bound (kvexport/trace/ranking.py).
     fp8_max_ranking_drop: float = 0.001
 
     @property

@@ -5,6 +5,7 @@ and on one whose do not."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from kvexport.config import ConfigError
 from kvexport.errors import UserError
 from kvexport.model import build_model
-from kvexport.trace.ranking import measure_ranking, rank_variants, roc_auc, top_k_kept
+from kvexport.trace.ranking import draw_labels, measure_ranking, rank_variants, roc_auc, top_k_kept
 from tests.helpers.configs import tiny_config
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,24 @@ def test_the_same_logits_drop_nothing():
     report = rank_variants(reference, reference, reference.clone(), [12] * 64, seed=1, bound=0.001)
     assert report.top10_kept == {"own": 1.0, "fp8": 1.0}
     assert report.top10_drop.estimate == 0.0 and report.auc_drop.estimate == 0.0
+    report.check("m")
+
+
+def test_labels_are_drawn_task_by_task():
+    """A task whose logits all sit lower still gets its positives (standardised within the task)."""
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(4000, 2, generator=g, dtype=torch.float64)
+    reference[:, 1] -= 8
+    share = draw_labels(reference, seed=1).double().mean(dim=0)
+    assert (share - 0.5).abs().max() < 0.05, share
+
+
+def test_a_task_without_both_classes_has_a_null_auc_in_the_manifest():
+    reference = torch.tensor([[1.0, 2.0]], dtype=torch.float64)  # one user of one candidate: one class
+    report = rank_variants(reference, reference, reference, [1], seed=0, bound=0.001)
+    fields = report.fields()
+    json.dumps(fields, allow_nan=False)  # the C++ harness's JSON parser takes no NaN
+    assert fields["roc_auc"] == {"own": [None, None], "fp8": [None, None]}
     report.check("m")
 
 

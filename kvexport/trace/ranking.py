@@ -9,8 +9,9 @@ is the yardstick: FP8 pages are refused when either falls more than kv_cache.fp8
 below the own dtype's, beyond the sample's noise. A drop of 0.001 is far below what a sample of
 tens of users resolves (one (user, task) pair of 64 users x 8 tasks is 0.002, and the two variants
 swap near-tied candidates of different pairs), so the check bootstraps the users (seeded) and refuses
-where even the lower end of the drop's one-sided 95% interval is past the bound: the point estimates
-and that lower end are what the manifest records.
+where even the lower end of a measure's one-sided 95% interval is past the bound (per measure: with
+one top-10 measure and T AUCs, a model whose drops all sit at the bound is refused more often than
+one time in twenty): the point estimates and those lower ends are what the manifest records.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def top_k_kept(reference: torch.Tensor, logits: torch.Tensor, counts: list[int],
 
 
 def draw_labels(reference: torch.Tensor, seed: int) -> torch.Tensor:
-    """Seeded boolean labels, each candidate and task positive with the reference's own odds."""
+    """Seeded boolean labels, each candidate and task positive with the reference's own odds (its
+    logit standardised within the task)."""
     z = reference.double()
-    z = (z - z.mean()) / z.std().clamp_min(1e-12)
+    z = (z - z.mean(dim=0)) / z.std(dim=0, correction=0).clamp_min(1e-12)  # task by task
     g = torch.Generator().manual_seed(seed)
     return torch.rand(z.shape, generator=g, dtype=torch.float64) < torch.sigmoid(LABEL_SHARPNESS * z)
 
@@ -93,10 +95,11 @@ class RankingReport:
     bound: float
 
     def fields(self) -> dict:
-        return {
-            **dataclasses.asdict(self),
-            "bootstrap": {"rounds": BOOTSTRAP_ROUNDS, "lower_quantile": LOWER_QUANTILE},
-        }
+        """The manifest's fp8_ranking: JSON without NaN (a task whose sample holds one class has no
+        AUC: null)."""
+        fields = dataclasses.asdict(self)
+        fields["roc_auc"] = {name: [a if a == a else None for a in aucs] for name, aucs in self.roc_auc.items()}
+        return {**fields, "bootstrap": {"rounds": BOOTSTRAP_ROUNDS, "lower_quantile": LOWER_QUANTILE}}
 
     def check(self, name: str) -> None:
         """Refuses FP8 pages whose ranking drop is past the bound beyond the sample's noise, in one line."""
@@ -109,13 +112,6 @@ class RankingReport:
                 f"(at least {drop.lower:.4f} at 95% over {self.users} users), past kv_cache.fp8_max_ranking_drop "
                 f"{self.bound}; raise the bound or use kv_cache.dtype of the model's dtype"
             )
-
-
-def _auc_by_user(logits: torch.Tensor, labels: torch.Tensor, counts: list[int], users: torch.Tensor) -> float:
-    """ROC-AUC over the candidates of `users` (indices, repeats allowed): one bootstrap sample."""
-    starts = torch.tensor([0, *counts]).cumsum(0)
-    rows = torch.cat([torch.arange(starts[u], starts[u + 1]) for u in users.tolist()])
-    return roc_auc(logits[rows], labels[rows])
 
 
 def _lower(drops: list[float]) -> float:
@@ -133,11 +129,13 @@ def rank_variants(
     g = torch.Generator().manual_seed(seed)
     samples = [torch.randint(len(counts), (len(counts),), generator=g) for _ in range(BOOTSTRAP_ROUNDS)]
     top10_drops = [float(kept["own"][u].mean() - kept["fp8"][u].mean()) for u in samples]
+    # Each sample's candidate rows: its users' rows, one user after the other.
+    user_rows = torch.arange(sum(counts)).split(counts)
+    sample_rows = [torch.cat([user_rows[u] for u in users.tolist()]) for users in samples]
     auc_drops = []
     for t in range(tasks):
         drops = [
-            _auc_by_user(own[:, t], labels[:, t], counts, u) - _auc_by_user(fp8[:, t], labels[:, t], counts, u)
-            for u in samples
+            roc_auc(own[rows, t], labels[rows, t]) - roc_auc(fp8[rows, t], labels[rows, t]) for rows in sample_rows
         ]
         drops = [d for d in drops if d == d]  # a sample without both classes has no AUC
         estimate = auc["own"][t] - auc["fp8"][t]
