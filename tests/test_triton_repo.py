@@ -589,10 +589,28 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
         hostile = user_arrays(requests[0])
         hostile["item_ids"] = hostile["item_ids"].copy()
         hostile["item_ids"][-1] = tiny_config.model.item_vocab_size
+        # Requests no pack can hold, from a user of each shard: refused alone with one line, whichever
+        # shard the user's id hashes to (Triton's own shape check, or the router's before it packs).
+        by_shard = {shard_of(r.user_id, 3): r for r in requests}
+        unpackable = []
+        for request in by_shard.values():
+            extra_action = user_arrays(request)
+            extra_action["action_ids"] = np.concatenate([extra_action["action_ids"], [1]])
+            short_context = user_arrays(request)
+            short_context["context_ids"] = short_context["context_ids"][:-1]
+            events = len(request.item_ids)
+            unpackable.append((extra_action, f"item_ids has {events} events but action_ids has {events + 1}; "))
+            unpackable.append((short_context, "context_ids"))
         client = Client("http", ports, "hstu-tiny")
         try:
             with pytest.raises(InferenceServerException) as refused:
                 client.infer(hostile)
+            for request, message in unpackable:
+                with pytest.raises(InferenceServerException) as bad:
+                    client.infer(request)
+                assert bad.value.status() == "400" and message in bad.value.message(), bad.value.message()
+                assert len(bad.value.message().splitlines()) == 1 and ".py" not in bad.value.message()
+            again = [client.infer(user_arrays(r)) for r in by_shard.values()]
         finally:
             client.close()
     assert refused.value.status() == "400"
@@ -600,6 +618,10 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
         f"item_ids has {tiny_config.model.item_vocab_size}, outside the item "
         f"vocabulary [0, {tiny_config.model.item_vocab_size - 1}]"
     )
+    assert len(by_shard) == 3
+    # The refusals touched no cache: each shard's user is scored exactly again.
+    expected_again = eager(list(by_shard.values()))
+    assert max(float(np.abs(g - w).max()) for g, w in zip(again, expected_again)) <= ATOL
 
 
 @needs_pytriton

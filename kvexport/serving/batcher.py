@@ -52,11 +52,9 @@ def take_batch(queue: Sequence[T], max_users: int, user_of: Callable[[T], int]) 
     return batch, rest
 
 
-def parse_request(inputs: Mapping[str, np.ndarray]) -> UserRequest:
-    """One user's request from the serving signature's arrays (each with a leading dimension of 1):
-    their names, dtypes and shapes checked here, RequestError (one line) otherwise. Limits and
-    vocabularies are the package's own check, once, when the batch it joins runs (a batch it
-    refuses is scored again one user at a time, so a bad request fails alone)."""
+def request_arrays(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One user's arrays from the serving signature's (each with a leading dimension of 1), their
+    names, dtypes and shapes checked: RequestError (one line) otherwise."""
     for name in INPUT_NAMES:
         if name not in inputs:
             raise RequestError(f"missing input {name}")
@@ -75,6 +73,14 @@ def parse_request(inputs: Mapping[str, np.ndarray]) -> UserRequest:
         raise RequestError(
             f"item_ids has {items} events but action_ids has {actions}; each event is one item and one action"
         )
+    return arrays
+
+
+def parse_request(inputs: Mapping[str, np.ndarray]) -> UserRequest:
+    """One user's request from the serving signature's arrays, checked as request_arrays checks
+    them. Limits and vocabularies are the package's own check, once, when the batch it joins runs
+    (a batch it refuses is scored again one user at a time, so a bad request fails alone)."""
+    arrays = request_arrays(inputs)
     user = UserRequest(
         int(arrays[USER_ID][0]),
         *(

@@ -49,7 +49,7 @@ class TritonPythonModel:
         from kvexport.errors import RequestError, RequestFailed
         from kvexport.remote import DEFAULT_WRITE_POLICY, read_password_file, url_with_password
         from kvexport.serving import triton_router
-        from kvexport.serving.batcher import BatchScorer
+        from kvexport.serving.batcher import BatchScorer, request_arrays
         from kvexport.serving.metrics import samples
         from kvexport.serving.signature import INPUT_NAMES, LOGITS, client_message
         from kvexport.serving.warmup import load_warm
@@ -57,7 +57,7 @@ class TritonPythonModel:
         # Imported once here (the backend's interpreter finds them only after python_path), used per batch.
         self.torch, self.numpy, self.router = torch, numpy, triton_router
         self.request_failed, self.metric_samples, self.client_message = RequestFailed, samples, client_message
-        self.request_error = RequestError
+        self.request_error, self.request_arrays = RequestError, request_arrays
         # Triton's error code per kvexport refusal code (kvexport.errors.RequestFailed.code); the
         # stub defines TritonError once the model is being initialised, not at import.
         self.error_codes = {
@@ -147,7 +147,14 @@ class TritonPythonModel:
         responses = [None] * len(requests)
         members = {}  # shard -> its requests' indices, in arrival order
         for index, (request, one) in enumerate(zip(requests, inputs)):
-            user_id = int(one["user_id"].reshape(-1)[0])
+            # A pack holds only requests of one action per item (batcher.request_arrays); the context's
+            # width is fixed by the model's config, which Triton enforces.
+            try:
+                arrays = self.request_arrays(one)
+            except self.request_failed as refused:
+                responses[index] = self._response(refused)
+                continue
+            user_id = int(arrays["user_id"][0])
             mismatch = router.routing_key_error(request.parameters(), user_id)
             if mismatch is not None:
                 responses[index] = self._response(self.request_error(mismatch))
@@ -166,12 +173,20 @@ class TritonPythonModel:
                 ).async_exec()
             )
         scoring = asyncio.get_running_loop().run_in_executor(self.local, self._score, [inputs[i] for i in local])
-        scored, *answers = await asyncio.gather(scoring, *calls)
-        for index, result in zip(local, scored):
-            responses[index] = self._response(result)
-        for indices, answer in zip(members.values(), answers):
-            counts = [inputs[i]["candidate_ids"].size for i in indices]
-            answered = router.pack_responses(pb_utils, torch, answer, counts, self.output_name)
+        # A failed shard fails its own users only.
+        scored, *answers = await asyncio.gather(scoring, *calls, return_exceptions=True)
+        for indices, result in [(local, scored), *zip(members.values(), answers)]:
+            if isinstance(result, BaseException):
+                self.logger.log_error(
+                    f"kvexport: a shard's users failed unexpectedly\n{''.join(traceback.format_exception(result))}"
+                )
+                failed = self._response(result)
+                answered = [failed] * len(indices)
+            elif indices is local:
+                answered = [self._response(one) for one in result]
+            else:
+                counts = [inputs[i]["candidate_ids"].size for i in indices]
+                answered = router.pack_responses(pb_utils, torch, result, counts, self.output_name)
             for index, response in zip(indices, answered):
                 responses[index] = response
         self.scored.set()
