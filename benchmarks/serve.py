@@ -273,7 +273,8 @@ def drive(served: Served, model: str, config, clients: int, seconds: float) -> d
     time.sleep(0.2)
     triton = {key: served.metric(key[1], (key[0],)) - before for key, before in triton.items()}
     # Triton adds a batch's compute time once per request of the batch: once per execution is the
-    # busy time, model by model (the router's waves and its shards' packs are counted apart).
+    # busy time, model by model, summed (a router's waves include its wait for the other shards' packs,
+    # so with shards the sum counts that wait twice: an upper bound).
     busy_us = sum(
         triton[m, "nv_inference_compute_infer_duration_us"]
         * triton[m, "nv_inference_exec_count"]
