@@ -613,6 +613,12 @@ def test_a_sharded_repository_keeps_each_user_on_one_shard_and_matches_the_eager
             again = [client.infer(user_arrays(r)) for r in by_shard.values()]
         finally:
             client.close()
+
+        def refused_total(text: str) -> float:  # Triton refuses the short contexts itself: 1 + 3 are kvexport's
+            instances = shard_instances("hstu-tiny", 3)
+            return sum(metric(text, "kvexport_requests_total", instance=i, result="refused") for i in instances)
+
+        assert refused_total(scrape_when(ports.metrics, lambda text: refused_total(text) >= 4)) == 4
     assert refused.value.status() == "400"
     assert refused.value.message() == (
         f"item_ids has {tiny_config.model.item_vocab_size}, outside the item "

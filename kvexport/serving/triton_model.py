@@ -148,11 +148,12 @@ class TritonPythonModel:
         members = {}  # shard -> its requests' indices, in arrival order
         for index, (request, one) in enumerate(zip(requests, inputs)):
             # A pack holds only requests of one action per item (batcher.request_arrays); the context's
-            # width is fixed by the model's config, which Triton enforces.
+            # width is fixed by the model's config, which Triton enforces. Any other request goes to
+            # shard 0's scorer, which refuses (and counts) it alone with the same line.
             try:
                 arrays = self.request_arrays(one)
-            except self.request_failed as refused:
-                responses[index] = self._response(refused)
+            except self.request_failed:
+                members.setdefault(0, []).append(index)
                 continue
             user_id = int(arrays["user_id"][0])
             mismatch = router.routing_key_error(request.parameters(), user_id)
