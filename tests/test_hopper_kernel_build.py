@@ -5,6 +5,9 @@ and the machine code is read back. Every kernel instantiation must
 - run its products on the Hopper tensor-core instructions (HGMMA, wgmma's SASS), both the 64-key
   score tile (S = Q K^T) and the P V product whose width is the head dim;
 - keep its registers: no local-memory spills (ptxas's report, and no LDL/STL in the SASS);
+- keep its wgmma asynchronous: ptxas serialises them (and says so) where it cannot prove that an
+  in-flight product's registers are left alone, which would undo the P V product's overlap with
+  the next block;
 - compute SiLU's sigmoid through tanh.approx for bf16 (MUFU.TANH).
 
 Skipped with one line where nvcc, CUTLASS's headers (nvidia-cutlass) or cuobjdump/nvdisasm
@@ -108,6 +111,11 @@ def test_no_local_memory(compiled):
     assert all(frame == ("0", "0", "0") for frame in frames), frames
     for name, body in _kernels(sass).items():
         assert not re.search(r"\b(LDL|STL)\b", body), f"{name} reads or writes local memory"
+
+
+def test_wgmma_not_serialised(compiled):
+    report = compiled[0]
+    assert "wgmma.mma_async instructions are serialized" not in report, report[-3000:]
 
 
 def test_bf16_silu_through_tanh(compiled):

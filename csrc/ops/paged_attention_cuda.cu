@@ -214,14 +214,22 @@ __global__ void __launch_bounds__(32 * kWarps) attention_mma_kernel(const Params
       const auto load_block = [&](int stage, int first_key) {
         T* const k_s = smem + stage * Shape::kStage;
         T* const v_s = k_s + kBlockKeys * kPitch;
+        // Every key's page-table entry first: each cp.async is a compiler barrier, so an entry read
+        // between two of them would wait its own round trip.
+        int64_t offset[kPasses];
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int key = threadIdx.x / kPieces + pass * kKeysPerPass;
+          const int j = first_key + key;
+          const bool valid = key < kBlockKeys && j < end;
+          offset[pass] = valid ? pages[j / p.page_size] * page_stride + (j % p.page_size) * token_stride : -1;
+        }
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
           const int key = threadIdx.x / kPieces + pass * kKeysPerPass;
           if (kBlockKeys % kKeysPerPass != 0 && key >= kBlockKeys) break;
-          const int j = first_key + key;
-          const bool valid = j < end;
-          const T* src = cache;
-          if (valid) src = cache + pages[j / p.page_size] * page_stride + (j % p.page_size) * token_stride + 8 * piece;
+          const bool valid = offset[pass] >= 0;
+          const T* const src = valid ? cache + offset[pass] + 8 * piece : cache;
           cp_async_16(k_s + key * kPitch + 8 * piece, src, valid);
           cp_async_16(v_s + key * kPitch + 8 * piece, valid ? src + value_offset : cache, valid);
         }
@@ -473,6 +481,7 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(c
 // Host side.
 
 constexpr int64_t kMinChunkKeys = 256;  // a chunk streams at least 4 key blocks: Q loads and the epilogue amortise
+constexpr int64_t kChunkOverhead = 2;   // a block's Q loads and epilogue, in key blocks' time
 constexpr int kMaxDevices = 64;
 
 // Prepares attention_mma_kernel<T, kDim, kWarps> on `device` (the current device) once: allows
@@ -500,16 +509,28 @@ bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Splits the keys so that (tiles x heads x chunks) blocks fill one wave of `slots` resident
-// blocks (a partial second wave would cost a whole block's time), with chunks of at least
-// kMinChunkKeys keys; sets p.chunks, p.chunk_keys and p.partial. Enough tiles alone (large
+// Splits the keys into chunks for the fewest waves of key blocks: with `slots` resident blocks, a
+// split into c chunks of ceil(max_keys / c) keys runs ceil(work c / slots) waves (work = tiles x
+// heads), each as long as its blocks' key blocks plus kChunkOverhead (Q loads, the epilogue). A
+// partial last wave costs a whole wave, so the time estimate is waves x (chunk blocks +
+// overhead); the least wins, ties to fewer chunks (less workspace to combine). Chunks hold at
+// least kMinChunkKeys keys. Sets p.chunks, p.chunk_keys and p.partial: enough tiles alone (large
 // batches) need no split and no workspace. Returns the workspace (undefined with one chunk).
 at::Tensor split_keys(Params& p, int64_t slots, int64_t max_keys, const at::Tensor& q) {
   const int64_t work = p.split_tiles * p.heads;
-  int64_t chunks = std::clamp<int64_t>(slots / work, 1, std::max<int64_t>(1, max_keys / kMinChunkKeys));
-  const int64_t per_chunk = (std::max<int64_t>(max_keys, 1) + chunks - 1) / chunks;
-  const int64_t chunk_keys = (per_chunk + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
-  chunks = std::max<int64_t>(1, (max_keys + chunk_keys - 1) / chunk_keys);
+  const int64_t keys = std::max<int64_t>(max_keys, 1);
+  const int64_t most = std::min<int64_t>(std::max<int64_t>(1, keys / kMinChunkKeys), 2 * slots);
+  const auto split = [&](int64_t c) {
+    const int64_t chunk_keys = ((keys + c - 1) / c + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
+    return std::pair<int64_t, int64_t>{(keys + chunk_keys - 1) / chunk_keys, chunk_keys};
+  };
+  int64_t chunks = 1, chunk_keys = split(1).second, best = std::numeric_limits<int64_t>::max();
+  for (int64_t c = 1; c <= most; ++c) {
+    const auto [n, width] = split(c);
+    const int64_t waves = (work * n + slots - 1) / slots;
+    const int64_t time = waves * (width / kBlockKeys + kChunkOverhead);
+    if (time < best) best = time, chunks = n, chunk_keys = width;
+  }
   TORCH_CHECK(chunks <= 65535 && chunk_keys <= std::numeric_limits<int>::max() / 2, "paged_attention: ", max_keys,
               " keys are too many");
   p.chunks = int(chunks);

@@ -10,8 +10,9 @@
 // - warpgroups 1..kConsumers each own 64 query rows of the tile (Q in shared memory) and run both
 //   products on the tensor cores with wgmma: S = Q K^T (both operands in shared memory), then
 //   P = SiLU(alpha S) masked per row and rounded to the input dtype in registers, and O += P V with
-//   P as the register operand; O stays in registers. A consumer warp signals the stage's "empty"
-//   mbarrier when its products are done, and the producer refills it.
+//   P as the register operand; O stays in registers. A block's P V stays in flight while the next
+//   block's scores are computed; a consumer warp signals the stage's "empty" mbarrier once both its
+//   products are done, and the producer refills it.
 // - The consumer warpgroups take turns on the tensor cores (ping-pong through named barriers):
 //   one group's SiLU runs while the other groups' products run.
 // Without softmax there is no running maximum or normaliser: key chunks are independent, and
@@ -153,18 +154,25 @@ __device__ __forceinline__ void produce(typename Cfg::Storage& smem, const Atten
   const int64_t token_stride = int64_t(p.heads) * kDim;
   const int64_t page_stride = 2 * p.page_size * token_stride;
   const int64_t value_offset = p.page_size * token_stride;
+  constexpr int kPasses = kBlockKeys / kKeysPerPass;
   for (int b = 0; b < num_blocks; ++b, ++iteration) {
     const int stage = iteration % kStages;
+    // Every key's page-table entry first, while the stage may still be in use: each cp.async is a
+    // compiler barrier, so an entry read between two of them would wait its own round trip.
+    const int first_key = start + b * kBlockKeys;
+    int64_t offset[kPasses];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int j = first_key + thread / kPieces + pass * kKeysPerPass;
+      offset[pass] = j < end ? pages[j / p.page_size] * page_stride + (j % p.page_size) * token_stride : -1;
+    }
     // A fresh barrier counts as released in the phase before its first: the first round never waits.
     cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], ((iteration / kStages) & 1) ^ 1);
-    const int first_key = start + b * kBlockKeys;
 #pragma unroll
-    for (int pass = 0; pass < kBlockKeys / kKeysPerPass; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) {
       const int key = thread / kPieces + pass * kKeysPerPass;
-      const int j = first_key + key;
-      const bool valid = j < end;
-      const E* src = cache;
-      if (valid) src = cache + pages[j / p.page_size] * page_stride + (j % p.page_size) * token_stride + 8 * piece;
+      const bool valid = offset[pass] >= 0;
+      const E* const src = valid ? cache + offset[pass] + 8 * piece : cache;
       cp_async_16(&k_s(key, 8 * piece, stage), src, valid);
       cp_async_16(&v_s(8 * piece, key, stage), valid ? src + value_offset : cache, valid);
     }
@@ -325,6 +333,17 @@ __device__ void consumer_main(typename Cfg::Storage& smem, const AttentionParams
 
       Tensor o_acc = partition_fragment_C(mma_o, Shape<Int<kRowsPerConsumer>, Int<kDim>>{});
       clear(o_acc);
+      Tensor s_acc = partition_fragment_C(mma_s, Shape<Int<kRowsPerConsumer>, Int<kBlockKeys>>{});
+      Tensor p_reg = make_tensor<E>(s_acc.layout());
+      Tensor p_frag = make_tensor(p_reg.data(), accumulator_as_operand_a(p_reg.layout()));
+      // A block's P V stays in flight until the next block's scores are waited on (wgmma groups
+      // complete in order), so the tensor cores run it while this warpgroup waits for the next
+      // stage; `pending` is its stage, released once it is done.
+      int pending = -1;
+      const auto release = [&](int done_stage) {
+        // This warp no longer reads the stage.
+        if (thread % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[done_stage]);
+      };
       for (int b = 0; b < keys.num_blocks; ++b, ++iteration) {
         const int stage = iteration % kStages;
         const int first_key = keys.start + b * kBlockKeys;
@@ -336,7 +355,6 @@ __device__ void consumer_main(typename Cfg::Storage& smem, const AttentionParams
           cutlass::arch::NamedBarrier::sync(2 * kWarpgroupThreads, kTurnBarrier + consumer);
         }
         if (first_key < consumer_end) {
-          Tensor s_acc = partition_fragment_C(mma_s, Shape<Int<kRowsPerConsumer>, Int<kBlockKeys>>{});
           warpgroup_fence_operand(s_acc);
           warpgroup_arrive();
           mma_s.accumulate_ = GMMA::ScaleOut::Zero;
@@ -350,19 +368,24 @@ __device__ void consumer_main(typename Cfg::Storage& smem, const AttentionParams
           if constexpr (kConsumers > 1) {
             cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, kTurnBarrier + (consumer + 1) % kConsumers);
           }
-          warpgroup_wait<0>();
+          warpgroup_wait<0>();  // these scores, and the previous block's P V
           warpgroup_fence_operand(s_acc);
+          if (pending >= 0) release(pending);
 
           // P = SiLU(alpha S), masked per row, rounded to the input dtype: the A operand of P V.
-          // inv_scaling_seqlen is applied to O once at the end: P stays O(1).
-          Tensor p_reg = make_tensor<E>(s_acc.layout());
-          CUTE_UNROLL
-          for (int i = 0; i < size(s_acc); ++i) {
-            const int j = first_key + get<1>(score_coord(i));
-            const int limit = get<0>(score_coord(i)) == r0 ? limit0 : limit1;
-            p_reg(i) = E(j < limit ? silu_weight<T>(p.alpha * s_acc(i)) : 0.0f);
+          // inv_scaling_seqlen is applied to O once at the end: P stays O(1). Where both of this
+          // thread's rows read the whole block, no key is masked.
+          if (first_key + kBlockKeys <= min(limit0, limit1)) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(s_acc); ++i) p_reg(i) = E(silu_weight<T>(p.alpha * s_acc(i)));
+          } else {
+            CUTE_UNROLL
+            for (int i = 0; i < size(s_acc); ++i) {
+              const int j = first_key + get<1>(score_coord(i));
+              const int limit = get<0>(score_coord(i)) == r0 ? limit0 : limit1;
+              p_reg(i) = E(j < limit ? silu_weight<T>(p.alpha * s_acc(i)) : 0.0f);
+            }
           }
-          Tensor p_frag = make_tensor(p_reg.data(), accumulator_as_operand_a(p_reg.layout()));
           warpgroup_fence_operand(o_acc);
           warpgroup_arrive();
           CUTE_UNROLL
@@ -370,14 +393,17 @@ __device__ void consumer_main(typename Cfg::Storage& smem, const AttentionParams
             cute::gemm(mma_o, p_frag(_, _, step), v_frag(_, _, step, stage), o_acc);
           }
           warpgroup_commit_batch();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(o_acc);
-        } else if constexpr (kConsumers > 1) {
-          cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, kTurnBarrier + (consumer + 1) % kConsumers);
+          pending = stage;
+        } else {
+          if constexpr (kConsumers > 1) {
+            cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, kTurnBarrier + (consumer + 1) % kConsumers);
+          }
+          release(stage);
         }
-        // This warp no longer reads the stage.
-        if (thread % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[stage]);
       }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(o_acc);
+      if (pending >= 0) release(pending);
       write_output<E, kDim>(p, o_acc, out_coord, smem.tile_row + rows_base, h);
     }
     sync_block<Cfg>();  // tile_row, tile_keys and Q are rewritten for the next rows
