@@ -93,17 +93,7 @@ def cuda_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
 def host_corpus(tiny_config, tiny_checkpoint, tmp_path_factory) -> Path:
     """Hostile requests plus valid ones with their eager full-recompute logits (no cache), for
     tests.helpers.hostile.run_plain_host."""
-    import torch
-
-    from kvexport.model.batch import Batch
-    from tests.helpers.hostile import good_request, package_corpus
+    from tests.helpers.hostile import write_host_corpus
 
     model = build_model(tiny_config, checkpoint=tiny_checkpoint)
-    good = []
-    for first_user in (100, 200, 300, 400):
-        request = good_request(tiny_config, first_user)
-        with torch.no_grad():
-            good.append([request, model(Batch(**request))])
-    path = tmp_path_factory.mktemp("corpus") / "corpus.pt"
-    torch.save({"hostile": [list(entry) for entry in package_corpus(tiny_config)], "good": good}, path)
-    return path
+    return write_host_corpus(tiny_config, model, tmp_path_factory.mktemp("corpus") / "corpus.pt")

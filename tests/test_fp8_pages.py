@@ -18,7 +18,6 @@ from kvexport.commands.cli import main
 from kvexport.config import FP8_CUDA_REFUSAL, ConfigError
 from kvexport.errors import UserError
 from kvexport.model import build_model
-from kvexport.model.batch import Batch
 from kvexport.ops import wrappers as kv
 from kvexport.ops.manager import KVCacheManager
 from kvexport.trace.record import FP8_MAX_RELATIVE_ERROR, Fp8Distance
@@ -27,7 +26,7 @@ from kvexport.trace.verify import verify_artifact
 from kvexport.trace.workload import Workload, WorkloadSpec
 from tests.helpers.attention import ALPHA, INV_S, reference_paged_attention
 from tests.helpers.configs import tiny_config, tiny_raw, write_config
-from tests.helpers.hostile import good_request, package_corpus, run_plain_host
+from tests.helpers.hostile import run_plain_host, write_host_corpus
 from tests.helpers.runtime import scratch_runtime
 
 E4M3_MAX = 448.0
@@ -358,14 +357,7 @@ def fp8_corpus(fp8_artifact, tiny_checkpoint, tmp_path_factory) -> Path:
     """Hostile requests, and valid ones with the FP8 model's eager full recompute (no cache)."""
     config = open_artifact(fp8_artifact).manifest.config
     model = build_model(config, checkpoint=tiny_checkpoint)
-    good = []
-    for first_user in (100, 200, 300, 400):
-        request = good_request(config, first_user)
-        with torch.no_grad():
-            good.append([request, model(Batch(**request))])
-    path = tmp_path_factory.mktemp("fp8-corpus") / "corpus.pt"
-    torch.save({"hostile": [list(entry) for entry in package_corpus(config)], "good": good}, path)
-    return path
+    return write_host_corpus(config, model, tmp_path_factory.mktemp("fp8-corpus") / "corpus.pt")
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from kvexport.errors import UserError
 from kvexport.model import Batch
 from kvexport.model.hstu import HSTURanker
 from kvexport.progress import Progress
+from kvexport.trace.record import unrounded_model
 from kvexport.trace.workload import Workload, WorkloadSpec, context_keys_of, item_keys_of
 
 TOP_K = 10
@@ -169,8 +170,7 @@ def ranking_workload(config: Config, model: HSTURanker) -> list[Batch]:
 
 def measure_ranking(config: Config, model: HSTURanker, device: torch.device, log) -> RankingReport:
     """The check's three full recomputes and their rankings; `model` has FP8 pages."""
-    reference = copy.deepcopy(model).float()
-    reference.round_kv = None
+    reference = unrounded_model(model)
     own = copy.deepcopy(model)
     own.round_kv = None
     batches = ranking_workload(config, model)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvexport.model import random_batch
+from kvexport.model import Batch, random_batch
 
 PLAIN_HOST = Path(__file__).with_name("plain_host.py")
 HOST_TIMEOUT_S = 300  # a hang fails the test instead of the suite
@@ -70,6 +70,18 @@ def package_corpus(config) -> list[tuple[dict[str, torch.Tensor], str]]:
         (too_many, f"{max_batch + 1} users exceed serving.max_batch_size ({max_batch})"),
         (too_long, f"history_lengths has {m.max_history_length + 1}, outside events"),
     ]
+
+
+def write_host_corpus(config, model, path: Path) -> Path:
+    """Hostile requests of the config, plus valid ones with `model`'s eager full-recompute logits (no
+    cache), as plain_host.py reads them; returns path."""
+    good = []
+    for first_user in (100, 200, 300, 400):
+        request = good_request(config, first_user)
+        with torch.no_grad():
+            good.append([request, model(Batch(**request))])
+    torch.save({"hostile": [list(entry) for entry in package_corpus(config)], "good": good}, path)
+    return path
 
 
 def run_plain_host(artifact: Path, corpus: Path, mode: str) -> dict:
