@@ -901,6 +901,7 @@ def test_the_routing_header_must_name_the_requests_user(server, tiny_config, eag
     from tritonclient.utils import InferenceServerException
 
     user = random_user(tiny_config.model, torch.Generator().manual_seed(21), 8100, 12, 3)
+    before = settled_scrape(server.ports.metrics)
     client = Client(protocol, server.ports, "hstu-tiny")
     try:
         inputs = client.inputs(user_arrays(user))
@@ -912,3 +913,12 @@ def test_the_routing_header_must_name_the_requests_user(server, tiny_config, eag
         client.close()
     assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
     assert refused.value.message().endswith("the kvexport-user-id header says '8101', the request's user_id is 8100")
+
+    def refused_since(text: str) -> float:  # counted with the scorer's own refusals
+        return sum(
+            metric(text, "kvexport_requests_total", instance=instance, result="refused")
+            - metric(before, "kvexport_requests_total", instance=instance, result="refused")
+            for instance in re.findall(r'kvexport_requests_total\{[^}]*instance="([^"]*)"[^}]*result="refused"', text)
+        )
+
+    assert refused_since(scrape_when(server.ports.metrics, lambda text: refused_since(text) >= 1)) == 1

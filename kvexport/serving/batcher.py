@@ -169,6 +169,10 @@ class BatchScorer:
         elif valid:
             self._score(valid, results)
 
+    def count_refused(self) -> None:
+        """A request refused before it reached the scorer (a routing header naming another user)."""
+        self._count(requests_refused=1)
+
     def _count(self, **increments: int) -> None:
         with self._counters_lock:
             for name, value in increments.items():

@@ -125,6 +125,7 @@ class TritonPythonModel:
         for index, (request, one) in enumerate(zip(requests, inputs)):
             mismatch = self.router.routing_key_error(request.parameters(), int(one["user_id"].reshape(-1)[0]))
             if mismatch is not None:
+                self.scorer.count_refused()
                 results[index] = self.request_error(mismatch)
         scored = iter(self._score([one for one, result in zip(inputs, results) if result is None]))
         results = [next(scored) if result is None else result for result in results]
@@ -158,6 +159,7 @@ class TritonPythonModel:
             user_id = int(arrays["user_id"][0])
             mismatch = router.routing_key_error(request.parameters(), user_id)
             if mismatch is not None:
+                self.scorer.count_refused()
                 responses[index] = self._response(self.request_error(mismatch))
                 continue
             members.setdefault(router.shard_of(user_id, len(self.other_shards) + 1), []).append(index)
