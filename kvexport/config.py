@@ -191,8 +191,8 @@ class KVCacheConfig:
     # float8_e4m3 (docs/design.md §2.7).
     dtype: str = ""
     # With FP8 pages, the build's ranking check refuses them when the lower end of a drop's one-sided
-    # 95% bootstrap interval (top-10 order kept, or a task's ROC-AUC, below the model's own dtype's)
-    # passes this bound (kvexport/trace/ranking.py).
+    # bootstrap interval (top-10 order kept, or a task's ROC-AUC, below the model's own dtype's; 95%
+    # over all the measures together) passes this bound (kvexport/trace/ranking.py).
     fp8_max_ranking_drop: float = 0.001
 
     @property

@@ -111,6 +111,8 @@ def test_fp8_pages_of_a_model_that_keeps_its_ranking_pass():
     report.check("m")
     fields = report.fields()
     assert fields["pairs"] == 64 * config.model.num_tasks and fields["bound"] == 0.001
+    # Each measure's interval at 1 - 5% / (1 + tasks): at most one refusal in twenty at the bound.
+    assert fields["bootstrap"]["lower_quantile"] == pytest.approx(0.05 / (1 + config.model.num_tasks))
     assert len(fields["roc_auc"]["fp8"]) == config.model.num_tasks
 
 
