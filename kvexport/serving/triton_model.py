@@ -123,10 +123,7 @@ class TritonPythonModel:
         inputs = [{name: self._array(request, name) for name in self.input_names} for request in requests]
         results = [None] * len(requests)
         for index, (request, one) in enumerate(zip(requests, inputs)):
-            mismatch = self.router.routing_key_error(request.parameters(), int(one["user_id"].reshape(-1)[0]))
-            if mismatch is not None:
-                self.scorer.count_refused()
-                results[index] = self.request_error(mismatch)
+            results[index] = self._routing_refusal(request, int(one["user_id"].reshape(-1)[0]))
         scored = iter(self._score([one for one, result in zip(inputs, results) if result is None]))
         results = [next(scored) if result is None else result for result in results]
         self.scored.set()
@@ -157,10 +154,9 @@ class TritonPythonModel:
                 members.setdefault(0, []).append(index)
                 continue
             user_id = int(arrays["user_id"][0])
-            mismatch = router.routing_key_error(request.parameters(), user_id)
-            if mismatch is not None:
-                self.scorer.count_refused()
-                responses[index] = self._response(self.request_error(mismatch))
+            refusal = self._routing_refusal(request, user_id)
+            if refusal is not None:
+                responses[index] = self._response(refusal)
                 continue
             members.setdefault(router.shard_of(user_id, len(self.other_shards) + 1), []).append(index)
         local = members.pop(0, [])
@@ -194,6 +190,14 @@ class TritonPythonModel:
                 responses[index] = response
         self.scored.set()
         return responses
+
+    def _routing_refusal(self, request, user_id):
+        """The refusal (counted) of a request whose routing header names another user; None otherwise."""
+        mismatch = self.router.routing_key_error(request.parameters(), user_id)
+        if mismatch is None:
+            return None
+        self.scorer.count_refused()
+        return self.request_error(mismatch)
 
     def _score(self, inputs):
         """Each user's logits or exception (kvexport.serving.batcher), in the order given."""

@@ -95,14 +95,13 @@ class RankingReport:
     top10_drop: Drop
     auc_drop: Drop  # the task whose lower end is highest
     bound: float
-    lower_quantile: float  # of each measure's bootstrap drops: FAMILY_ERROR / (1 + tasks)
 
     def fields(self) -> dict:
         """The manifest's fp8_ranking: JSON without NaN (a task whose sample holds one class has no
         AUC: null)."""
         fields = dataclasses.asdict(self)
         fields["roc_auc"] = {name: [a if a == a else None for a in aucs] for name, aucs in self.roc_auc.items()}
-        quantile = fields.pop("lower_quantile")
+        quantile = lower_quantile(len(self.roc_auc["own"]))
         return {**fields, "bootstrap": {"rounds": BOOTSTRAP_ROUNDS, "lower_quantile": quantile}}
 
     def check(self, name: str) -> None:
@@ -119,6 +118,11 @@ class RankingReport:
             )
 
 
+def lower_quantile(tasks: int) -> float:
+    """Of each measure's bootstrap drops (the top-10 share and `tasks` AUCs): its interval's lower end."""
+    return FAMILY_ERROR / (1 + tasks)
+
+
 def _lower(drops: list[float], quantile: float) -> float:
     return float(torch.tensor(drops, dtype=torch.float64).quantile(quantile))
 
@@ -130,7 +134,7 @@ def rank_variants(
     labels = draw_labels(reference, seed)
     kept = {"own": top_k_kept(reference, own, counts).double(), "fp8": top_k_kept(reference, fp8, counts).double()}
     tasks = reference.shape[1]
-    quantile = FAMILY_ERROR / (1 + tasks)
+    quantile = lower_quantile(tasks)
     auc = {name: [roc_auc(x[:, t], labels[:, t]) for t in range(tasks)] for name, x in (("own", own), ("fp8", fp8))}
     g = torch.Generator().manual_seed(seed)
     samples = [torch.randint(len(counts), (len(counts),), generator=g) for _ in range(BOOTSTRAP_ROUNDS)]
@@ -154,7 +158,6 @@ def rank_variants(
         top10_drop=Drop(float(kept["own"].mean() - kept["fp8"].mean()), _lower(top10_drops, quantile)),
         auc_drop=max(auc_drops, key=lambda d: d.lower),
         bound=bound,
-        lower_quantile=quantile,
     )
 
 
